@@ -1,0 +1,135 @@
+// The trainer's configuration: one JSON file parsed into these typed structs.
+// Top-level names follow DeepSpeed; `model` uses Hugging Face MixtralConfig names plus the extra keys
+// of MODEL_SPEC. Every key, default and range is documented in docs/config.md.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+namespace moe {
+
+struct ModConfig {
+  bool enabled = false;
+  double capacity = 0.125;         // fraction of each sequence's tokens a MoD block keeps, (0, 1]
+  int every = 2;                   // layer l is MoD when l % every == every - 1
+  int predictor_hidden_size = 64;  // hidden width of the causal predictor MLP
+  double predictor_loss_coef = 1.0;  // weight of the predictor's BCE in the training loss
+};
+
+struct ModelConfig {
+  int vocab_size = 32000;
+  int hidden_size = 1024;
+  int intermediate_size = 2816;  // F, per routed expert
+  int num_hidden_layers = 8;
+  int num_attention_heads = 16;
+  int num_key_value_heads = 16;
+  int head_dim = 0;  // 0 = hidden_size / num_attention_heads
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 1e6;
+  int max_position_embeddings = 4096;
+  int num_local_experts = 8;
+  int num_experts_per_tok = 2;
+  double router_aux_loss_coef = 0.01;
+  double router_z_loss_coef = 0.0;
+  double router_bias_update_rate = 0.0;  // > 0: aux-loss-free balancing bias
+  bool tie_word_embeddings = false;
+  int moe_layer_freq = 1;           // layer l is MoE when l % freq == freq - 1
+  int dense_intermediate_size = 0;  // 0 = intermediate_size
+  bool norm_topk_prob = true;
+  int num_shared_experts = 0;
+  int shared_expert_intermediate_size = 0;  // 0 = intermediate_size
+  double initializer_range = 0.02;
+  ModConfig mod;
+
+  // Derived (filled by validation).
+  int resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  int resolved_dense_ffn() const {
+    return dense_intermediate_size > 0 ? dense_intermediate_size : intermediate_size;
+  }
+  int resolved_shared_ffn() const {
+    return shared_expert_intermediate_size > 0 ? shared_expert_intermediate_size
+                                               : intermediate_size;
+  }
+  bool is_moe_layer(int l) const { return l % moe_layer_freq == moe_layer_freq - 1; }
+  bool is_mod_layer(int l) const { return mod.enabled && l % mod.every == mod.every - 1; }
+};
+
+struct OptimizerConfig {
+  std::string type = "AdamW";
+  double lr = 3e-4;
+  double beta1 = 0.9, beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+};
+
+// scheduler.type: "WarmupCosineLR" (linear warmup, cosine decay to cos_min_ratio * lr) or
+// "WarmupLR" (linear warmup, then constant).
+struct SchedulerConfig {
+  std::string type = "WarmupCosineLR";
+  int warmup_num_steps = 0;
+  double warmup_min_ratio = 0.0;
+  int total_num_steps = 0;  // 0 = train.max_steps
+  double cos_min_ratio = 0.1;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0;  // 0 = dynamic
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  double min_loss_scale = 1;
+};
+
+struct ZeroConfig {
+  int stage = 0;
+};
+
+struct SyntheticDataConfig {
+  int seed = 1234;   // seed of the Markov chain itself (independent of train.seed)
+  int branching = 4;  // next-token choices per order-2 context
+};
+
+struct DataConfig {
+  std::string source = "synthetic";
+  int seq_len = 256;
+  SyntheticDataConfig synthetic;
+};
+
+struct TrainConfig {
+  int max_steps = 100;
+  int log_interval = 10;
+  int eval_interval = 0;  // 0 = only at the end
+  int eval_batches = 4;
+  uint64_t seed = 42;
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N
+};
+
+struct Config {
+  int train_micro_batch_size_per_gpu = 8;
+  int gradient_accumulation_steps = 1;
+  int train_batch_size = 0;  // 0 = micro * accumulation * world size; otherwise must equal it
+  double gradient_clipping = 1.0;  // 0 disables clipping
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Fp16Config fp16;
+  bool bf16_enabled = false;
+  ZeroConfig zero_optimization;
+  ModelConfig model;
+  DataConfig data;
+  TrainConfig train;
+};
+
+// Parses JSON text (with `overrides` "a.b=value" applied first) into a validated Config.
+// Throws ConfigError naming the JSON path on unknown keys (with a suggestion), wrong types,
+// out-of-range or inconsistent values. `source` names the file in messages.
+Config parse_config(const std::string& json_text, const std::vector<std::string>& overrides,
+                    const std::string& source);
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+// The fully resolved config (every key with its effective value) as JSON text.
+std::string config_to_json(const Config& c, int indent = 2);
+nlohmann::json config_to_json_value(const Config& c);
+
+}  // namespace moe

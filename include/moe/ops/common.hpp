@@ -1,0 +1,46 @@
+// The op seam. Every op is declared once with MOE_OP: that declares its CPU implementation
+// (moe::cpu::name, kernels/cpu), its CUDA implementation when built with CUDA (moe::cuda::name,
+// kernels/cuda) and the dispatching moe::name, which picks the backend from ctx.device.
+//
+// Conventions shared by every op:
+// - Parameter gradients (dw, dtable, ...) ACCUMULATE (+=), so micro-batches and tied weights add up.
+// - Activation gradients (dx, dq, ...) OVERWRITE unless an argument says otherwise.
+// - Float tensors of one call share one dtype: f32 (training) or f64 (CPU only: gradient checks).
+// - Index tensors are i32. Shapes are checked; a mismatch throws with the op and argument name.
+#pragma once
+#include "moe/tensor.hpp"
+
+namespace moe {
+
+// Execution context of an op: where it runs and the handles it may use.
+struct Ctx {
+  Device device;
+  void* stream = nullptr;  // cudaStream_t on CUDA
+  void* blas = nullptr;    // cublasHandle_t on CUDA
+};
+
+[[noreturn]] void throw_no_backend(const char* op, const Device& d);
+
+}  // namespace moe
+
+#ifdef MOE_WITH_CUDA
+#define MOE_OP_CUDA_DECL(name, params) \
+  namespace cuda {                     \
+  void name params;                    \
+  }
+#define MOE_OP_CUDA_CALL(name, args) return cuda::name args
+#else
+#define MOE_OP_CUDA_DECL(name, params)
+#define MOE_OP_CUDA_CALL(name, args) throw_no_backend(#name, ctx.device)
+#endif
+
+// MOE_OP(name, (Ctx& ctx, ...params), (ctx, ...args)): the first parameter must be `ctx`.
+#define MOE_OP(name, params, args)                                 \
+  namespace cpu {                                                  \
+  void name params;                                                \
+  }                                                                \
+  MOE_OP_CUDA_DECL(name, params)                                   \
+  inline void name params {                                        \
+    if (ctx.device.type == DeviceType::cpu) return cpu::name args; \
+    MOE_OP_CUDA_CALL(name, args);                                  \
+  }

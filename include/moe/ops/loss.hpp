@@ -1,0 +1,26 @@
+// Losses: softmax cross-entropy for the LM head and binary cross-entropy with logits for the
+// MoD predictor. Both computed in the float dtype of the logits with a max-shifted log-sum-exp.
+#pragma once
+#include "moe/ops/common.hpp"
+
+namespace moe {
+
+// losses[n] = lse_n - logits[n, targets[n]] (0 where targets[n] < 0: ignored), lse: [N] saved.
+// logits: [N, V], targets: [N] i32
+MOE_OP(cross_entropy_forward, (Ctx & ctx, Tensor losses, Tensor lse, Tensor logits, Tensor targets),
+       (ctx, losses, lse, logits, targets))
+// dlogits = grad_scale * (softmax(logits) - onehot(targets)) (overwritten; 0 rows where ignored).
+// dlogits may alias logits (the fused path overwrites logits with their gradient).
+MOE_OP(cross_entropy_backward,
+       (Ctx & ctx, Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double grad_scale),
+       (ctx, dlogits, logits, lse, targets, grad_scale))
+
+// loss[0] = mean_n BCE(sigmoid(logits[n]), targets[n])    loss: [1], logits, targets: [N] float
+MOE_OP(bce_with_logits_forward, (Ctx & ctx, Tensor loss, Tensor logits, Tensor targets),
+       (ctx, loss, logits, targets))
+// dlogits = grad_scale * (sigmoid(logits) - targets) / N (overwritten)
+MOE_OP(bce_with_logits_backward,
+       (Ctx & ctx, Tensor dlogits, Tensor logits, Tensor targets, double grad_scale),
+       (ctx, dlogits, logits, targets, grad_scale))
+
+}  // namespace moe

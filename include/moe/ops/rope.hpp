@@ -1,0 +1,17 @@
+// Rotary position embedding, Hugging Face "rotate_half" convention: for j < hd/2 the pair
+// (x_j, x_{j+hd/2}) at position p rotates by angle p * theta^(-2j/hd).
+#pragma once
+#include "moe/ops/common.hpp"
+
+namespace moe {
+
+// Builds the cached table once: cos, sin: [P, hd/2] with cos[p, j] = cos(p * theta^(-2j/hd)).
+MOE_OP(rope_table, (Ctx & ctx, Tensor cos, Tensor sin, double theta), (ctx, cos, sin, theta))
+// In place: x: [N, H, hd] rotated per row by position pos[n] (i32, [N], < P).
+MOE_OP(rope_forward, (Ctx & ctx, Tensor x, Tensor pos, Tensor cos, Tensor sin),
+       (ctx, x, pos, cos, sin))
+// In place: dx: [N, H, hd] rotated back (the transpose of the forward rotation).
+MOE_OP(rope_backward, (Ctx & ctx, Tensor dx, Tensor pos, Tensor cos, Tensor sin),
+       (ctx, dx, pos, cos, sin))
+
+}  // namespace moe
