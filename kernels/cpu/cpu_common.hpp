@@ -34,6 +34,11 @@ inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, do
               m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+// Below this many scalar operations an OpenMP region costs more than it saves (thread wake-up,
+// barrier; far worse when cores are shared). Use: #pragma omp parallel for if (parallel_worth(n))
+constexpr int64_t kParallelMinWork = 1 << 16;
+inline bool parallel_worth(int64_t work) { return work >= kParallelMinWork; }
+
 template <class T>
 inline T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));

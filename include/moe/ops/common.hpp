@@ -17,6 +17,9 @@ struct Ctx {
   Device device;
   void* stream = nullptr;  // cudaStream_t on CUDA
   void* blas = nullptr;    // cublasHandle_t on CUDA
+  // Planning pass: ops return at once, so a layer's backward can run over data-less tensors
+  // while its scratch Arena measures the peak it will need.
+  bool dry_run = false;
 };
 
 [[noreturn]] void throw_no_backend(const char* op, const Device& d);
@@ -41,6 +44,7 @@ struct Ctx {
   }                                                                \
   MOE_OP_CUDA_DECL(name, params)                                   \
   inline void name params {                                        \
+    if (ctx.dry_run) return;                                       \
     if (ctx.device.type == DeviceType::cpu) return cpu::name args; \
     MOE_OP_CUDA_CALL(name, args);                                  \
   }

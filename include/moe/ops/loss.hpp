@@ -16,6 +16,7 @@ MOE_OP(cross_entropy_backward,
        (ctx, dlogits, logits, lse, targets, grad_scale))
 
 // loss[0] = mean_n BCE(sigmoid(logits[n]), targets[n])    loss: [1], logits, targets: [N] float
+// evaluated as max(x, 0) - x t + log1p(exp(-|x|)), finite for any finite x.
 MOE_OP(bce_with_logits_forward, (Ctx & ctx, Tensor loss, Tensor logits, Tensor targets),
        (ctx, loss, logits, targets))
 // dlogits = grad_scale * (sigmoid(logits) - targets) / N (overwritten)

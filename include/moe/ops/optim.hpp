@@ -12,7 +12,7 @@ struct AdamWArgs {
   double grad_scale = 1.0;  // applied to g first (clipping, loss-scale and accumulation factor)
 };
 
-// p, g, m, v: same shape and float dtype
+// p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1
 MOE_OP(adamw_step, (Ctx & ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a),
        (ctx, p, g, m, v, a))
 

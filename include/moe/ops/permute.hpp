@@ -21,6 +21,7 @@ MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor slot_row),
 MOE_OP(combine_forward, (Ctx & ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row),
        (ctx, y, yp, topk_w, slot_row))
 // dyp[slot_row[s], :] = w[s] * dy[n, :],  dtopk_w[n, k] = <dy[n, :], yp[slot_row[s], :]>
+// (both overwritten; slot_row must be the plan's permutation, so each dyp row is written once)
 MOE_OP(combine_backward,
        (Ctx & ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
         Tensor slot_row),

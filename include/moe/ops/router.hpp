@@ -5,7 +5,8 @@
 //   top-K by (logits + bias) (bias only steers selection; ties: lower expert index wins),
 //          listed in descending order of the selection score
 //   w_k    = p_k / sum_topk(p)   if norm_topk_prob, else p_k
-//   aux    = aux_coef * E * sum_e f_e * P_e,  f_e = counts_e / (N*K) (a constant), P_e = mean_n p_ne
+//   aux    = aux_coef * E * sum_e f_e * P_e,  f_e = counts_e / (N*K) (a constant),
+//            P_e = mean_n p_ne
 //   z      = z_coef * mean_n logsumexp(logits_n)^2
 #pragma once
 #include "moe/ops/common.hpp"
@@ -13,18 +14,21 @@
 namespace moe {
 
 // probs: [N, E], topk_idx: [N, K] i32, topk_w: [N, K], counts: [E] i32 (overwritten: slots per
-// expert), logits: [N, E], bias: [E] or empty.
+// expert), logits: [N, E], bias: [E] or empty. K = topk_idx.size(1). Non-finite scores throw.
 MOE_OP(router_topk_forward,
        (Ctx & ctx, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor logits,
         Tensor bias, bool norm_topk_prob),
        (ctx, probs, topk_idx, topk_w, counts, logits, bias, norm_topk_prob))
 // dlogits: [N, E] (overwritten) from dtopk_w: [N, K] through the renormalisation and softmax.
+// With norm_topk_prob only the selected logits get gradient (w is invariant to the others);
+// without it every logit does, through the softmax.
 MOE_OP(router_topk_backward,
        (Ctx & ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor topk_idx,
         bool norm_topk_prob),
        (ctx, dlogits, dtopk_w, probs, topk_idx, norm_topk_prob))
 
-// losses: [2] (overwritten: aux, z) in the float dtype of logits.
+// losses: [2] (overwritten: aux, z) in the float dtype of logits. counts: the forward's [E] i32
+// (f_e is a constant of the loss: no gradient flows through the selection), k = K.
 MOE_OP(router_aux_loss_forward,
        (Ctx & ctx, Tensor losses, Tensor logits, Tensor probs, Tensor counts, int k,
         double aux_coef, double z_coef),
@@ -35,7 +39,8 @@ MOE_OP(router_aux_loss_backward,
         double aux_coef, double z_coef, double grad_scale),
        (ctx, dlogits, logits, probs, counts, k, aux_coef, z_coef, grad_scale))
 
-// Aux-loss-free balancing: bias_e += rate * sign(mean(load) - load_e).  bias: [E], load: [E]
+// Aux-loss-free balancing: bias_e += rate * sign(mean(load) - load_e), sign(0) = 0.
+// bias: [E], load: [E]
 // (float, routed slots summed over the step's micro-batches).
 MOE_OP(router_bias_update, (Ctx & ctx, Tensor bias, Tensor load, double rate),
        (ctx, bias, load, rate))

@@ -1,0 +1,65 @@
+// Owned memory: Buffer (one allocation on a device) and Arena (a bump allocator over a Buffer).
+// Static memory is a design rule: parameters, gradients and optimizer state each live in one
+// Buffer, activations in an Arena planned before the first step. An Arena runs in two modes:
+// measuring (alloc returns data-less tensors and counts bytes) and then allocating, driven by the
+// same plan function, so the sizes can never drift apart.
+#pragma once
+#include <cstddef>
+#include <memory>
+
+#include "moe/tensor.hpp"
+
+namespace moe {
+
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(Device dev, size_t bytes);
+  ~Buffer();
+  Buffer(Buffer&& o) noexcept;
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  Device device() const { return dev_; }
+  Tensor as(DType t, std::initializer_list<int64_t> dims) const;
+
+ private:
+  void release();
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  Device dev_;
+};
+
+class Arena {
+ public:
+  static constexpr size_t kAlign = 256;  // keeps every tensor aligned for vector loads
+
+  explicit Arena(Device dev) : dev_(dev) {}
+  // Switch from measuring to allocating: reserves the peak measured so far.
+  void allocate();
+  bool measuring() const { return buffer_.data() == nullptr; }
+
+  Tensor alloc(DType t, std::initializer_list<int64_t> dims);
+  // Stack discipline for transient scratch: release everything allocated after `mark()`.
+  size_t mark() const { return used_; }
+  void release(size_t mark) { used_ = mark; }
+  size_t peak_bytes() const { return peak_; }
+  Device device() const { return dev_; }
+
+ private:
+  Device dev_;
+  Buffer buffer_;
+  size_t used_ = 0;
+  size_t peak_ = 0;
+};
+
+}  // namespace moe
+
+namespace moe {
+// Host <-> tensor copies (the only way model code touches device memory from the host).
+void copy_from_host(Tensor dst, const void* src);
+void copy_to_host(void* dst, Tensor src);
+}  // namespace moe

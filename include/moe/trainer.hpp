@@ -1,0 +1,29 @@
+// The training loop: data -> micro-batches (forward + backward) -> clip -> AdamW -> log / eval.
+#pragma once
+#include <iosfwd>
+#include <string>
+
+#include "moe/config.hpp"
+#include "moe/tensor.hpp"
+
+namespace moe {
+
+struct TrainResult {
+  int steps = 0;
+  double last_loss = 0;     // LM loss of the last step
+  double eval_loss = 0;     // LM loss on the held-out stream at the end
+  double optimal_loss = 0;  // the data's best achievable loss (synthetic source)
+  double tokens_per_second = 0;
+};
+
+// Picks the device from train.device ("auto" = cuda when built in and present, else cpu).
+Device resolve_device(const std::string& spec);
+
+// Trains per `cfg`, printing progress lines to `out`. Throws ConfigError / InputError on bad
+// input and std::runtime_error when training itself fails (e.g. the loss diverges).
+TrainResult train(const Config& cfg, std::ostream& out);
+
+// One line describing the build: version, CUDA archs compiled in, BLAS, MPI, OpenMP threads.
+std::string build_info();
+
+}  // namespace moe

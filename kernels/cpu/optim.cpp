@@ -1,0 +1,57 @@
+// AdamW on the CPU over one contiguous segment of the parameter buffer (the whole buffer, or one
+// ZeRO shard, or one offloaded chunk). Elementwise, so it runs over OpenMP threads and is trivially
+// deterministic. Each element's update is evaluated in double and rounded once into the stored
+// dtype, which keeps the f32 reference close to the exact formula; the bias corrections 1 - b^t are
+// computed once per call. Weight decay is decoupled (AdamW, not L2): it uses the parameter value
+// from before this step and is not scaled by the adaptive denominator.
+#include <cmath>
+#include <string>
+
+#include "cpu/cpu_common.hpp"
+#include "moe/ops/optim.hpp"
+
+namespace moe::cpu {
+namespace {
+
+constexpr int64_t kParallelMin = 1 << 14;  // elements below which the loop stays serial
+
+template <class T>
+void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
+  const int64_t n = p.numel();
+  T* pp = p.ptr<T>();
+  const T* gp = g.ptr<T>();
+  T* mp = m.ptr<T>();
+  T* vp = v.ptr<T>();
+  const double t = static_cast<double>(a.step);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = a.grad_scale * gp[i];
+    const double mi = a.beta1 * mp[i] + (1.0 - a.beta1) * gi;
+    const double vi = a.beta2 * vp[i] + (1.0 - a.beta2) * gi * gi;
+    const double update = (mi / bc1) / (std::sqrt(vi / bc2) + a.eps);
+    const double pi = pp[i];
+    pp[i] = static_cast<T>(pi - a.lr * (update + a.weight_decay * pi));
+    mp[i] = static_cast<T>(mi);
+    vp[i] = static_cast<T>(vi);
+  }
+}
+
+}  // namespace
+
+void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
+  const int64_t n = p.numel();
+  MOE_CHECK(g.numel() == n && m.numel() == n && v.numel() == n,
+            "adamw_step: p " + p.shape_str() + ", g " + g.shape_str() + ", m " + m.shape_str() +
+                ", v " + v.shape_str() + " differ in size");
+  check_same_dtype(g, p, "adamw_step: g, p");
+  check_same_dtype(m, p, "adamw_step: m, p");
+  check_same_dtype(v, p, "adamw_step: v, p");
+  MOE_CHECK(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
+  dispatch_float(p.dtype, "adamw_step", [&](auto zero) {
+    using T = decltype(zero);
+    adamw_impl<T>(p, g, m, v, a);
+  });
+}
+
+}  // namespace moe::cpu

@@ -1,0 +1,335 @@
+// MoE router on the CPU: softmax over experts, top-K selection, renormalisation, per-expert counts,
+// the auxiliary load-balance and z losses with their gradients, and the aux-loss-free bias update.
+//
+// The router decides which expert sees which token, so it has to be exactly reproducible and agree
+// with the CUDA backend on the selected set. Hence:
+// - softmax, log-sum-exp and the weight renormalisation run in double whatever the tensor dtype;
+// - selection ranks experts by the score logits + bias with a strict total order (higher score
+//   first, then lower expert index), so ties are resolved the same way everywhere. The softmax is
+//   monotone, so with no bias this is "top-K by p"; the weights always use the unbiased p;
+// - the K picks are found by K scans over E ("the best expert ranked after the previous pick"),
+//   which needs no scratch and lists them in descending score order;
+// - rows are independent and split over OpenMP threads; sums over rows (the loss values) use a
+// fixed
+//   blocking whose partials are added in block order, so results are bitwise the same for any
+//   thread count. Index checks run serially before the parallel loops (nothing throws inside them).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "cpu/cpu_common.hpp"
+#include "moe/ops/router.hpp"
+
+namespace moe::cpu {
+namespace {
+
+constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic row sums
+
+// sum_{n < rows} f(n) in double, in a blocking that does not depend on the thread count.
+template <class F>
+double deterministic_row_sum(int64_t rows, F&& f) {
+  double partial[kSumBlocks];
+#pragma omp parallel for schedule(static)
+  for (int b = 0; b < kSumBlocks; ++b) {
+    const int64_t begin = rows * b / kSumBlocks, end = rows * (b + 1) / kSumBlocks;
+    double s = 0;
+    for (int64_t n = begin; n < end; ++n) s += f(n);
+    partial[b] = s;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+// log(sum_e exp(l_e)), max-shifted, in double.  l: [E]
+template <class T>
+double logsumexp_row(const T* l, int64_t num_experts) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t e = 0; e < num_experts; ++e) mx = std::max(mx, static_cast<double>(l[e]));
+  double s = 0;
+  for (int64_t e = 0; e < num_experts; ++e) s += std::exp(static_cast<double>(l[e]) - mx);
+  return mx + std::log(s);
+}
+
+// Selection order: a ranks before b when its score is higher, or equal with a lower index.
+inline bool ranks_before(double score_a, int64_t a, double score_b, int64_t b) {
+  return score_a > score_b || (score_a == score_b && a < b);
+}
+
+// Top-K of one row by score = l + bias, in descending selection order; all -1 when a score is not
+// finite (the serial count pass then throws).  l: [E], bias: [E] or null, idx: [K]
+template <class T>
+void topk_row(const T* l, const T* bias, int64_t num_experts, int64_t k, int32_t* idx) {
+  auto score = [&](int64_t e) {
+    return static_cast<double>(l[e]) + (bias ? static_cast<double>(bias[e]) : 0.0);
+  };
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (!std::isfinite(score(e))) {
+      for (int64_t j = 0; j < k; ++j) idx[j] = -1;
+      return;
+    }
+  }
+  int64_t prev = -1;
+  for (int64_t j = 0; j < k; ++j) {
+    int64_t best = -1;
+    double best_score = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      const double s = score(e);
+      const bool after_prev = prev < 0 || ranks_before(score(prev), prev, s, e);
+      if (after_prev && (best < 0 || ranks_before(s, e, best_score, best))) {
+        best = e;
+        best_score = s;
+      }
+    }
+    idx[j] = static_cast<int32_t>(best);
+    prev = best;
+  }
+}
+
+// Throws unless every entry of idx lies in [0, num_experts).
+void check_expert_indices(const int32_t* idx, int64_t n, int64_t num_experts, const char* op) {
+  for (int64_t i = 0; i < n; ++i)
+    MOE_CHECK(0 <= idx[i] && idx[i] < num_experts,
+              std::string(op) + ": topk_idx[" + std::to_string(i) +
+                  "] = " + std::to_string(idx[i]) + " is not an expert in [0, " +
+                  std::to_string(num_experts) + ")");
+}
+
+template <class T>
+void topk_forward_impl(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor logits,
+                       Tensor bias, bool norm_topk_prob) {
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1), k = topk_idx.size(1);
+  const T* l = logits.ptr<T>();
+  const T* b = bias.empty() ? nullptr : bias.ptr<T>();
+  T* p = probs.ptr<T>();
+  T* w = topk_w.ptr<T>();
+  int32_t* idx = topk_idx.ptr<int32_t>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < n_tok; ++n) {
+    // l_n, p_n: [E]   idx_n, w_n: [K]
+    const T* ln = l + n * n_exp;
+    T* pn = p + n * n_exp;
+    const double lse = logsumexp_row(ln, n_exp);
+    for (int64_t e = 0; e < n_exp; ++e) pn[e] = static_cast<T>(std::exp(ln[e] - lse));
+    int32_t* in = idx + n * k;
+    topk_row(ln, b, n_exp, k, in);
+    double sum_topk = 0;
+    for (int64_t j = 0; j < k; ++j) sum_topk += in[j] >= 0 ? std::exp(ln[in[j]] - lse) : 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      const double pj = in[j] >= 0 ? std::exp(ln[in[j]] - lse) : 0.0;
+      w[n * k + j] = static_cast<T>(norm_topk_prob ? pj / sum_topk : pj);
+    }
+  }
+  // Serial: a non-finite row throws here, outside the parallel loop; counts: [E] exact.
+  for (int64_t n = 0; n < n_tok; ++n)
+    MOE_CHECK(k == 0 || idx[n * k] >= 0, "router_topk_forward: row " + std::to_string(n) +
+                                             " of logits (+ bias) is not finite");
+  int32_t* c = counts.ptr<int32_t>();
+  for (int64_t e = 0; e < n_exp; ++e) c[e] = 0;
+  for (int64_t s = 0; s < n_tok * k; ++s) ++c[idx[s]];
+}
+
+template <class T>
+void topk_backward_impl(Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor topk_idx,
+                        bool norm_topk_prob) {
+  const int64_t n_tok = probs.size(0), n_exp = probs.size(1), k = topk_idx.size(1);
+  const T* p = probs.ptr<T>();
+  const T* dw = dtopk_w.ptr<T>();
+  const int32_t* idx = topk_idx.ptr<int32_t>();
+  T* dl = dlogits.ptr<T>();
+  check_expert_indices(idx, n_tok * k, n_exp, "router_topk_backward");
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < n_tok; ++n) {
+    const T* pn = p + n * n_exp;
+    const T* dwn = dw + n * k;
+    const int32_t* in = idx + n * k;
+    // Renormalisation w_j = p_j / S:  dp_j = (dw_j - sum_i dw_i w_i) / S on the top-K, 0 elsewhere.
+    double sum_topk = 0, dw_dot_w = 0;
+    for (int64_t j = 0; j < k; ++j) sum_topk += pn[in[j]];
+    for (int64_t j = 0; j < k; ++j) dw_dot_w += static_cast<double>(dwn[j]) * pn[in[j]] / sum_topk;
+    auto dp = [&](int64_t j) {
+      return norm_topk_prob ? (dwn[j] - dw_dot_w) / sum_topk : static_cast<double>(dwn[j]);
+    };
+    // Softmax: dl_e = p_e * (dp_e - sum_j p_j dp_j), so every expert gets gradient.
+    double p_dot_dp = 0;
+    for (int64_t j = 0; j < k; ++j) p_dot_dp += pn[in[j]] * dp(j);
+    T* dln = dl + n * n_exp;
+    for (int64_t e = 0; e < n_exp; ++e) dln[e] = static_cast<T>(-pn[e] * p_dot_dp);
+    for (int64_t j = 0; j < k; ++j) dln[in[j]] = static_cast<T>(pn[in[j]] * (dp(j) - p_dot_dp));
+  }
+}
+
+// The constant factor of the aux-loss gradient: d aux / d p_ne = aux_coef * E * f_e / N.
+inline double aux_grad_factor(double aux_coef, int64_t n_exp, int32_t count, int64_t n_tok, int k) {
+  return aux_coef * n_exp * (static_cast<double>(count) / (n_tok * k)) / n_tok;
+}
+
+template <class T>
+void aux_forward_impl(Tensor losses, Tensor logits, Tensor probs, Tensor counts, int k,
+                      double aux_coef, double z_coef) {
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
+  const T* l = logits.ptr<T>();
+  const T* p = probs.ptr<T>();
+  const int32_t* c = counts.ptr<int32_t>();
+  T* out = losses.ptr<T>();
+  if (n_tok == 0) {
+    out[0] = out[1] = T(0);
+    return;
+  }
+  // aux = sum_n sum_e (d aux / d p_ne) p_ne, since aux is linear in p with f held constant.
+  const double aux = deterministic_row_sum(n_tok, [&](int64_t n) {
+    double s = 0;
+    for (int64_t e = 0; e < n_exp; ++e)
+      s += aux_grad_factor(aux_coef, n_exp, c[e], n_tok, k) * p[n * n_exp + e];
+    return s;
+  });
+  const double sum_lse2 = deterministic_row_sum(n_tok, [&](int64_t n) {
+    const double lse = logsumexp_row(l + n * n_exp, n_exp);
+    return lse * lse;
+  });
+  out[0] = static_cast<T>(aux);
+  out[1] = static_cast<T>(z_coef * sum_lse2 / n_tok);
+}
+
+template <class T>
+void aux_backward_impl(Tensor dlogits, Tensor logits, Tensor probs, Tensor counts, int k,
+                       double aux_coef, double z_coef, double grad_scale) {
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
+  const T* l = logits.ptr<T>();
+  const T* p = probs.ptr<T>();
+  const int32_t* c = counts.ptr<int32_t>();
+  T* dl = dlogits.ptr<T>();
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < n_tok; ++n) {
+    const T* pn = p + n * n_exp;
+    // aux through the softmax: p_e * (g_e - sum_j p_j g_j), g_e = aux_grad_factor(e).
+    double p_dot_g = 0;
+    for (int64_t e = 0; e < n_exp; ++e)
+      p_dot_g += pn[e] * aux_grad_factor(aux_coef, n_exp, c[e], n_tok, k);
+    // z = z_coef * mean lse^2:  d z / d l_e = z_coef * 2 lse / N * p_e.
+    const double dz_dlse = z_coef * 2.0 * logsumexp_row(l + n * n_exp, n_exp) / n_tok;
+    T* dln = dl + n * n_exp;
+    for (int64_t e = 0; e < n_exp; ++e) {
+      const double g = aux_grad_factor(aux_coef, n_exp, c[e], n_tok, k);
+      const double d = pn[e] * (g - p_dot_g) + dz_dlse * pn[e];
+      dln[e] = static_cast<T>(dln[e] + grad_scale * d);
+    }
+  }
+}
+
+template <class T>
+void bias_update_impl(Tensor bias, Tensor load, double rate) {
+  const int64_t n_exp = bias.size(0);
+  T* b = bias.ptr<T>();
+  const T* ld = load.ptr<T>();
+  double mean = 0;
+  for (int64_t e = 0; e < n_exp; ++e) mean += ld[e];
+  mean /= static_cast<double>(n_exp);
+  for (int64_t e = 0; e < n_exp; ++e) {
+    const double err = mean - ld[e];
+    const double sign = err > 0 ? 1.0 : (err < 0 ? -1.0 : 0.0);
+    b[e] = static_cast<T>(b[e] + rate * sign);
+  }
+}
+
+// Shared shape checks of the aux-loss pair.  logits, probs: [N, E], counts: [E] i32
+void check_aux_args(const Tensor& logits, const Tensor& probs, const Tensor& counts, int k,
+                    const char* op) {
+  MOE_CHECK(logits.ndim == 2,
+            std::string(op) + ": logits must be [N, E], got " + logits.shape_str());
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
+  check_shape(probs, {n_tok, n_exp}, (std::string(op) + ": probs").c_str());
+  check_shape(counts, {n_exp}, (std::string(op) + ": counts").c_str());
+  check_same_dtype(probs, logits, (std::string(op) + ": probs, logits").c_str());
+  MOE_CHECK(counts.dtype == DType::i32, std::string(op) + ": counts must be i32");
+  MOE_CHECK(k >= 1 && k <= n_exp, std::string(op) + ": k = " + std::to_string(k) +
+                                      " outside [1, E = " + std::to_string(n_exp) + "]");
+}
+
+}  // namespace
+
+// ---- top-K routing ------------------------------------------------------------------------------
+
+void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts,
+                         Tensor logits, Tensor bias, bool norm_topk_prob) {
+  MOE_CHECK(logits.ndim == 2,
+            "router_topk_forward: logits must be [N, E], got " + logits.shape_str());
+  MOE_CHECK(topk_idx.ndim == 2,
+            "router_topk_forward: topk_idx must be [N, K], got " + topk_idx.shape_str());
+  const int64_t n_tok = logits.size(0), n_exp = logits.size(1), k = topk_idx.size(1);
+  MOE_CHECK(k >= 1 && k <= n_exp, "router_topk_forward: K = " + std::to_string(k) +
+                                      " outside [1, E = " + std::to_string(n_exp) + "]");
+  check_shape(probs, {n_tok, n_exp}, "router_topk_forward: probs");
+  check_shape(topk_idx, {n_tok, k}, "router_topk_forward: topk_idx");
+  check_shape(topk_w, {n_tok, k}, "router_topk_forward: topk_w");
+  check_shape(counts, {n_exp}, "router_topk_forward: counts");
+  check_same_dtype(probs, logits, "router_topk_forward: probs, logits");
+  check_same_dtype(topk_w, logits, "router_topk_forward: topk_w, logits");
+  MOE_CHECK(topk_idx.dtype == DType::i32 && counts.dtype == DType::i32,
+            "router_topk_forward: topk_idx and counts must be i32");
+  if (!bias.empty()) {
+    check_shape(bias, {n_exp}, "router_topk_forward: bias");
+    check_same_dtype(bias, logits, "router_topk_forward: bias, logits");
+  }
+  dispatch_float(logits.dtype, "router_topk_forward", [&](auto zero) {
+    using T = decltype(zero);
+    topk_forward_impl<T>(probs, topk_idx, topk_w, counts, logits, bias, norm_topk_prob);
+  });
+}
+
+void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor topk_idx,
+                          bool norm_topk_prob) {
+  MOE_CHECK(probs.ndim == 2 && topk_idx.ndim == 2,
+            "router_topk_backward: probs must be [N, E] and topk_idx [N, K], got " +
+                probs.shape_str() + " and " + topk_idx.shape_str());
+  const int64_t n_tok = probs.size(0), n_exp = probs.size(1), k = topk_idx.size(1);
+  check_shape(dlogits, {n_tok, n_exp}, "router_topk_backward: dlogits");
+  check_shape(dtopk_w, {n_tok, k}, "router_topk_backward: dtopk_w");
+  check_shape(topk_idx, {n_tok, k}, "router_topk_backward: topk_idx");
+  check_same_dtype(dlogits, probs, "router_topk_backward: dlogits, probs");
+  check_same_dtype(dtopk_w, probs, "router_topk_backward: dtopk_w, probs");
+  MOE_CHECK(topk_idx.dtype == DType::i32, "router_topk_backward: topk_idx must be i32");
+  dispatch_float(probs.dtype, "router_topk_backward", [&](auto zero) {
+    using T = decltype(zero);
+    topk_backward_impl<T>(dlogits, dtopk_w, probs, topk_idx, norm_topk_prob);
+  });
+}
+
+// ---- auxiliary losses ---------------------------------------------------------------------------
+
+void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor probs, Tensor counts,
+                             int k, double aux_coef, double z_coef) {
+  check_aux_args(logits, probs, counts, k, "router_aux_loss_forward");
+  check_shape(losses, {2}, "router_aux_loss_forward: losses");
+  check_same_dtype(losses, logits, "router_aux_loss_forward: losses, logits");
+  dispatch_float(logits.dtype, "router_aux_loss_forward", [&](auto zero) {
+    using T = decltype(zero);
+    aux_forward_impl<T>(losses, logits, probs, counts, k, aux_coef, z_coef);
+  });
+}
+
+void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor probs, Tensor counts,
+                              int k, double aux_coef, double z_coef, double grad_scale) {
+  check_aux_args(logits, probs, counts, k, "router_aux_loss_backward");
+  check_shape(dlogits, {logits.size(0), logits.size(1)}, "router_aux_loss_backward: dlogits");
+  check_same_dtype(dlogits, logits, "router_aux_loss_backward: dlogits, logits");
+  dispatch_float(logits.dtype, "router_aux_loss_backward", [&](auto zero) {
+    using T = decltype(zero);
+    aux_backward_impl<T>(dlogits, logits, probs, counts, k, aux_coef, z_coef, grad_scale);
+  });
+}
+
+// ---- aux-loss-free balancing --------------------------------------------------------------------
+
+void router_bias_update(Ctx& ctx, Tensor bias, Tensor load, double rate) {
+  MOE_CHECK(bias.ndim == 1, "router_bias_update: bias must be [E], got " + bias.shape_str());
+  check_shape(load, {bias.size(0)}, "router_bias_update: load");
+  check_same_dtype(load, bias, "router_bias_update: load, bias");
+  dispatch_float(bias.dtype, "router_bias_update", [&](auto zero) {
+    using T = decltype(zero);
+    bias_update_impl<T>(bias, load, rate);
+  });
+}
+
+}  // namespace moe::cpu

@@ -1,0 +1,261 @@
+// Range and consistency checks of a parsed Config. Each failure is a ConfigError at the JSON path
+// of the key the user should change, with the offending value in the message.
+#include <cctype>
+#include <cstdint>
+#include <sstream>
+#include <string>
+
+#include "config/config_internal.hpp"
+#include "moe/error.hpp"
+
+namespace moe::config_internal {
+namespace {
+
+// What this build can run. The config already names these features (DeepSpeed layout) so configs
+// stay stable as backends land; flipping a flag removes the matching rejection below.
+constexpr bool kHasMixedPrecision = false;  // fp16 / bf16 live in the CUDA backend
+constexpr bool kHasDataParallel = false;    // ZeRO stages 1-3 shard across data-parallel ranks
+constexpr bool kHasTokenShards = false;     // the only data source today is the synthetic chain
+// Data-parallel ranks; train_batch_size must equal micro * accumulation * this.
+constexpr int64_t kWorldSize = 1;
+
+std::string num(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+[[noreturn]] void fail(const std::string& path, const std::string& msg) {
+  throw ConfigError(path, msg);
+}
+
+void require_at_least(const char* path, int64_t v, int64_t lo) {
+  if (v < lo) fail(path, "must be >= " + std::to_string(lo) + ", got " + std::to_string(v));
+}
+
+void require_positive(const char* path, double v) {
+  if (!(v > 0)) fail(path, "must be > 0, got " + num(v));
+}
+
+void require_non_negative(const char* path, double v) {
+  if (!(v >= 0)) fail(path, "must be >= 0, got " + num(v));
+}
+
+void require_unit_interval(const char* path, double v) {
+  if (!(v >= 0 && v <= 1)) fail(path, "must be in [0, 1], got " + num(v));
+}
+
+// ---- model
+// ---------------------------------------------------------------------------------------
+
+void validate_model_sizes(const ModelConfig& m) {
+  require_at_least("model.vocab_size", m.vocab_size, 2);
+  require_at_least("model.hidden_size", m.hidden_size, 1);
+  require_at_least("model.intermediate_size", m.intermediate_size, 1);
+  require_at_least("model.num_hidden_layers", m.num_hidden_layers, 1);
+  require_at_least("model.num_attention_heads", m.num_attention_heads, 1);
+  require_at_least("model.num_key_value_heads", m.num_key_value_heads, 1);
+  require_at_least("model.max_position_embeddings", m.max_position_embeddings, 1);
+  require_at_least("model.num_local_experts", m.num_local_experts, 1);
+  require_at_least("model.moe_layer_freq", m.moe_layer_freq, 1);
+  require_at_least("model.num_shared_experts", m.num_shared_experts, 0);
+  // 0 means "derive from another size" for these three.
+  require_at_least("model.head_dim", m.head_dim, 0);
+  require_at_least("model.dense_intermediate_size", m.dense_intermediate_size, 0);
+  require_at_least("model.shared_expert_intermediate_size", m.shared_expert_intermediate_size, 0);
+}
+
+void validate_attention_shape(const ModelConfig& m) {
+  // GQA: each kv head serves a whole group of query heads.
+  if (m.num_attention_heads % m.num_key_value_heads != 0)
+    fail("model.num_key_value_heads", "num_attention_heads (" +
+                                          std::to_string(m.num_attention_heads) +
+                                          ") must be divisible by num_key_value_heads (" +
+                                          std::to_string(m.num_key_value_heads) + ")");
+  if (m.head_dim == 0 && m.hidden_size % m.num_attention_heads != 0)
+    fail("model.num_attention_heads",
+         "hidden_size (" + std::to_string(m.hidden_size) +
+             ") must be divisible by num_attention_heads (" +
+             std::to_string(m.num_attention_heads) +
+             ") when head_dim is 0 (derived); change the sizes or set model.head_dim");
+  // RoPE rotates pairs (i, i + head_dim/2).
+  if (m.resolved_head_dim() % 2 != 0)
+    fail("model.head_dim", "head_dim must be even for RoPE, got " +
+                               std::to_string(m.resolved_head_dim()) +
+                               (m.head_dim == 0 ? " (hidden_size / num_attention_heads)" : ""));
+}
+
+void validate_routing(const ModelConfig& m) {
+  if (m.num_experts_per_tok < 1 || m.num_experts_per_tok > m.num_local_experts)
+    fail("model.num_experts_per_tok",
+         "must be in [1, num_local_experts = " + std::to_string(m.num_local_experts) + "], got " +
+             std::to_string(m.num_experts_per_tok));
+  require_non_negative("model.router_aux_loss_coef", m.router_aux_loss_coef);
+  require_non_negative("model.router_z_loss_coef", m.router_z_loss_coef);
+  require_non_negative("model.router_bias_update_rate", m.router_bias_update_rate);
+}
+
+void validate_numerics(const ModelConfig& m) {
+  require_positive("model.rms_norm_eps", m.rms_norm_eps);
+  require_positive("model.rope_theta", m.rope_theta);
+  require_positive("model.initializer_range", m.initializer_range);
+}
+
+void validate_mod(const ModConfig& mod) {
+  if (!(mod.capacity > 0 && mod.capacity <= 1))
+    fail("model.mod.capacity",
+         "must be in (0, 1] (the fraction of tokens a MoD block keeps), got " + num(mod.capacity));
+  require_at_least("model.mod.every", mod.every, 1);
+  require_at_least("model.mod.predictor_hidden_size", mod.predictor_hidden_size, 1);
+  require_non_negative("model.mod.predictor_loss_coef", mod.predictor_loss_coef);
+}
+
+void validate_model(const ModelConfig& m) {
+  validate_model_sizes(m);
+  validate_attention_shape(m);
+  validate_routing(m);
+  validate_numerics(m);
+  validate_mod(m.mod);
+}
+
+// ---- optimisation
+// --------------------------------------------------------------------------------
+
+bool equals_ignoring_case(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::tolower(static_cast<unsigned char>(a[i])) !=
+        std::tolower(static_cast<unsigned char>(b[i])))
+      return false;
+  return true;
+}
+
+void validate_optimizer(const OptimizerConfig& o) {
+  if (!equals_ignoring_case(o.type, "AdamW"))
+    fail("optimizer.type", "unsupported optimizer \"" + o.type + "\"; use \"AdamW\"");
+  require_positive("optimizer.params.lr", o.lr);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
+    fail("optimizer.params.betas",
+         "each beta must be in [0, 1), got [" + num(o.beta1) + ", " + num(o.beta2) + "]");
+  require_positive("optimizer.params.eps", o.eps);
+  require_non_negative("optimizer.params.weight_decay", o.weight_decay);
+}
+
+void validate_scheduler(const SchedulerConfig& s) {
+  if (s.type != "WarmupCosineLR" && s.type != "WarmupLR")
+    fail("scheduler.type",
+         "unsupported scheduler \"" + s.type + "\"; use \"WarmupCosineLR\" or \"WarmupLR\"");
+  require_at_least("scheduler.params.warmup_num_steps", s.warmup_num_steps, 0);
+  require_unit_interval("scheduler.params.warmup_min_ratio", s.warmup_min_ratio);
+  require_unit_interval("scheduler.params.cos_min_ratio", s.cos_min_ratio);
+  require_at_least("scheduler.params.total_num_steps", s.total_num_steps, 0);
+  if (s.total_num_steps > 0 && s.total_num_steps < s.warmup_num_steps)
+    fail("scheduler.params.total_num_steps",
+         "must be 0 (= train.max_steps) or >= warmup_num_steps (" +
+             std::to_string(s.warmup_num_steps) + "), got " + std::to_string(s.total_num_steps));
+}
+
+void validate_batch(const Config& c) {
+  require_at_least("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu, 1);
+  require_at_least("gradient_accumulation_steps", c.gradient_accumulation_steps, 1);
+  int64_t derived =
+      int64_t{c.train_micro_batch_size_per_gpu} * c.gradient_accumulation_steps * kWorldSize;
+  if (c.train_batch_size != 0 && c.train_batch_size != derived)
+    fail("train_batch_size",
+         "must be 0 (derived) or train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
+         "world size = " +
+             std::to_string(c.train_micro_batch_size_per_gpu) + " * " +
+             std::to_string(c.gradient_accumulation_steps) + " * " + std::to_string(kWorldSize) +
+             " = " + std::to_string(derived) + ", got " + std::to_string(c.train_batch_size));
+  require_non_negative("gradient_clipping", c.gradient_clipping);
+}
+
+// Checked even while fp16 is disabled, so a config is not found broken only when it is enabled.
+void validate_fp16(const Fp16Config& f) {
+  require_non_negative("fp16.loss_scale", f.loss_scale);
+  require_at_least("fp16.initial_scale_power", f.initial_scale_power, 0);
+  require_at_least("fp16.loss_scale_window", f.loss_scale_window, 1);
+  require_at_least("fp16.hysteresis", f.hysteresis, 1);
+  require_positive("fp16.min_loss_scale", f.min_loss_scale);
+}
+
+void validate_zero(const ZeroConfig& z) {
+  if (z.stage < 0 || z.stage > 3)
+    fail("zero_optimization.stage", "must be 0, 1, 2 or 3, got " + std::to_string(z.stage));
+}
+
+// ---- data and run
+// --------------------------------------------------------------------------------
+
+void validate_data(const DataConfig& d, const ModelConfig& m) {
+  require_at_least("data.seq_len", d.seq_len, 1);
+  if (d.seq_len > m.max_position_embeddings)
+    fail("data.seq_len", "must be <= model.max_position_embeddings (" +
+                             std::to_string(m.max_position_embeddings) + "), got " +
+                             std::to_string(d.seq_len));
+  if (d.synthetic.branching < 1 || d.synthetic.branching > m.vocab_size)
+    fail("data.synthetic.branching",
+         "must be in [1, model.vocab_size = " + std::to_string(m.vocab_size) + "], got " +
+             std::to_string(d.synthetic.branching));
+}
+
+// auto | cpu | cuda | cuda:N
+bool is_device_name(const std::string& d) {
+  if (d == "auto" || d == "cpu" || d == "cuda") return true;
+  const std::string prefix = "cuda:";
+  if (d.size() <= prefix.size() || d.size() > prefix.size() + 4 || d.rfind(prefix, 0) != 0)
+    return false;
+  for (size_t i = prefix.size(); i < d.size(); ++i)
+    if (!std::isdigit(static_cast<unsigned char>(d[i]))) return false;
+  return true;
+}
+
+void validate_train(const TrainConfig& t) {
+  require_at_least("train.max_steps", t.max_steps, 1);
+  require_at_least("train.log_interval", t.log_interval, 1);
+  require_at_least("train.eval_interval", t.eval_interval, 0);
+  require_at_least("train.eval_batches", t.eval_batches, 1);
+  if (!is_device_name(t.device))
+    fail("train.device", "must be auto, cpu, cuda or cuda:N, got \"" + t.device + "\"");
+}
+
+// Features the layout can express but this build cannot run: refused up front, never ignored.
+void reject_unavailable_features(const Config& c) {
+  const char* precision_msg =
+      "mixed precision runs on the CUDA backend, which is not part of this build yet; use fp32 "
+      "(the default)";
+  if (!kHasMixedPrecision && c.fp16.enabled) fail("fp16.enabled", precision_msg);
+  if (!kHasMixedPrecision && c.bf16_enabled) fail("bf16.enabled", precision_msg);
+  if (!kHasDataParallel && c.zero_optimization.stage != 0)
+    fail("zero_optimization.stage",
+         "ZeRO stages 1-3 need data parallelism, which is not available yet; use stage 0");
+  if (!kHasTokenShards && c.data.source != "synthetic")
+    fail("data.source",
+         "got \"" + c.data.source + "\": token shards are not available yet; use \"synthetic\"");
+}
+
+// Derived model sizes become explicit so every consumer, and the printed config, sees real shapes.
+void resolve(Config& c) {
+  ModelConfig& m = c.model;
+  m.head_dim = m.resolved_head_dim();
+  m.dense_intermediate_size = m.resolved_dense_ffn();
+  m.shared_expert_intermediate_size = m.resolved_shared_ffn();
+  c.optimizer.type = "AdamW";  // accepted case-insensitively; one spelling downstream
+}
+
+}  // namespace
+
+void validate_and_resolve(Config& c) {
+  validate_model(c.model);
+  validate_batch(c);
+  validate_optimizer(c.optimizer);
+  validate_scheduler(c.scheduler);
+  validate_fp16(c.fp16);
+  validate_zero(c.zero_optimization);
+  validate_data(c.data, c.model);
+  validate_train(c.train);
+  reject_unavailable_features(c);
+  resolve(c);
+}
+
+}  // namespace moe::config_internal

@@ -1,0 +1,98 @@
+// The pre-norm transformer block (MODEL_SPEC "Block l"):
+//   h = x + Attn(RMSNorm_1(x));  out = h + FFN(RMSNorm_2(h)),  FFN dense or MoE per moe_layer_freq.
+#include "model/layers.hpp"
+#include "moe/memory.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/norm.hpp"
+
+namespace moe {
+
+Block::Block(const LayerEnv& env, int layer, int moe_index, Dims dims)
+    : env_(env),
+      dims_(dims),
+      norm1_(env.param("model.layers." + std::to_string(layer) + ".input_layernorm.weight")),
+      norm2_(env.param("model.layers." + std::to_string(layer) + ".post_attention_layernorm.weight")),
+      attn_(env, "model.layers." + std::to_string(layer) + ".") {
+  const std::string p = "model.layers." + std::to_string(layer) + ".";
+  if (env.cfg.is_moe_layer(layer))
+    moe_ = std::make_unique<MoeFfn>(env, layer, moe_index);
+  else
+    dense_ = std::make_unique<DenseFfn>(env, p + "mlp.", "gate_proj", "up_proj", "down_proj");
+}
+
+void Block::plan(Arena& acts) {
+  const int64_t n = dims_.rows(), d = env_.cfg.hidden_size;
+  xn1_ = acts.alloc(env_.dtype, {n, d});
+  rstd1_ = acts.alloc(env_.dtype, {n});
+  attn_y_ = acts.alloc(env_.dtype, {n, d});
+  h_ = acts.alloc(env_.dtype, {n, d});
+  xn2_ = acts.alloc(env_.dtype, {n, d});
+  rstd2_ = acts.alloc(env_.dtype, {n});
+  ffn_y_ = acts.alloc(env_.dtype, {n, d});
+  attn_.plan(acts, dims_);
+  if (moe_) moe_->plan(acts, n);
+  if (dense_) dense_->plan(acts, n);
+}
+
+void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) {
+  const double eps = env_.cfg.rms_norm_eps;
+  rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_.w, eps);
+  attn_.forward(ctx, attn_y_, xn1_, pos);
+  add(ctx, h_, x, attn_y_);
+  rmsnorm_forward(ctx, xn2_, rstd2_, h_, norm2_.w, eps);
+  if (moe_)
+    moe_->forward(ctx, ffn_y_, xn2_, losses);
+  else
+    dense_->forward(ctx, ffn_y_, xn2_, false);
+  add(ctx, out, h_, ffn_y_);
+}
+
+void Block::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) {
+  Arena& s = env_.scratch;
+  const size_t mark = s.mark();
+  const int64_t n = dims_.rows(), d = env_.cfg.hidden_size;
+  Tensor dh = s.alloc(env_.dtype, {n, d});
+  Tensor dxn = s.alloc(env_.dtype, {n, d});
+  Tensor dnorm = s.alloc(env_.dtype, {n, d});
+  // out = h + FFN(norm2(h))
+  if (moe_)
+    moe_->backward(ctx, dxn, dout, xn2_, grad_scale);
+  else
+    dense_->backward(ctx, dxn, dout, xn2_, false);
+  rmsnorm_backward(ctx, dnorm, norm2_.g, dxn, h_, norm2_.w, rstd2_);
+  add(ctx, dh, dout, dnorm);
+  // h = x + Attn(norm1(x))
+  attn_.backward(ctx, dxn, dh, xn1_, pos);
+  rmsnorm_backward(ctx, dnorm, norm1_.g, dxn, x, norm1_.w, rstd1_);
+  add(ctx, dx, dh, dnorm);
+  s.release(mark);
+}
+
+void Block::after_step(Ctx& ctx) {
+  if (moe_) moe_->after_step(ctx);
+}
+
+ParamView LayerEnv::param(const std::string& name) const {
+  const ParamInfo& p = model.table().find(name);
+  return ParamView{model.param(p), model.grad(p)};
+}
+
+std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims) {
+  if (env.cfg.is_mod_layer(layer)) return std::make_unique<ModBlock>(env, layer, moe_index, dims);
+  return std::make_unique<Block>(env, layer, moe_index, dims);
+}
+
+double read_scalar(Tensor t, int64_t i) {
+  Tensor one = t.view({t.numel()}).rows(i, i + 1);
+  if (t.dtype == DType::f64) {
+    double v;
+    copy_to_host(&v, one);
+    return v;
+  }
+  MOE_CHECK(t.dtype == DType::f32, "read_scalar: float tensor expected");
+  float v;
+  copy_to_host(&v, one);
+  return v;
+}
+
+}  // namespace moe

@@ -1,0 +1,145 @@
+// Internal building blocks of the model. Each layer owns views of its parameters and gradients
+// and its saved activations (planned in an Arena before the first step), and has forward and
+// backward side by side. Backward scratch comes from a stack arena (mark/release), planned by
+// running the same allocation function in measuring mode.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "moe/model.hpp"
+#include "moe/ops/common.hpp"
+
+namespace moe {
+
+// A parameter with its gradient (same shape, in the gradient buffer).
+struct ParamView {
+  Tensor w, g;
+};
+
+// What every layer needs to know about its surroundings.
+struct LayerEnv {
+  const ModelConfig& cfg;
+  DType dtype;
+  Model& model;
+  Arena& scratch;
+  Tensor rope_cos, rope_sin;
+  ParamView param(const std::string& name) const;
+};
+
+// Rows of a layer's input: B sequences of T tokens (T = C inside a MoD block).
+struct Dims {
+  int64_t B, T;
+  int64_t rows() const { return B * T; }
+};
+
+// Dense SwiGLU FFN: y (+)= W2 (silu(W1 x) * (W3 x)). Also each shared expert.
+class DenseFfn {
+ public:
+  DenseFfn(const LayerEnv& env, const std::string& prefix, const char* w1, const char* w3,
+           const char* w2);
+  void plan(Arena& acts, int64_t rows);
+  void forward(Ctx& ctx, Tensor y, Tensor x, bool accumulate);
+  // dx = (or += when accumulate_dx) d/dx
+  void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, bool accumulate_dx);
+
+ private:
+  const LayerEnv& env_;
+  ParamView w1_, w3_, w2_;
+  Tensor gate_, up_, act_;  // [rows, F]
+};
+
+// Dropless MoE FFN: route -> permute -> grouped experts -> combine (+ shared experts).
+class MoeFfn {
+ public:
+  MoeFfn(const LayerEnv& env, int layer, int moe_index);
+  void plan(Arena& acts, int64_t rows);
+  void forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses);
+  void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale);
+  void after_step(Ctx& ctx);
+
+ private:
+  const LayerEnv& env_;
+  int moe_index_;
+  int64_t rows_ = 0;
+  ParamView gate_, w1_, w3_, w2_;
+  std::vector<std::unique_ptr<DenseFfn>> shared_;
+  Tensor bias_, load_;                        // aux-loss-free bias and its step load: [E]
+  Tensor logits_, probs_, topk_idx_, topk_w_;  // [N, E], [N, E], [N, K], [N, K]
+  Tensor counts_, aux_losses_;                 // [E] i32, [2]
+  Tensor offsets_, row_token_, slot_row_;      // [E+1], [N*K], [N*K]
+  Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]
+};
+
+// Causal GQA self-attention with RoPE: y = Wo attn(rope(Wq x), rope(Wk x), Wv x).
+class SelfAttention {
+ public:
+  SelfAttention(const LayerEnv& env, const std::string& prefix);
+  void plan(Arena& acts, Dims dims);
+  void forward(Ctx& ctx, Tensor y, Tensor x, Tensor pos);
+  void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, Tensor pos);
+
+ private:
+  const LayerEnv& env_;
+  ParamView wq_, wk_, wv_, wo_;
+  Dims dims_{0, 0};
+  Tensor q_, k_, v_, att_, lse_;
+};
+
+// A layer of the residual stream: out = f(x) on [B*T, d] rows with positions pos.
+class Layer {
+ public:
+  virtual ~Layer() = default;
+  virtual void plan(Arena& acts) = 0;
+  virtual void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) = 0;
+  virtual void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
+                        double grad_scale) = 0;
+  virtual void after_step(Ctx&) {}
+};
+
+// Pre-norm transformer block: h = x + Attn(norm1(x)); out = h + FFN(norm2(h)).
+class Block : public Layer {
+ public:
+  Block(const LayerEnv& env, int layer, int moe_index, Dims dims);
+  void plan(Arena& acts) override;
+  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) override;
+  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
+                double grad_scale) override;
+  void after_step(Ctx& ctx) override;
+
+ private:
+  const LayerEnv& env_;
+  Dims dims_;
+  ParamView norm1_, norm2_;
+  SelfAttention attn_;
+  std::unique_ptr<DenseFfn> dense_;
+  std::unique_ptr<MoeFfn> moe_;
+  Tensor xn1_, rstd1_, attn_y_, h_, xn2_, rstd2_, ffn_y_;
+};
+
+// Mixture-of-Depths wrapper: the inner block runs on the C best-scoring tokens per sequence;
+// a causal predictor learns (on stop-gradient x) which tokens get selected, for sampling.
+class ModBlock : public Layer {
+ public:
+  ModBlock(const LayerEnv& env, int layer, int moe_index, Dims dims);
+  void plan(Arena& acts) override;
+  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) override;
+  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
+                double grad_scale) override;
+  void after_step(Ctx& ctx) override { inner_.after_step(ctx); }
+
+ private:
+  const LayerEnv& env_;
+  Dims dims_;
+  int64_t keep_;  // C
+  ParamView router_, fc1_, fc2_;
+  Block inner_;
+  Tensor scores_, sel_, mask_, xs_, ys_;        // [B*T,1], [B,C], [B,T], [B*C,d] x2
+  Tensor pred_h_, pred_a_, pred_logit_, pred_loss_;  // [B*T,P] x2, [B*T,1], [1]
+};
+
+std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims);
+
+// Reads a tensor's first element(s) to the host as doubles (losses, small statistics).
+double read_scalar(Tensor t, int64_t i = 0);
+
+}  // namespace moe

@@ -1,0 +1,96 @@
+// Mixture-of-Depths block (MODEL_SPEC "Mixture-of-Depths block"):
+//   r = x w_mod; S = top-C of r per sequence (position order); x_S = gather(x, S)
+//   out_S = x_S + sigmoid(r_S) * (Block(x_S) - x_S),  out_i = x_i elsewhere
+// The selected rows keep their original positions (RoPE) and their order (causal mask), so the
+// inner block is an ordinary block over B sequences of C tokens. The causal predictor
+// (fc2(silu(fc1(x)))) trains on stop-gradient x to guess "i in S" for sampling; its BCE enters
+// the training loss with mod.predictor_loss_coef and is reported apart.
+#include <cmath>
+
+#include "model/layers.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/loss.hpp"
+#include "moe/ops/mod.hpp"
+#include "moe/ops/swiglu.hpp"
+
+namespace moe {
+
+static int64_t mod_keep(double capacity, int64_t seq_len) {
+  // ceil with a guard against 0.125 * 64 = 8.000000001 style rounding
+  int64_t c = static_cast<int64_t>(std::ceil(capacity * static_cast<double>(seq_len) - 1e-9));
+  return std::max<int64_t>(1, std::min<int64_t>(c, seq_len));
+}
+
+ModBlock::ModBlock(const LayerEnv& env, int layer, int moe_index, Dims dims)
+    : env_(env),
+      dims_(dims),
+      keep_(mod_keep(env.cfg.mod.capacity, dims.T)),
+      router_(env.param("model.layers." + std::to_string(layer) + ".mod.router.weight")),
+      fc1_(env.param("model.layers." + std::to_string(layer) + ".mod.predictor.fc1.weight")),
+      fc2_(env.param("model.layers." + std::to_string(layer) + ".mod.predictor.fc2.weight")),
+      inner_(env, layer, moe_index, Dims{dims.B, mod_keep(env.cfg.mod.capacity, dims.T)}) {}
+
+void ModBlock::plan(Arena& acts) {
+  const int64_t n = dims_.rows(), d = env_.cfg.hidden_size, p = fc1_.w.size(0);
+  const DType dt = env_.dtype;
+  scores_ = acts.alloc(dt, {n, 1});
+  sel_ = acts.alloc(DType::i32, {dims_.B, keep_});
+  mask_ = acts.alloc(dt, {dims_.B, dims_.T});
+  xs_ = acts.alloc(dt, {dims_.B * keep_, d});
+  ys_ = acts.alloc(dt, {dims_.B * keep_, d});
+  pred_h_ = acts.alloc(dt, {n, p});
+  pred_a_ = acts.alloc(dt, {n, p});
+  pred_logit_ = acts.alloc(dt, {n, 1});
+  pred_loss_ = acts.alloc(dt, {1});
+  inner_.plan(acts);
+}
+
+void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/, Losses& losses) {
+  const Tensor scores = scores_.view({dims_.B, dims_.T});
+  const Tensor sel_pos = sel_.view({dims_.B * keep_});  // positions of the kept tokens
+  linear_forward(ctx, scores_, x, router_.w, false);
+  mod_select(ctx, sel_, mask_, scores);
+  mod_gather_forward(ctx, xs_, x, sel_);
+  inner_.forward(ctx, ys_, xs_, sel_pos, losses);
+  mod_scatter_forward(ctx, out, x, ys_, scores, sel_);
+  // causal predictor on stop-gradient x
+  linear_forward(ctx, pred_h_, x, fc1_.w, false);
+  silu_forward(ctx, pred_a_, pred_h_);
+  linear_forward(ctx, pred_logit_, pred_a_, fc2_.w, false);
+  bce_with_logits_forward(ctx, pred_loss_, pred_logit_.view({dims_.rows()}),
+                          mask_.view({dims_.rows()}));
+  if (ctx.dry_run) return;
+  losses.mod_pred += env_.cfg.mod.predictor_loss_coef * read_scalar(pred_loss_);
+  auto& r = env_.model.routing();
+  r.mod_kept += static_cast<double>(dims_.B * keep_);
+  r.mod_seen += static_cast<double>(dims_.rows());
+}
+
+void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos*/,
+                        double grad_scale) {
+  Arena& s = env_.scratch;
+  const size_t mark = s.mark();
+  const int64_t n = dims_.rows(), d = env_.cfg.hidden_size, p = fc1_.w.size(0);
+  const DType dt = env_.dtype;
+  const Tensor scores = scores_.view({dims_.B, dims_.T});
+  const Tensor sel_pos = sel_.view({dims_.B * keep_});
+  Tensor dys = s.alloc(dt, {dims_.B * keep_, d});
+  Tensor dxs = s.alloc(dt, {dims_.B * keep_, d});
+  Tensor dscores = s.alloc(dt, {n, 1});
+  Tensor dlogit = s.alloc(dt, {n, 1});
+  Tensor dpa = s.alloc(dt, {n, p});
+  Tensor dph = s.alloc(dt, {n, p});
+  mod_scatter_backward(ctx, dx, dys, dscores.view({dims_.B, dims_.T}), dout, x, ys_, scores, sel_);
+  inner_.backward(ctx, dxs, dys, xs_, sel_pos, grad_scale);
+  mod_gather_backward(ctx, dx, dxs, sel_);
+  linear_backward(ctx, dx, router_.g, dscores, x, router_.w, true);
+  // predictor: parameters only (x is stop-gradient)
+  bce_with_logits_backward(ctx, dlogit.view({n}), pred_logit_.view({n}), mask_.view({n}),
+                           grad_scale * env_.cfg.mod.predictor_loss_coef);
+  linear_backward(ctx, dpa, fc2_.g, dlogit, pred_a_, fc2_.w, false);
+  silu_backward(ctx, dph, dpa, pred_h_);
+  linear_backward(ctx, Tensor(), fc1_.g, dph, x, fc1_.w, false);
+  s.release(mark);
+}
+
+}  // namespace moe

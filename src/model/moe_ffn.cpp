@@ -1,0 +1,130 @@
+// The dropless MoE layer, read as its four stages (Megatron-Core style):
+//   route   logits = x Wr^T; softmax; top-K; renormalise; aux + z losses
+//   permute rows of x copied into expert order (N*K rows, offsets per expert)
+//   experts grouped SwiGLU over each expert's rows
+//   combine y[n] = sum_k w_nk * expert_out[slot(n, k)]  (+ shared experts on every token)
+// and backward as the same stages reversed. Every buffer is sized by N*K, known in advance.
+#include <algorithm>
+
+#include "model/layers.hpp"
+#include "moe/memory.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/permute.hpp"
+#include "moe/ops/router.hpp"
+#include "moe/ops/swiglu.hpp"
+
+namespace moe {
+
+MoeFfn::MoeFfn(const LayerEnv& env, int layer, int moe_index) : env_(env), moe_index_(moe_index) {
+  const std::string p = "model.layers." + std::to_string(layer) + ".block_sparse_moe.";
+  gate_ = env.param(p + "gate.weight");
+  w1_ = env.param(p + "experts.{j}.w1.weight");
+  w3_ = env.param(p + "experts.{j}.w3.weight");
+  w2_ = env.param(p + "experts.{j}.w2.weight");
+  for (int s = 0; s < env.cfg.num_shared_experts; ++s)
+    shared_.push_back(std::make_unique<DenseFfn>(
+        env, p + "shared_experts." + std::to_string(s) + ".", "w1", "w3", "w2"));
+}
+
+void MoeFfn::plan(Arena& acts, int64_t rows) {
+  const auto& c = env_.cfg;
+  const int64_t e = c.num_local_experts, k = c.num_experts_per_tok, d = c.hidden_size;
+  const int64_t f = c.intermediate_size, r = rows * k;
+  const DType dt = env_.dtype;
+  rows_ = rows;
+  bias_ = acts.alloc(dt, {e});
+  load_ = acts.alloc(dt, {e});
+  logits_ = acts.alloc(dt, {rows, e});
+  probs_ = acts.alloc(dt, {rows, e});
+  topk_idx_ = acts.alloc(DType::i32, {rows, k});
+  topk_w_ = acts.alloc(dt, {rows, k});
+  counts_ = acts.alloc(DType::i32, {e});
+  aux_losses_ = acts.alloc(dt, {2});
+  offsets_ = acts.alloc(DType::i32, {e + 1});
+  row_token_ = acts.alloc(DType::i32, {r});
+  slot_row_ = acts.alloc(DType::i32, {r});
+  xp_ = acts.alloc(dt, {r, d});
+  hgate_ = acts.alloc(dt, {r, f});
+  hup_ = acts.alloc(dt, {r, f});
+  hact_ = acts.alloc(dt, {r, f});
+  yp_ = acts.alloc(dt, {r, d});
+  for (auto& s : shared_) s->plan(acts, rows);
+}
+
+void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses) {
+  const auto& c = env_.cfg;
+  // route
+  linear_forward(ctx, logits_, x, gate_.w, false);
+  Tensor bias = c.router_bias_update_rate > 0 ? bias_ : Tensor();
+  router_topk_forward(ctx, probs_, topk_idx_, topk_w_, counts_, logits_, bias, c.norm_topk_prob);
+  router_aux_loss_forward(ctx, aux_losses_, logits_, probs_, counts_, c.num_experts_per_tok,
+                          c.router_aux_loss_coef, c.router_z_loss_coef);
+  // permute
+  moe_permute_plan(ctx, offsets_, row_token_, slot_row_, topk_idx_);
+  permute_forward(ctx, xp_, x, row_token_);
+  // experts
+  grouped_linear_forward(ctx, hgate_, xp_, w1_.w, offsets_);
+  grouped_linear_forward(ctx, hup_, xp_, w3_.w, offsets_);
+  swiglu_forward(ctx, hact_, hgate_, hup_);
+  grouped_linear_forward(ctx, yp_, hact_, w2_.w, offsets_);
+  // combine
+  combine_forward(ctx, y, yp_, topk_w_, slot_row_);
+  for (auto& s : shared_) s->forward(ctx, y, x, true);
+
+  if (ctx.dry_run) return;
+  losses.aux += read_scalar(aux_losses_, 0);
+  losses.z += read_scalar(aux_losses_, 1);
+  auto& load = env_.model.routing().expert_load[moe_index_];
+  std::vector<int32_t> counts(c.num_local_experts);
+  copy_to_host(counts.data(), counts_);
+  for (size_t e = 0; e < counts.size(); ++e) load[e] += counts[e];
+}
+
+void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale) {
+  const auto& c = env_.cfg;
+  Arena& s = env_.scratch;
+  const size_t mark = s.mark();
+  const DType dt = env_.dtype;
+  Tensor dyp = s.alloc(dt, {yp_.size(0), yp_.size(1)});
+  Tensor dtopk_w = s.alloc(dt, {topk_w_.size(0), topk_w_.size(1)});
+  Tensor dact = s.alloc(dt, {hact_.size(0), hact_.size(1)});
+  Tensor dgate = s.alloc(dt, {hact_.size(0), hact_.size(1)});
+  Tensor dup = s.alloc(dt, {hact_.size(0), hact_.size(1)});
+  Tensor dxp = s.alloc(dt, {xp_.size(0), xp_.size(1)});
+  Tensor dxp_up = s.alloc(dt, {xp_.size(0), xp_.size(1)});
+  Tensor dlogits = s.alloc(dt, {logits_.size(0), logits_.size(1)});
+  // combine
+  combine_backward(ctx, dyp, dtopk_w, dy, yp_, topk_w_, slot_row_);
+  // experts
+  grouped_linear_backward(ctx, dact, w2_.g, dyp, hact_, w2_.w, offsets_);
+  swiglu_backward(ctx, dgate, dup, dact, hgate_, hup_);
+  grouped_linear_backward(ctx, dxp, w1_.g, dgate, xp_, w1_.w, offsets_);
+  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, xp_, w3_.w, offsets_);
+  add(ctx, dxp, dxp, dxp_up);
+  // permute
+  permute_backward(ctx, dx, dxp, slot_row_);
+  // route: through the combine weights, then the auxiliary losses
+  router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
+  router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,
+                           c.router_aux_loss_coef, c.router_z_loss_coef, grad_scale);
+  linear_backward(ctx, dx, gate_.g, dlogits, x, gate_.w, true);
+  for (auto& sh : shared_) sh->backward(ctx, dx, dy, x, true);
+  s.release(mark);
+}
+
+void MoeFfn::after_step(Ctx& ctx) {
+  const auto& c = env_.cfg;
+  if (c.router_bias_update_rate <= 0 || ctx.dry_run) return;
+  const auto& load = env_.model.routing().expert_load[moe_index_];
+  std::vector<double> host(load.begin(), load.end());
+  if (env_.dtype == DType::f32) {
+    std::vector<float> f(host.begin(), host.end());
+    copy_from_host(load_, f.data());
+  } else {
+    copy_from_host(load_, host.data());
+  }
+  router_bias_update(ctx, bias_, load_, c.router_bias_update_rate);
+}
+
+}  // namespace moe

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Bad input through the real binary: each case exits with code 2 and one message naming the key
+# or file. Usage: config_errors.sh MOE_TRAIN_BINARY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+# expect_error NAME EXPECTED_SUBSTRING ARGS...
+expect_error() {
+  local name=$1 want=$2
+  shift 2
+  local out code
+  out=$("$bin" "$@" 2>&1)
+  code=$?
+  if [ "$code" -ne 2 ]; then
+    echo "FAIL $name: exit code $code, expected 2. Output: $out"
+    failures=$((failures + 1))
+  elif ! grep -qF -- "$want" <<<"$out"; then
+    echo "FAIL $name: message lacks '$want'. Output: $out"
+    failures=$((failures + 1))
+  elif [ "$(grep -c . <<<"$out")" -gt 3 ]; then
+    echo "FAIL $name: expected one short message, got: $out"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: $out"
+  fi
+}
+
+tiny=$src/configs/tiny.json
+echo '{"model": {"hidden_size": 64,}}' >"$tmp/malformed.json"
+echo '{"modle": {}}' >"$tmp/unknown_top.json"
+echo '{"model": {"num_local_expert": 4}}' >"$tmp/unknown_nested.json"
+echo '{"model": {"hidden_size": "64"}}' >"$tmp/wrong_type.json"
+
+expect_error missing_file "does_not_exist.json" train --config "$tmp/does_not_exist.json"
+expect_error malformed_json "malformed.json" train --config "$tmp/malformed.json"
+expect_error unknown_top_key 'did you mean "model"' train --config "$tmp/unknown_top.json"
+expect_error unknown_nested_key "model.num_local_expert" train --config "$tmp/unknown_nested.json"
+expect_error wrong_type "model.hidden_size" train --config "$tmp/wrong_type.json"
+expect_error heads_not_divisible "model.num_key_value_heads" train --config "$tiny" \
+  --set model.num_key_value_heads=3
+expect_error topk_above_experts "model.num_experts_per_tok" train --config "$tiny" \
+  --set model.num_experts_per_tok=9
+expect_error capacity_zero "model.mod.capacity" train --config "$tiny" --set model.mod.capacity=0
+expect_error capacity_above_one "model.mod.capacity" info --config "$tiny" \
+  --set model.mod.capacity=1.5
+expect_error seq_len_too_long "data.seq_len" train --config "$tiny" --set data.seq_len=100000
+expect_error override_unknown "train.max_step" train --config "$tiny" --set train.max_step=3
+expect_error override_syntax "has no '='" train --config "$tiny" --set train.max_steps
+expect_error bad_device "train.device" train --config "$tiny" --device tpu
+expect_error missing_config_flag "--config" train
+expect_error unknown_flag "--bogus" train --config "$tiny" --bogus
+
+# --help documents every subcommand and flag
+help=$("$bin" --help 2>&1)
+for word in train info; do
+  grep -q "$word" <<<"$help" || { echo "FAIL help lacks $word"; failures=$((failures + 1)); }
+done
+help=$("$bin" train --help 2>&1)
+for word in --config --set --device; do
+  grep -q -- "$word" <<<"$help" || { echo "FAIL train --help lacks $word"; failures=$((failures + 1)); }
+done
+
+[ "$failures" -eq 0 ] && echo "all config error cases passed"
+exit "$failures"

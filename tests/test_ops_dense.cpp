@@ -1,0 +1,500 @@
+// Tests of the dense CPU ops: elementwise helpers, embedding, RMSNorm, linear / grouped linear and
+// SwiGLU / SiLU. Forwards are checked against hand-computed numbers or naive loops, every backward
+// against central finite differences in f64 (loss = dot(random w, outputs)), and f32 against f64 on
+// random inputs. Gradient-check tolerances: linear maps (embedding, linear, grouped linear) are
+// exact up to rounding, so rtol 1e-7; the nonlinear ops (RMSNorm, SwiGLU, SiLU) use rtol 1e-6, well
+// above the ~1e-10 truncation + rounding error of h = 1e-6 central differences on O(1) losses.
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/embedding.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/norm.hpp"
+#include "moe/ops/swiglu.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+// An f32 copy of an f64 buffer (same shape).
+Buf<float> to_f32(const Buf<double>& b) {
+  Buf<float> f;
+  f.v.assign(b.v.begin(), b.v.end());
+  f.t = b.t;
+  f.t.dtype = DType::f32;
+  f.t.data = f.v.data();
+  return f;
+}
+
+// max_i |a_i - b_i| / (1 + |b_i|): relative for large values, absolute near zero.
+double max_rel_diff(const std::vector<float>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(a[i] - b[i]) / (1.0 + std::fabs(b[i])));
+  return worst;
+}
+
+Buf<double> random_buf(std::initializer_list<int64_t> dims, uint64_t seed) {
+  Buf<double> b(dims);
+  fill_uniform(b, seed);
+  return b;
+}
+
+std::vector<double> minus(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> r(a.size());
+  for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];
+  return r;
+}
+
+}  // namespace
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+TEST_CASE("elementwise ops compute fill, copy, add, axpy and scale", "[elementwise]") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> a({2, 3}), b({6}), out({3, 2});
+  for (int i = 0; i < 6; ++i) {
+    a[i] = i + 1;       // 1..6
+    b[i] = 10 * i - 7;  // -7, 3, 13, ...
+  }
+  add(ctx, out, a, b);
+  for (int i = 0; i < 6; ++i) CHECK(out[i] == (i + 1) + (10 * i - 7));
+  add(ctx, a, a, b);  // out aliases a
+  for (int i = 0; i < 6; ++i) CHECK(a[i] == (i + 1) + (10 * i - 7));
+  axpy(ctx, out, b, -0.5);
+  for (int i = 0; i < 6; ++i) CHECK(out[i] == (i + 1) + 0.5 * (10 * i - 7));
+  scale(ctx, b, 3.0);
+  for (int i = 0; i < 6; ++i) CHECK(b[i] == 3.0 * (10 * i - 7));
+  copy(ctx, out, b);
+  CHECK(out.v == b.v);
+  fill(ctx, out, 2.5);
+  for (int i = 0; i < 6; ++i) CHECK(out[i] == 2.5);
+
+  Buf<float> f({4});
+  fill(ctx, f, -1.25);
+  for (int i = 0; i < 4; ++i) CHECK(f[i] == -1.25f);
+  Buf<double> wrong({5});
+  CHECK_THROWS_AS(add(ctx, out, a, wrong), InternalError);
+  CHECK_THROWS_AS(copy(ctx, f, Buf<double>({4})), InternalError);  // dtypes differ
+}
+
+TEST_CASE("sum_squares accumulates the sum of squares deterministically", "[elementwise]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 100003;  // several reduction chunks, not a multiple of the chunk
+  Buf<float> x({n});
+  std::mt19937_64 rng(7);
+  std::uniform_real_distribution<double> u(-1, 1);
+  double want = 0;
+  for (auto& v : x.v) {
+    v = static_cast<float>(u(rng));
+    want += static_cast<double>(v) * v;
+  }
+  Buf<double> out({1});
+  out[0] = 5.0;  // accumulates onto the running total
+  sum_squares(ctx, out, x);
+  CHECK(out[0] == Approx(5.0 + want).epsilon(1e-12));
+
+  const int saved = omp_get_max_threads();
+  Buf<double> one({1}), two({1});
+  omp_set_num_threads(1);
+  sum_squares(ctx, one, x);
+  omp_set_num_threads(2);
+  sum_squares(ctx, two, x);
+  omp_set_num_threads(saved);
+  CHECK(one[0] == two[0]);  // bitwise: the reduction order does not depend on threads
+
+  Buf<float> bad({1});
+  CHECK_THROWS_AS(sum_squares(ctx, bad, x), InternalError);  // out must be f64
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+TEST_CASE("embedding_forward gathers rows; backward accumulates repeated ids", "[embedding]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t vocab = 5, d = 3, n = 4;
+  Buf<double> table = random_buf({vocab, d}, 1);
+  Buf<int32_t> ids({n});
+  ids.v = {3, 0, 3, 4};
+  Buf<double> out({n, d});
+  embedding_forward(ctx, out, ids, table);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t c = 0; c < d; ++c) CHECK(out[i * d + c] == table[ids[i] * d + c]);
+
+  Buf<double> dout = random_buf({n, d}, 2);
+  Buf<double> dtable = random_buf({vocab, d}, 3);  // nonzero: the op must add, not overwrite
+  const Buf<double> before = dtable;
+  embedding_backward(ctx, dtable, dout, ids);
+  for (int64_t c = 0; c < d; ++c) {
+    CHECK(dtable[3 * d + c] == Approx(before[3 * d + c] + dout[0 * d + c] + dout[2 * d + c]));
+    CHECK(dtable[0 * d + c] == Approx(before[0 * d + c] + dout[1 * d + c]));
+    CHECK(dtable[4 * d + c] == Approx(before[4 * d + c] + dout[3 * d + c]));
+    CHECK(dtable[1 * d + c] == before[1 * d + c]);  // unused rows untouched
+    CHECK(dtable[2 * d + c] == before[2 * d + c]);
+  }
+}
+
+TEST_CASE("embedding_backward matches finite differences", "[embedding][grad]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t vocab = 6, d = 4, n = 7;
+  Buf<double> table = random_buf({vocab, d}, 11);
+  Buf<int32_t> ids({n});
+  ids.v = {1, 5, 1, 0, 2, 5, 1};
+  Buf<double> w = random_buf({n, d}, 12);
+  Buf<double> out({n, d});
+  auto loss = [&] {
+    embedding_forward(ctx, out, ids, table);
+    return dot(w.v, out.v);
+  };
+  Buf<double> dtable({vocab, d});
+  embedding_backward(ctx, dtable, w, ids);
+  check_gradient(table.v, dtable.v, loss, 1e-6, 1e-7, 1e-9, "dtable");  // linear: tight
+}
+
+TEST_CASE("embedding_backward is the same for 1 and 2 threads", "[embedding]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t vocab = 8, d = 300, n = 200;  // large enough to take the parallel path
+  Buf<float> dout({n, d});
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (auto& v : dout.v) v = u(rng);
+  Buf<int32_t> ids({n});
+  for (int64_t i = 0; i < n; ++i) ids[i] = static_cast<int32_t>((i * 7) % vocab);
+  Buf<float> one({vocab, d}), two({vocab, d});
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  embedding_backward(ctx, one, dout, ids);
+  omp_set_num_threads(2);
+  embedding_backward(ctx, two, dout, ids);
+  omp_set_num_threads(saved);
+  CHECK(one.v == two.v);
+}
+
+TEST_CASE("embedding rejects out-of-range ids with InputError", "[embedding]") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> table = random_buf({5, 2}, 1), out({3, 2}), dout = random_buf({3, 2}, 2);
+  Buf<int32_t> ids({3});
+  ids.v = {0, 5, 1};
+  CHECK_THROWS_AS(embedding_forward(ctx, out, ids, table), InputError);
+  CHECK_THROWS_WITH(embedding_forward(ctx, out, ids, table),
+                    Catch::Contains("token id 5") && Catch::Contains("[0, 5)"));
+  CHECK_THROWS_AS(embedding_backward(ctx, table, dout, ids), InputError);
+  ids.v = {0, -1, 1};
+  CHECK_THROWS_WITH(embedding_forward(ctx, out, ids, table), Catch::Contains("token id -1"));
+  ids.v = {0, 4, 1};
+  CHECK_NOTHROW(embedding_forward(ctx, out, ids, table));
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+TEST_CASE("rmsnorm_forward on a known row", "[norm]") {
+  Ctx ctx = cpu_ctx();
+  // x = [1, 2, 3, 4]: mean(x^2) = 7.5, + eps 0.5 = 8, rstd = 1/sqrt(8).
+  Buf<double> x({1, 4}), w({4}), y({1, 4}), rstd({1});
+  x.v = {1, 2, 3, 4};
+  w.v = {1, 0.5, 2, -1};
+  rmsnorm_forward(ctx, y, rstd, x, w, 0.5);
+  CHECK(rstd[0] == Approx(0.35355339059327373).epsilon(1e-14));
+  CHECK(y[0] == Approx(0.35355339059327373).epsilon(1e-14));
+  CHECK(y[1] == Approx(0.35355339059327373).epsilon(1e-14));
+  CHECK(y[2] == Approx(2.1213203435596424).epsilon(1e-14));
+  CHECK(y[3] == Approx(-1.414213562373095).epsilon(1e-14));
+}
+
+TEST_CASE("rmsnorm_backward matches finite differences", "[norm][grad]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 3, d = 5;
+  const double eps = 1e-5;
+  Buf<double> x = random_buf({n, d}, 21), w = random_buf({d}, 22), gy = random_buf({n, d}, 23);
+  Buf<double> y({n, d}), rstd({n});
+  auto loss = [&] {
+    rmsnorm_forward(ctx, y, rstd, x, w, eps);
+    return dot(gy.v, y.v);
+  };
+  loss();
+  Buf<double> dx = random_buf({n, d}, 24);  // garbage: must be overwritten
+  Buf<double> dw0 = random_buf({d}, 25), dw = dw0;
+  rmsnorm_backward(ctx, dx, dw, gy, x, w, rstd);
+  check_gradient(x.v, dx.v, loss, 1e-6, 1e-6, 1e-9, "dx");
+  check_gradient(w.v, minus(dw.v, dw0.v), loss, 1e-6, 1e-6, 1e-9, "dw (+= onto dw0)");
+}
+
+TEST_CASE("rmsnorm f32 agrees with f64 and is thread-count independent", "[norm][f32]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 70, d = 257;  // big enough for the parallel paths
+  Buf<double> x = random_buf({n, d}, 31), w = random_buf({d}, 32), gy = random_buf({n, d}, 33);
+  Buf<double> y({n, d}), rstd({n}), dx({n, d}), dw({d});
+  rmsnorm_forward(ctx, y, rstd, x, w, 1e-6);
+  rmsnorm_backward(ctx, dx, dw, gy, x, w, rstd);
+
+  Buf<float> xf = to_f32(x), wf = to_f32(w), gyf = to_f32(gy);
+  Buf<float> yf({n, d}), rstdf({n}), dxf({n, d}), dwf({d});
+  rmsnorm_forward(ctx, yf, rstdf, xf, wf, 1e-6);
+  rmsnorm_backward(ctx, dxf, dwf, gyf, xf, wf, rstdf);
+  CHECK(max_rel_diff(yf.v, y.v) < 1e-5);
+  CHECK(max_rel_diff(rstdf.v, rstd.v) < 1e-5);
+  CHECK(max_rel_diff(dxf.v, dx.v) < 1e-5);
+  CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
+
+  Buf<float> dx1({n, d}), dw1({d});
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  rmsnorm_backward(ctx, dx1, dw1, gyf, xf, wf, rstdf);
+  omp_set_num_threads(saved);
+  CHECK(dx1.v == dxf.v);
+  CHECK(dw1.v == dwf.v);
+}
+
+// ---- linear -------------------------------------------------------------------------------------
+
+namespace {
+
+// y[n, o] = sum_i x[n, i] w[o, i], the naive triple loop.
+std::vector<double> naive_linear(const std::vector<double>& x, const std::vector<double>& w,
+                                 int64_t n, int64_t in, int64_t out, int64_t x_row0 = 0,
+                                 int64_t w_offset = 0) {
+  std::vector<double> y(static_cast<size_t>(n * out), 0.0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t i = 0; i < in; ++i)
+        y[r * out + o] += x[(x_row0 + r) * in + i] * w[w_offset + o * in + i];
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("linear_forward matches a naive loop, with and without accumulate", "[linear]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 4, in = 5, out = 3;
+  Buf<double> x = random_buf({n, in}, 41), w = random_buf({out, in}, 42);
+  Buf<double> y0 = random_buf({n, out}, 43), y = y0;
+  const std::vector<double> want = naive_linear(x.v, w.v, n, in, out);
+  linear_forward(ctx, y, x, w, false);
+  for (size_t i = 0; i < want.size(); ++i) CHECK(y[i] == Approx(want[i]).epsilon(1e-13));
+  y = y0;
+  linear_forward(ctx, y, x, w, true);
+  for (size_t i = 0; i < want.size(); ++i) CHECK(y[i] == Approx(y0[i] + want[i]).epsilon(1e-13));
+  Buf<double> bad({n, out + 1});
+  CHECK_THROWS_AS(linear_forward(ctx, bad, x, w, false), InternalError);
+}
+
+TEST_CASE("linear_backward matches finite differences and honours its flags", "[linear][grad]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 4, in = 5, out = 3;
+  Buf<double> x = random_buf({n, in}, 51), w = random_buf({out, in}, 52);
+  Buf<double> gy = random_buf({n, out}, 53), y({n, out});
+  auto loss = [&] {
+    linear_forward(ctx, y, x, w, false);
+    return dot(gy.v, y.v);
+  };
+  Buf<double> dx0 = random_buf({n, in}, 54), dx = dx0;
+  Buf<double> dw0 = random_buf({out, in}, 55), dw = dw0;
+  linear_backward(ctx, dx, dw, gy, x, w, false);
+  check_gradient(x.v, dx.v, loss, 1e-6, 1e-7, 1e-9, "dx (overwritten)");
+  check_gradient(w.v, minus(dw.v, dw0.v), loss, 1e-6, 1e-7, 1e-9, "dw (+= onto dw0)");
+
+  // accumulate_dx adds onto dx; dw accumulates again.
+  Buf<double> dx_acc = dx0, dw2 = dw;
+  linear_backward(ctx, dx_acc, dw2, gy, x, w, true);
+  for (size_t i = 0; i < dx.size(); ++i) CHECK(dx_acc[i] == Approx(dx0[i] + dx[i]).epsilon(1e-13));
+  for (size_t i = 0; i < dw.size(); ++i)
+    CHECK(dw2[i] == Approx(dw[i] + (dw[i] - dw0[i])).epsilon(1e-12));
+
+  // An empty dx skips the input gradient but still accumulates dw.
+  Buf<double> dw3 = dw0;
+  linear_backward(ctx, Tensor{}, dw3, gy, x, w, false);
+  for (size_t i = 0; i < dw.size(); ++i) CHECK(dw3[i] == Approx(dw[i]).epsilon(1e-13));
+}
+
+TEST_CASE("linear f32 agrees with f64", "[linear][f32]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 33, in = 65, out = 17;
+  Buf<double> x = random_buf({n, in}, 61), w = random_buf({out, in}, 62),
+              gy = random_buf({n, out}, 63);
+  Buf<double> y({n, out}), dx({n, in}), dw({out, in});
+  linear_forward(ctx, y, x, w, false);
+  linear_backward(ctx, dx, dw, gy, x, w, false);
+  Buf<float> xf = to_f32(x), wf = to_f32(w), gyf = to_f32(gy);
+  Buf<float> yf({n, out}), dxf({n, in}), dwf({out, in});
+  linear_forward(ctx, yf, xf, wf, false);
+  linear_backward(ctx, dxf, dwf, gyf, xf, wf, false);
+  // Sums of up to 65 products of O(1) terms: f32 rounding ~ 1e-6 relative to the sum's scale.
+  CHECK(max_rel_diff(yf.v, y.v) < 1e-5);
+  CHECK(max_rel_diff(dxf.v, dx.v) < 1e-5);
+  CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
+}
+
+// ---- grouped linear -----------------------------------------------------------------------------
+
+namespace {
+
+struct GroupedCase {
+  static constexpr int64_t kExperts = 4, kRows = 5, kIn = 3, kOut = 2;
+  Buf<int32_t> offsets{kExperts + 1};
+  Buf<double> x = random_buf({kRows, kIn}, 71);
+  Buf<double> w = random_buf({kExperts, kOut, kIn}, 72);
+  GroupedCase() { offsets.v = {0, 0, 2, 2, 5}; }  // experts 0 and 2 have no rows
+  // y rows of expert e by the naive loop.
+  std::vector<double> expert_rows(int64_t e) const {
+    const int64_t r0 = offsets[e], m = offsets[e + 1] - offsets[e];
+    return naive_linear(x.v, w.v, m, kIn, kOut, r0, e * kOut * kIn);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("grouped_linear_forward matches per-expert naive loops", "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> y = random_buf({c.kRows, c.kOut}, 73);  // every row must be written
+  grouped_linear_forward(ctx, y, c.x, c.w, c.offsets);
+  for (int64_t e = 0; e < c.kExperts; ++e) {
+    const std::vector<double> want = c.expert_rows(e);
+    for (size_t i = 0; i < want.size(); ++i)
+      CHECK(y[c.offsets[e] * c.kOut + i] == Approx(want[i]).epsilon(1e-13));
+  }
+  Buf<int32_t> bad({c.kExperts + 1});
+  bad.v = {0, 3, 2, 4, 5};  // decreasing
+  CHECK_THROWS_AS(grouped_linear_forward(ctx, y, c.x, c.w, bad), InternalError);
+  bad.v = {0, 1, 2, 3, 4};  // does not end at R
+  CHECK_THROWS_AS(grouped_linear_forward(ctx, y, c.x, c.w, bad), InternalError);
+}
+
+TEST_CASE("grouped_linear_backward: empty experts get zero dw, others match", "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> gy = random_buf({c.kRows, c.kOut}, 74);
+  Buf<double> dx = random_buf({c.kRows, c.kIn}, 75);  // garbage: must be overwritten
+  Buf<double> dw({c.kExperts, c.kOut, c.kIn});
+  grouped_linear_backward(ctx, dx, dw, gy, c.x, c.w, c.offsets);
+  const int64_t wsz = c.kOut * c.kIn;
+  for (int64_t i = 0; i < wsz; ++i) {
+    CHECK(dw[0 * wsz + i] == 0.0);
+    CHECK(dw[2 * wsz + i] == 0.0);
+  }
+  // dw[e][o][i] = sum_r dy[r][o] x[r][i] and dx[r][i] = sum_o dy[r][o] w[e][o][i], by loops.
+  for (int64_t e : {1, 3}) {
+    for (int64_t o = 0; o < c.kOut; ++o)
+      for (int64_t i = 0; i < c.kIn; ++i) {
+        double want = 0;
+        for (int64_t r = c.offsets[e]; r < c.offsets[e + 1]; ++r)
+          want += gy[r * c.kOut + o] * c.x[r * c.kIn + i];
+        CHECK(dw[e * wsz + o * c.kIn + i] == Approx(want).epsilon(1e-13));
+      }
+    for (int64_t r = c.offsets[e]; r < c.offsets[e + 1]; ++r)
+      for (int64_t i = 0; i < c.kIn; ++i) {
+        double want = 0;
+        for (int64_t o = 0; o < c.kOut; ++o)
+          want += gy[r * c.kOut + o] * c.w[e * wsz + o * c.kIn + i];
+        CHECK(dx[r * c.kIn + i] == Approx(want).epsilon(1e-13));
+      }
+  }
+}
+
+TEST_CASE("grouped_linear_backward matches finite differences and accumulates dw",
+          "[linear][grouped][grad]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> gy = random_buf({c.kRows, c.kOut}, 76), y({c.kRows, c.kOut});
+  auto loss = [&] {
+    grouped_linear_forward(ctx, y, c.x, c.w, c.offsets);
+    return dot(gy.v, y.v);
+  };
+  Buf<double> dx({c.kRows, c.kIn});
+  Buf<double> dw0 = random_buf({c.kExperts, c.kOut, c.kIn}, 77), dw = dw0;
+  grouped_linear_backward(ctx, dx, dw, gy, c.x, c.w, c.offsets);
+  check_gradient(c.x.v, dx.v, loss, 1e-6, 1e-7, 1e-9, "dx");
+  check_gradient(c.w.v, minus(dw.v, dw0.v), loss, 1e-6, 1e-7, 1e-9, "dw (+= onto dw0)");
+  const int64_t wsz = c.kOut * c.kIn;
+  for (int64_t i = 0; i < wsz; ++i) CHECK(dw[2 * wsz + i] == dw0[2 * wsz + i]);  // += 0 exactly
+}
+
+TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t experts = 3, rows = 40, in = 24, out = 16;
+  Buf<int32_t> offsets({experts + 1});
+  offsets.v = {0, 13, 13, 40};
+  Buf<double> x = random_buf({rows, in}, 81), w = random_buf({experts, out, in}, 82);
+  Buf<double> gy = random_buf({rows, out}, 83);
+  Buf<double> y({rows, out}), dx({rows, in}), dw({experts, out, in});
+  grouped_linear_forward(ctx, y, x, w, offsets);
+  grouped_linear_backward(ctx, dx, dw, gy, x, w, offsets);
+  Buf<float> xf = to_f32(x), wf = to_f32(w), gyf = to_f32(gy);
+  Buf<float> yf({rows, out}), dxf({rows, in}), dwf({experts, out, in});
+  grouped_linear_forward(ctx, yf, xf, wf, offsets);
+  grouped_linear_backward(ctx, dxf, dwf, gyf, xf, wf, offsets);
+  CHECK(max_rel_diff(yf.v, y.v) < 1e-5);
+  CHECK(max_rel_diff(dxf.v, dx.v) < 1e-5);
+  CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
+}
+
+// ---- SwiGLU / SiLU ------------------------------------------------------------------------------
+
+TEST_CASE("swiglu_forward and silu_forward on known values", "[swiglu]") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> gate({1, 2}), up({1, 2}), h({1, 2}), y({1, 2});
+  gate.v = {1, -2};
+  up.v = {2, 3};
+  swiglu_forward(ctx, h, gate, up);
+  CHECK(h[0] == Approx(1.4621171572600098).epsilon(1e-14));   // silu(1) * 2
+  CHECK(h[1] == Approx(-0.7152175321327052).epsilon(1e-14));  // silu(-2) * 3
+  silu_forward(ctx, y, gate);
+  CHECK(y[0] == Approx(0.7310585786300049).epsilon(1e-14));
+  CHECK(y[1] == Approx(-0.2384058440442351).epsilon(1e-14));
+  // Saturation: no NaN at large |x|.
+  Buf<float> big({2}), bigy({2});
+  big.v = {-200.f, 200.f};
+  silu_forward(ctx, bigy, big);
+  CHECK(bigy[0] == 0.0f);  // -200 * sigmoid(-200) underflows to -0
+  CHECK(bigy[1] == 200.0f);
+}
+
+TEST_CASE("swiglu_backward and silu_backward match finite differences", "[swiglu][grad]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t r = 3, f = 4;
+  Buf<double> gate = random_buf({r, f}, 91), up = random_buf({r, f}, 92);
+  for (auto& g : gate.v) g *= 4;  // cover the curved part of silu
+  Buf<double> gh = random_buf({r, f}, 93), h({r, f});
+  auto loss = [&] {
+    swiglu_forward(ctx, h, gate, up);
+    return dot(gh.v, h.v);
+  };
+  Buf<double> dgate = random_buf({r, f}, 94), dup = random_buf({r, f}, 95);  // overwritten
+  swiglu_backward(ctx, dgate, dup, gh, gate, up);
+  check_gradient(gate.v, dgate.v, loss, 1e-6, 1e-6, 1e-9, "dgate");
+  check_gradient(up.v, dup.v, loss, 1e-6, 1e-6, 1e-9, "dup");
+
+  Buf<double> y({r, f}), dx = random_buf({r, f}, 96);
+  auto silu_loss = [&] {
+    silu_forward(ctx, y, gate);
+    return dot(gh.v, y.v);
+  };
+  silu_backward(ctx, dx, gh, gate);
+  check_gradient(gate.v, dx.v, silu_loss, 1e-6, 1e-6, 1e-9, "silu dx");
+}
+
+TEST_CASE("swiglu f32 agrees with f64", "[swiglu][f32]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t r = 50, f = 40;
+  Buf<double> gate = random_buf({r, f}, 101), up = random_buf({r, f}, 102);
+  for (auto& g : gate.v) g *= 6;
+  Buf<double> gh = random_buf({r, f}, 103), h({r, f}), dgate({r, f}), dup({r, f});
+  swiglu_forward(ctx, h, gate, up);
+  swiglu_backward(ctx, dgate, dup, gh, gate, up);
+  Buf<float> gatef = to_f32(gate), upf = to_f32(up), ghf = to_f32(gh);
+  Buf<float> hf({r, f}), dgatef({r, f}), dupf({r, f});
+  swiglu_forward(ctx, hf, gatef, upf);
+  swiglu_backward(ctx, dgatef, dupf, ghf, gatef, upf);
+  CHECK(max_rel_diff(hf.v, h.v) < 1e-6);
+  CHECK(max_rel_diff(dgatef.v, dgate.v) < 1e-6);
+  CHECK(max_rel_diff(dupf.v, dup.v) < 1e-6);
+  Buf<double> bad({r, f + 1});
+  CHECK_THROWS_AS(swiglu_forward(ctx, bad, gate, up), InternalError);
+}

@@ -1,0 +1,305 @@
+// Tests of the CPU losses (softmax cross-entropy, BCE with logits) and of AdamW.
+// Forwards against hand computations (log-softmax written out, the naive BCE formula, AdamW steps
+// worked through by hand), backwards against central finite differences in f64, f32 against f64 on
+// random inputs, and the BCE mean for bitwise determinism across thread counts.
+// Gradient-check tolerances: rtol 1e-6, atol 1e-9 for both losses (softmax / sigmoid), well above
+// the ~1e-10 truncation + rounding error of h = 1e-6 central differences on O(1) losses.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "catch.hpp"
+#include "moe/ops/loss.hpp"
+#include "moe/ops/optim.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+template <class T>
+Buf<T> make(std::initializer_list<int64_t> dims, const std::vector<T>& vals) {
+  Buf<T> b(dims);
+  REQUIRE(b.size() == vals.size());
+  std::copy(vals.begin(), vals.end(), b.v.begin());
+  return b;
+}
+
+Buf<double> random_buf(std::initializer_list<int64_t> dims, uint64_t seed, double lo = -1,
+                       double hi = 1) {
+  Buf<double> b(dims);
+  fill_uniform(b, seed, lo, hi);
+  return b;
+}
+
+Buf<float> to_f32(const Buf<double>& b) {
+  Buf<float> f;
+  f.v.assign(b.v.begin(), b.v.end());
+  f.t = b.t;
+  f.t.dtype = DType::f32;
+  f.t.data = f.v.data();
+  return f;
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<double>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    worst = std::max(worst, std::fabs(a[i] - b[i]) / (1.0 + std::fabs(b[i])));
+  return worst;
+}
+
+// -log softmax(l)[t], written out without any shift (fine for the small logits it is used on).
+double naive_ce(const std::vector<double>& l, int t) {
+  double s = 0;
+  for (double v : l) s += std::exp(v);
+  return -std::log(std::exp(l[t]) / s);
+}
+
+// -(t log s + (1 - t) log(1 - s)), s = sigmoid(x): the textbook form (overflows for large |x|).
+double naive_bce(double x, double t) {
+  const double s = 1 / (1 + std::exp(-x));
+  return -(t * std::log(s) + (1 - t) * std::log(1 - s));
+}
+
+}  // namespace
+
+// ---- cross-entropy ------------------------------------------------------------------------------
+
+TEST_CASE("cross_entropy_forward: log-softmax by hand, ignored targets, large logits") {
+  // Row 2 is row 0 shifted by 1000: without the max shift exp would overflow.
+  auto logits = make<double>({4, 3}, {0.5, -1, 2,         //
+                                      1, 2, 3,            //
+                                      1000.5, 999, 1002,  //
+                                      0.1, 0.2, 0.3});
+  auto targets = make<int32_t>({4}, {2, -1, 0, 1});
+  Buf<double> losses({4}), lse({4});
+  Ctx ctx = cpu_ctx();
+  cross_entropy_forward(ctx, losses, lse, logits, targets);
+  CHECK(losses[0] == Approx(naive_ce({0.5, -1, 2}, 2)).epsilon(1e-14));
+  CHECK(losses[1] == 0);  // ignored
+  CHECK(losses[2] == Approx(naive_ce({0.5, -1, 2}, 0)).epsilon(1e-12));
+  CHECK(losses[3] == Approx(naive_ce({0.1, 0.2, 0.3}, 1)).epsilon(1e-14));
+  CHECK(lse[1] == Approx(std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0))).epsilon(1e-14));
+  CHECK(lse[2] ==
+        Approx(1000 + std::log(std::exp(0.5) + std::exp(-1.0) + std::exp(2.0))).epsilon(1e-14));
+}
+
+TEST_CASE("cross_entropy_backward matches finite differences; ignored rows are zero") {
+  const int64_t n = 4, v = 5;
+  const double grad_scale = 0.3;
+  auto logits = random_buf({n, v}, 131, -2, 2);
+  auto targets = make<int32_t>({n}, {3, -1, 0, 4});
+  Buf<double> losses({n}), lse({n}), dlogits({n, v});
+  Ctx ctx = cpu_ctx();
+  cross_entropy_forward(ctx, losses, lse, logits, targets);
+  cross_entropy_backward(ctx, dlogits, logits, lse, targets, grad_scale);
+  for (int64_t j = 0; j < v; ++j) CHECK(dlogits[1 * v + j] == 0);  // ignored row
+  Buf<double> lse2({n});
+  check_gradient(
+      logits.v, dlogits.v,
+      [&] {
+        cross_entropy_forward(ctx, losses, lse2, logits, targets);
+        double s = 0;
+        for (double l : losses.v) s += l;
+        return grad_scale * s;
+      },
+      1e-6, 1e-6, 1e-9, "dlogits");
+}
+
+TEST_CASE("cross_entropy_backward: dlogits may alias logits") {
+  const int64_t n = 3, v = 6;
+  auto logits = random_buf({n, v}, 141, -3, 3);
+  auto targets = make<int32_t>({n}, {5, 0, -1});
+  Buf<double> losses({n}), lse({n}), dlogits({n, v});
+  Ctx ctx = cpu_ctx();
+  cross_entropy_forward(ctx, losses, lse, logits, targets);
+  cross_entropy_backward(ctx, dlogits, logits, lse, targets, 1.0);
+  cross_entropy_backward(ctx, logits, logits, lse, targets, 1.0);  // in place
+  CHECK(logits.v == dlogits.v);
+  // rows of softmax - onehot sum to zero
+  double row0 = 0;
+  for (int64_t j = 0; j < v; ++j) row0 += dlogits[j];
+  CHECK(std::fabs(row0) < 1e-15);
+}
+
+TEST_CASE("cross_entropy: f32 agrees with f64") {
+  const int64_t n = 6, v = 50;
+  auto logits = random_buf({n, v}, 151, -5, 5);
+  auto targets = make<int32_t>({n}, {0, 49, -1, 7, 7, 23});
+  auto logits32 = to_f32(logits);
+  Buf<double> losses({n}), lse({n}), dl({n, v});
+  Buf<float> losses32({n}), lse32({n}), dl32({n, v});
+  Ctx ctx = cpu_ctx();
+  cross_entropy_forward(ctx, losses, lse, logits, targets);
+  cross_entropy_forward(ctx, losses32, lse32, logits32, targets);
+  cross_entropy_backward(ctx, dl, logits, lse, targets, 0.5);
+  cross_entropy_backward(ctx, dl32, logits32, lse32, targets, 0.5);
+  CHECK(max_rel_diff(losses32.v, losses.v) < 1e-6);
+  CHECK(max_rel_diff(lse32.v, lse.v) < 1e-6);
+  CHECK(max_rel_diff(dl32.v, dl.v) < 1e-6);
+}
+
+TEST_CASE("cross_entropy rejects a target outside the vocabulary") {
+  Buf<double> logits({2, 3}), losses({2}), lse({2});
+  auto targets = make<int32_t>({2}, {1, 3});
+  Ctx ctx = cpu_ctx();
+  CHECK_THROWS_AS(cross_entropy_forward(ctx, losses, lse, logits, targets), InternalError);
+}
+
+// ---- BCE with logits ----------------------------------------------------------------------------
+
+TEST_CASE("bce_with_logits_forward: the naive formula, and finite for large |x|") {
+  auto x = make<double>({4}, {-1.5, 0.0, 0.7, 3.0});
+  auto t = make<double>({4}, {0, 1, 1, 0.25});
+  Buf<double> loss({1});
+  Ctx ctx = cpu_ctx();
+  bce_with_logits_forward(ctx, loss, x, t);
+  double want = 0;
+  for (int i = 0; i < 4; ++i) want += naive_bce(x[i], t[i]);
+  CHECK(loss[0] == Approx(want / 4).epsilon(1e-14));
+  // |x| = 800: the naive form gives log(0) = -inf. Exact limits: x = 800, t = 0 -> 800;
+  // x = -800, t = 1 -> 800; confident and right -> 0 (up to exp(-800), i.e. exactly 0 here).
+  auto xl = make<double>({4}, {800, -800, 800, -800});
+  auto tl = make<double>({4}, {0, 1, 1, 0});
+  bce_with_logits_forward(ctx, loss, xl, tl);
+  CHECK(std::isfinite(loss[0]));
+  CHECK(loss[0] == Approx((800.0 + 800.0) / 4).epsilon(1e-15));
+  Buf<float> loss32({1});
+  bce_with_logits_forward(ctx, loss32, to_f32(xl), to_f32(tl));
+  CHECK(loss32[0] == Approx(400.0f));
+  Buf<double> dl({4});
+  bce_with_logits_backward(ctx, dl, xl, tl, 1.0);
+  CHECK(dl.v == std::vector<double>{0.25, -0.25, 0.0, 0.0});
+}
+
+TEST_CASE("bce_with_logits_backward matches finite differences") {
+  const int64_t n = 7;
+  const double grad_scale = 1.7;
+  auto x = random_buf({n}, 161, -4, 4);
+  auto t = random_buf({n}, 162, 0, 1);
+  t[0] = 0, t[1] = 1;
+  Buf<double> loss({1}), dx({n});
+  Ctx ctx = cpu_ctx();
+  bce_with_logits_backward(ctx, dx, x, t, grad_scale);
+  check_gradient(
+      x.v, dx.v,
+      [&] {
+        bce_with_logits_forward(ctx, loss, x, t);
+        return grad_scale * loss[0];
+      },
+      1e-6, 1e-6, 1e-9, "dlogits");
+}
+
+TEST_CASE("bce_with_logits: f32 agrees with f64, the mean is thread-count independent") {
+  const int64_t n = 1000;
+  auto x = random_buf({n}, 171, -6, 6);
+  auto t = random_buf({n}, 172, 0, 1);
+  Buf<double> loss({1}), dx({n});
+  Buf<float> loss32({1}), dx32({n});
+  Ctx ctx = cpu_ctx();
+  bce_with_logits_forward(ctx, loss, x, t);
+  bce_with_logits_forward(ctx, loss32, to_f32(x), to_f32(t));
+  bce_with_logits_backward(ctx, dx, x, t, 1.0);
+  bce_with_logits_backward(ctx, dx32, to_f32(x), to_f32(t), 1.0);
+  CHECK(max_rel_diff(loss32.v, loss.v) < 1e-6);
+  CHECK(max_rel_diff(dx32.v, dx.v) < 1e-6);
+  const int saved = omp_get_max_threads();
+  std::vector<double> per_threads;
+  for (int threads : {1, 2, 3}) {
+    omp_set_num_threads(threads);
+    bce_with_logits_forward(ctx, loss, x, t);
+    per_threads.push_back(loss[0]);
+  }
+  omp_set_num_threads(saved);
+  CHECK(per_threads[0] == per_threads[1]);
+  CHECK(per_threads[0] == per_threads[2]);
+}
+
+// ---- AdamW --------------------------------------------------------------------------------------
+
+TEST_CASE("adamw_step: one and two steps by hand, grad_scale applied") {
+  // lr 0.1, betas (0.9, 0.999), eps 1e-8, wd 0.1, grad_scale 2; p0 = 1, g = 0.5 then -0.25.
+  // Step 1: g' = 1, m = 0.1, v = 0.001, m^ = 1, v^ = 1 -> p = 1 - 0.1 (1/(1+1e-8) + 0.1 * 1)
+  //         = 0.890000001.
+  // Step 2: g' = -0.5, m = 0.09 - 0.05 = 0.04, v = 0.000999 + 0.00025 = 0.001249,
+  //         m^ = 0.04 / 0.19, v^ = 0.001249 / 0.001999,
+  //         p = 0.890000001 - 0.1 (m^ / (sqrt(v^) + 1e-8) + 0.1 * 0.890000001) = 0.85446629736...
+  auto p = make<double>({1}, {1.0});
+  auto g = make<double>({1}, {0.5});
+  Buf<double> m({1}), v({1});
+  AdamWArgs a;
+  a.lr = 0.1, a.beta1 = 0.9, a.beta2 = 0.999, a.eps = 1e-8, a.weight_decay = 0.1;
+  a.grad_scale = 2.0, a.step = 1;
+  Ctx ctx = cpu_ctx();
+  adamw_step(ctx, p, g, m, v, a);
+  CHECK(p[0] == Approx(0.890000001).epsilon(1e-14));
+  CHECK(m[0] == Approx(0.1).epsilon(1e-14));
+  CHECK(v[0] == Approx(0.001).epsilon(1e-14));
+  g[0] = -0.25, a.step = 2;
+  adamw_step(ctx, p, g, m, v, a);
+  CHECK(m[0] == Approx(0.04).epsilon(1e-14));
+  CHECK(v[0] == Approx(0.001249).epsilon(1e-14));
+  const double m_hat = 0.04 / 0.19, v_hat = 0.001249 / 0.001999;
+  CHECK(p[0] == Approx(0.890000001 - 0.1 * (m_hat / (std::sqrt(v_hat) + 1e-8) + 0.1 * 0.890000001))
+                    .epsilon(1e-13));
+  CHECK(p[0] == Approx(0.8544662973609032).epsilon(1e-13));
+}
+
+TEST_CASE("adamw_step: weight decay is decoupled from the adaptive step") {
+  // g = 0, fresh state: the Adam update is 0 and p shrinks by exactly lr * wd * p:
+  // 2 - 0.1 * 0.25 * 2 = 1.95. (L2-in-the-gradient would give g = 0.5, an update of ~1 and 1.9.)
+  auto p = make<double>({1}, {2.0});
+  Buf<double> g({1}), m({1}), v({1});
+  AdamWArgs a;
+  a.lr = 0.1, a.weight_decay = 0.25, a.step = 1;
+  Ctx ctx = cpu_ctx();
+  adamw_step(ctx, p, g, m, v, a);
+  CHECK(p[0] == Approx(1.95).epsilon(1e-15));
+  CHECK(m[0] == 0);
+  CHECK(v[0] == 0);
+}
+
+TEST_CASE("adamw_step: grad_scale multiplies g before the moments") {
+  // With existing moments (m 0.1, v 0.01, step 5) the update depends on the scale of g:
+  // g = 4 with grad_scale 0.25 must equal g = 1 unscaled, and differ from g = 4 unscaled.
+  AdamWArgs a;
+  a.lr = 0.01, a.beta1 = 0.9, a.beta2 = 0.99, a.step = 5;
+  Ctx ctx = cpu_ctx();
+  auto run = [&](double grad, double scale) {
+    auto p = make<double>({1}, {1.0});
+    auto g = make<double>({1}, {grad});
+    auto m = make<double>({1}, {0.1});
+    auto v = make<double>({1}, {0.01});
+    a.grad_scale = scale;
+    adamw_step(ctx, p, g, m, v, a);
+    return p[0];
+  };
+  // By hand: m = 0.19, v = 0.0199, p = 1 - 0.01 (0.19/(1-0.9^5)) / (sqrt(0.0199/(1-0.99^5)) + 1e-8)
+  CHECK(run(4.0, 0.25) == Approx(0.9927187712598261).epsilon(1e-14));
+  CHECK(run(1.0, 1.0) == Approx(0.9927187712598261).epsilon(1e-14));
+  CHECK(std::fabs(run(4.0, 1.0) - 0.9927187712598261) > 1e-4);
+}
+
+TEST_CASE("adamw_step: f32 agrees with f64 over several steps") {
+  const int64_t n = 64;
+  auto p = random_buf({n}, 181), m = random_buf({n}, 182, 0, 0.1), v = random_buf({n}, 183, 0, 0.1);
+  auto p32 = to_f32(p), m32 = to_f32(m), v32 = to_f32(v);
+  for (size_t i = 0; i < p.size(); ++i) p[i] = p32[i], m[i] = m32[i], v[i] = v32[i];
+  AdamWArgs a;
+  a.lr = 1e-2, a.weight_decay = 0.1, a.grad_scale = 0.5;
+  Ctx ctx = cpu_ctx();
+  for (long step = 1; step <= 3; ++step) {
+    auto g = random_buf({n}, 190 + step);
+    for (auto& x : g.v) x = static_cast<float>(x);
+    a.step = step;
+    adamw_step(ctx, p, g, m, v, a);
+    adamw_step(ctx, p32, to_f32(g), m32, v32, a);
+  }
+  CHECK(max_rel_diff(p32.v, p.v) < 1e-6);
+  CHECK(max_rel_diff(m32.v, m.v) < 1e-6);
+  CHECK(max_rel_diff(v32.v, v.v) < 1e-6);
+}
