@@ -121,6 +121,8 @@ class Model {
   std::vector<Tensor> stream_;          // L+1 tensors [N, d]: input of each layer, then the output
   Tensor dstream_a_, dstream_b_;        // [N, d] gradient ping-pong
   Tensor xf_, rstdf_, logits_, losses_, lse_;  // final norm, [N, V] logits, per-token losses
+  std::vector<float> host_losses_f32_;         // reused host copies of losses_ (no allocation
+  std::vector<double> host_losses_f64_;        // inside a step after the first)
 };
 
 }  // namespace moe

@@ -23,7 +23,7 @@ void check_ids(const Tensor& ids, int64_t n, int64_t vocab, const char* op) {
   check_shape(ids, {n}, (std::string(op) + ": ids").c_str());
   const int32_t* p = ids.ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
-    if (p[i] < 0 || p[i] > vocab)
+    if (p[i] < 0 || p[i] >= vocab)
       throw InputError(std::string(op) + ": token id " + std::to_string(p[i]) + " at position " +
                        std::to_string(i) + " is outside the vocabulary [0, " +
                        std::to_string(vocab) + ")");

@@ -68,6 +68,8 @@ class MoeFfn {
   Tensor counts_, aux_losses_;                 // [E] i32, [2]
   Tensor offsets_, row_token_, slot_row_;      // [E+1], [N*K], [N*K]
   Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]
+  std::vector<int32_t> host_counts_;           // reused host copies (no allocation per step)
+  std::vector<float> host_load_f32_;
 };
 
 // Causal GQA self-attention with RoPE: y = Wo attn(rope(Wq x), rope(Wk x), Wv x).

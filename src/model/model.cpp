@@ -166,16 +166,16 @@ Losses Model::run(Ctx& ctx, const int32_t* ids, const int32_t* targets, bool bac
   linear_forward(ctx, logits_, xf_, param(head), false);
   cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
 
-  std::vector<double> per_token(static_cast<size_t>(n));
-  if (dtype_ == DType::f64) {
-    copy_to_host(per_token.data(), losses_);
-  } else {
-    std::vector<float> f(per_token.size());
-    copy_to_host(f.data(), losses_);
-    per_token.assign(f.begin(), f.end());
-  }
   double sum = 0;
-  for (double v : per_token) sum += v;
+  if (dtype_ == DType::f64) {
+    host_losses_f64_.resize(static_cast<size_t>(n));
+    copy_to_host(host_losses_f64_.data(), losses_);
+    for (double v : host_losses_f64_) sum += v;
+  } else {
+    host_losses_f32_.resize(static_cast<size_t>(n));
+    copy_to_host(host_losses_f32_.data(), losses_);
+    for (float v : host_losses_f32_) sum += v;
+  }
   losses.lm = valid > 0 ? sum / static_cast<double>(valid) : 0.0;
   if (backward_too) backward(ctx, grad_scale, valid);
   return losses;

@@ -76,9 +76,9 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses) {
   losses.aux += read_scalar(aux_losses_, 0);
   losses.z += read_scalar(aux_losses_, 1);
   auto& load = env_.model.routing().expert_load[moe_index_];
-  std::vector<int32_t> counts(c.num_local_experts);
-  copy_to_host(counts.data(), counts_);
-  for (size_t e = 0; e < counts.size(); ++e) load[e] += counts[e];
+  host_counts_.resize(c.num_local_experts);
+  copy_to_host(host_counts_.data(), counts_);
+  for (size_t e = 0; e < host_counts_.size(); ++e) load[e] += host_counts_[e];
 }
 
 void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale) {
@@ -117,12 +117,11 @@ void MoeFfn::after_step(Ctx& ctx) {
   const auto& c = env_.cfg;
   if (c.router_bias_update_rate <= 0 || ctx.dry_run) return;
   const auto& load = env_.model.routing().expert_load[moe_index_];
-  std::vector<double> host(load.begin(), load.end());
   if (env_.dtype == DType::f32) {
-    std::vector<float> f(host.begin(), host.end());
-    copy_from_host(load_, f.data());
+    host_load_f32_.assign(load.begin(), load.end());
+    copy_from_host(load_, host_load_f32_.data());
   } else {
-    copy_from_host(load_, host.data());
+    copy_from_host(load_, load.data());
   }
   router_bias_update(ctx, bias_, load_, c.router_bias_update_rate);
 }
