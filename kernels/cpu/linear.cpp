@@ -1,8 +1,8 @@
 // Linear layers on the CPU, weights stored [out_features, in_features] (Hugging Face layout), all
-// through BLAS gemm (OpenBLAS threads each call itself, and splits no reduction across threads, so
-// results do not depend on the thread count). The grouped variant runs the experts' matmuls one
-// after another over the row ranges given by offsets; an expert with no rows is skipped, which is
-// exactly "+= 0" for its weight gradient and writes no rows.
+// through BLAS gemm. OpenBLAS threads each call itself; its gemm splits the output among threads,
+// not the inner sums, so results should not depend on the thread count. The grouped variant runs
+// the experts' matmuls one after another over the row ranges given by offsets; an expert with no
+// rows is skipped, which is exactly "+= 0" for its weight gradient and writes no rows.
 #include <string>
 
 #include "cpu/cpu_common.hpp"

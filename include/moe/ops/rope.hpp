@@ -7,7 +7,8 @@ namespace moe {
 
 // Builds the cached table once: cos, sin: [P, hd/2] with cos[p, j] = cos(p * theta^(-2j/hd)).
 MOE_OP(rope_table, (Ctx & ctx, Tensor cos, Tensor sin, double theta), (ctx, cos, sin, theta))
-// In place: x: [N, H, hd] rotated per row by position pos[n] (i32, [N], < P).
+// In place: x: [N, H, hd] rotated per row by position pos[n] (i32, [N], < P; a position outside
+// [0, P) is a caller bug: InternalError).
 MOE_OP(rope_forward, (Ctx & ctx, Tensor x, Tensor pos, Tensor cos, Tensor sin),
        (ctx, x, pos, cos, sin))
 // In place: dx: [N, H, hd] rotated back (the transpose of the forward rotation).
