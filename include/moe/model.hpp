@@ -94,6 +94,11 @@ class Model {
   Tensor grad(const ParamInfo& p) const;
   void zero_grads(Ctx& ctx);
   RoutingStats& routing() { return routing_; }
+  // Logits [B*T, V] of the last forward() (forward_backward overwrites them with gradients).
+  Tensor logits() const { return logits_; }
+  // Non-parameter state that training changes and a checkpoint must keep: the aux-loss-free
+  // router biases ([E] per MoE layer, in layer order).
+  std::vector<Tensor> router_biases() const;
   size_t activation_bytes() const { return acts_.peak_bytes(); }
   size_t scratch_bytes() const { return scratch_.peak_bytes(); }
   int batch() const { return batch_; }

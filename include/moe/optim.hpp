@@ -26,6 +26,10 @@ class AdamW {
   // One update with learning rate `lr`; gradients are multiplied by grad_scale first.
   void step(Ctx& ctx, Model& model, double lr, double grad_scale);
   long steps_taken() const { return step_; }
+  // The moments, laid out like the parameter buffer (for checkpoints).
+  Tensor moment1() const;
+  Tensor moment2() const;
+  void set_steps_taken(long s) { step_ = s; }
 
  private:
   // A run of adjacent parameters sharing one weight-decay choice: one fused update each.

@@ -56,6 +56,7 @@ class MoeFfn {
   void forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses);
   void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale);
   void after_step(Ctx& ctx);
+  Tensor bias() const { return bias_; }
 
  private:
   const LayerEnv& env_;
@@ -96,6 +97,8 @@ class Layer {
   virtual void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
                         double grad_scale) = 0;
   virtual void after_step(Ctx&) {}
+  // Appends the layer's non-parameter persistent state (router biases).
+  virtual void collect_state(std::vector<Tensor>& out) const = 0;
 };
 
 // Pre-norm transformer block: h = x + Attn(norm1(x)); out = h + FFN(norm2(h)).
@@ -107,6 +110,9 @@ class Block : public Layer {
   void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
                 double grad_scale) override;
   void after_step(Ctx& ctx) override;
+  void collect_state(std::vector<Tensor>& out) const override {
+    if (moe_) out.push_back(moe_->bias());
+  }
 
  private:
   const LayerEnv& env_;
@@ -128,6 +134,7 @@ class ModBlock : public Layer {
   void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
                 double grad_scale) override;
   void after_step(Ctx& ctx) override { inner_.after_step(ctx); }
+  void collect_state(std::vector<Tensor>& out) const override { inner_.collect_state(out); }
 
  private:
   const LayerEnv& env_;

@@ -200,6 +200,12 @@ void Model::backward(Ctx& ctx, double grad_scale, int64_t valid) {
   embedding_backward(ctx, grad(embed), dout, ids_);
 }
 
+std::vector<Tensor> Model::router_biases() const {
+  std::vector<Tensor> out;
+  for (const auto& layer : layers_) layer->collect_state(out);
+  return out;
+}
+
 void Model::after_step(Ctx& ctx) {
   for (auto& layer : layers_) layer->after_step(ctx);
 }

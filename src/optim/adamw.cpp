@@ -50,6 +50,13 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model)
   }
 }
 
+Tensor AdamW::moment1() const {
+  return m_.as(dtype_, {static_cast<int64_t>(m_.bytes() / dtype_size(dtype_))});
+}
+Tensor AdamW::moment2() const {
+  return v_.as(dtype_, {static_cast<int64_t>(v_.bytes() / dtype_size(dtype_))});
+}
+
 void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale) {
   ++step_;
   const int64_t total = static_cast<int64_t>(model.table().total);
