@@ -60,11 +60,15 @@ const char* kFullConfig = R"({
             "router_bias_update_rate": 0.003, "tie_word_embeddings": true, "moe_layer_freq": 2,
             "dense_intermediate_size": 200, "norm_topk_prob": false, "num_shared_experts": 1,
             "shared_expert_intermediate_size": 80, "initializer_range": 0.01,
+            "init_from": "hf/mixtral",
             "mod": {"enabled": true, "capacity": 0.5, "every": 3, "predictor_hidden_size": 16,
                     "predictor_loss_coef": 0.5}},
-  "data": {"source": "synthetic", "seq_len": 64, "synthetic": {"seed": 7, "branching": 3}},
+  "data": {"source": "shards", "seq_len": 64, "train_files": "data/train_*.bin",
+           "val_files": "data/val_*.bin", "shuffle": false,
+           "synthetic": {"seed": 7, "branching": 3}},
   "train": {"max_steps": 20, "log_interval": 5, "eval_interval": 10, "eval_batches": 2,
-            "seed": 18446744073709551615, "device": "cuda:1"}
+            "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
+            "save_interval": 5, "keep_checkpoints": 2, "resume": "auto"}
 })";
 
 }  // namespace
@@ -144,6 +148,15 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.eval_batches == 2);
   CHECK(c.train.seed == 18446744073709551615ull);
   CHECK(c.train.device == "cuda:1");
+  CHECK(m.init_from == "hf/mixtral");
+  CHECK(c.data.source == "shards");
+  CHECK(c.data.train_files == "data/train_*.bin");
+  CHECK(c.data.val_files == "data/val_*.bin");
+  CHECK_FALSE(c.data.shuffle);
+  CHECK(c.train.out_dir == "runs/x");
+  CHECK(c.train.save_interval == 5);
+  CHECK(c.train.keep_checkpoints == 2);
+  CHECK(c.train.resume == "auto");
 }
 
 TEST_CASE("config: the printed config is the input layout, key for key") {
@@ -545,11 +558,21 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "zero_optimization.stage",
        {"0, 1, 2 or 3"}},
-      {"token shards",
+      {"shards without files",
        R"({"data": {"source": "shards"}})",
        {},
+       "data.train_files",
+       {"needs a glob", "prepare"}},
+      {"unknown data source",
+       R"({"data": {"source": "webdataset"}})",
+       {},
        "data.source",
-       {"token shards", "\"synthetic\""}},
+       {"\"synthetic\" or \"shards\""}},
+      {"negative save interval",
+       R"({"train": {"save_interval": -1}})",
+       {},
+       "train.save_interval",
+       {">= 0"}},
       // data and run
       {"seq_len > max positions",
        R"({"data": {"seq_len": 8192}})",

@@ -41,6 +41,7 @@ struct ModelConfig {
   int num_shared_experts = 0;
   int shared_expert_intermediate_size = 0;  // 0 = intermediate_size
   double initializer_range = 0.02;
+  std::string init_from;  // "" or a Hugging Face Mixtral checkpoint (directory or .safetensors)
   ModConfig mod;
 
   // Derived (filled by validation).
@@ -93,8 +94,11 @@ struct SyntheticDataConfig {
 };
 
 struct DataConfig {
-  std::string source = "synthetic";
+  std::string source = "synthetic";  // synthetic | shards
   int seq_len = 256;
+  std::string train_files;  // glob of token shards (source "shards")
+  std::string val_files;    // glob of held-out shards ("" = no evaluation)
+  bool shuffle = true;      // shuffle training windows each epoch (deterministic from the seed)
   SyntheticDataConfig synthetic;
 };
 
@@ -105,6 +109,10 @@ struct TrainConfig {
   int eval_batches = 4;
   uint64_t seed = 42;
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
+  std::string out_dir = "runs/default";  // metrics.jsonl and step_NNNNNNNN/ checkpoints
+  int save_interval = 0;                 // steps between checkpoints (0 = only at the end)
+  int keep_checkpoints = 3;              // newest complete checkpoints kept (0 = all)
+  std::string resume;                    // "" | "auto" (newest in out_dir) | a checkpoint path
 };
 
 struct Config {

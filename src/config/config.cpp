@@ -213,11 +213,14 @@ KeyNode model_section() {
                 leaf("num_shared_experts", AT(model.num_shared_experts)),
                 leaf("shared_expert_intermediate_size", AT(model.shared_expert_intermediate_size)),
                 leaf("initializer_range", AT(model.initializer_range)),
+                leaf("init_from", AT(model.init_from)),
                 mod_section()});
 }
 
 KeyNode data_section() {
   return section("data", {leaf("source", AT(data.source)), leaf("seq_len", AT(data.seq_len)),
+                          leaf("train_files", AT(data.train_files)),
+                          leaf("val_files", AT(data.val_files)), leaf("shuffle", AT(data.shuffle)),
                           section("synthetic", {leaf("seed", AT(data.synthetic.seed)),
                                                 leaf("branching", AT(data.synthetic.branching))})});
 }
@@ -227,7 +230,9 @@ KeyNode train_section() {
       "train",
       {leaf("max_steps", AT(train.max_steps)), leaf("log_interval", AT(train.log_interval)),
        leaf("eval_interval", AT(train.eval_interval)), leaf("eval_batches", AT(train.eval_batches)),
-       leaf("seed", AT(train.seed)), leaf("device", AT(train.device))});
+       leaf("seed", AT(train.seed)), leaf("device", AT(train.device)),
+       leaf("out_dir", AT(train.out_dir)), leaf("save_interval", AT(train.save_interval)),
+       leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume))});
 }
 
 KeyNode build_schema() {

@@ -15,7 +15,7 @@ namespace {
 // stay stable as backends land; flipping a flag removes the matching rejection below.
 constexpr bool kHasMixedPrecision = false;  // fp16 / bf16 live in the CUDA backend
 constexpr bool kHasDataParallel = false;    // ZeRO stages 1-3 shard across data-parallel ranks
-constexpr bool kHasTokenShards = false;     // the only data source today is the synthetic chain
+constexpr bool kHasTokenShards = true;      // llm.c-layout token shards (data.train_files)
 // Data-parallel ranks; train_batch_size must equal micro * accumulation * this.
 constexpr int64_t kWorldSize = 1;
 
@@ -193,6 +193,11 @@ void validate_data(const DataConfig& d, const ModelConfig& m) {
     fail("data.seq_len", "must be <= model.max_position_embeddings (" +
                              std::to_string(m.max_position_embeddings) + "), got " +
                              std::to_string(d.seq_len));
+  if (d.source != "synthetic" && d.source != "shards")
+    fail("data.source", "must be \"synthetic\" or \"shards\", got \"" + d.source + "\"");
+  if (d.source == "shards" && d.train_files.empty())
+    fail("data.train_files", "data.source \"shards\" needs a glob of token shards here "
+                             "(written by `moe-train prepare`)");
   if (d.synthetic.branching < 1 || d.synthetic.branching > m.vocab_size)
     fail("data.synthetic.branching",
          "must be in [1, model.vocab_size = " + std::to_string(m.vocab_size) + "], got " +
@@ -217,6 +222,9 @@ void validate_train(const TrainConfig& t) {
   require_at_least("train.eval_batches", t.eval_batches, 1);
   if (!is_device_name(t.device))
     fail("train.device", "must be auto, cpu, cuda or cuda:N, got \"" + t.device + "\"");
+  require_at_least("train.save_interval", t.save_interval, 0);
+  require_at_least("train.keep_checkpoints", t.keep_checkpoints, 0);
+  if (t.out_dir.empty()) fail("train.out_dir", "must name a directory");
 }
 
 // Features the layout can express but this build cannot run: refused up front, never ignored.
