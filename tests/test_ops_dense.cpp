@@ -7,10 +7,13 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "catch.hpp"
+#include "cpu/cpu_common.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/embedding.hpp"
 #include "moe/ops/linear.hpp"
@@ -433,6 +436,116 @@ TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {
   CHECK(max_rel_diff(yf.v, y.v) < 1e-5);
   CHECK(max_rel_diff(dxf.v, dx.v) < 1e-5);
   CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
+}
+
+// ---- gemm: the blocked matmul under every linear op ---------------------------------------------
+
+namespace {
+
+// C = alpha op(A) op(B) + beta C by naive loops in double (beta = 0 does not read C).
+std::vector<double> naive_gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, double alpha,
+                               const std::vector<float>& a, int64_t lda,
+                               const std::vector<float>& b, int64_t ldb, double beta,
+                               const std::vector<float>& c, int64_t ldc) {
+  std::vector<double> out(static_cast<size_t>(m * ldc), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0;
+      for (int64_t l = 0; l < k; ++l)
+        s += static_cast<double>(ta ? a[l * lda + i] : a[i * lda + l]) *
+             static_cast<double>(tb ? b[j * ldb + l] : b[l * ldb + j]);
+      out[i * ldc + j] = alpha * s + (beta == 0 ? 0.0 : beta * c[i * ldc + j]);
+    }
+  return out;
+}
+
+std::vector<float> random_floats(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("gemm cuts by rows, columns or K, matches naive loops, same for 1 and 2 threads",
+          "[linear][gemm]") {
+  using Axis = cpu::GemmBlocks::Axis;
+  struct Shape {
+    int64_t m, n, k;
+    Axis axis;
+  };
+  const Shape shapes[] = {{1000, 80, 96, Axis::rows},
+                          {40, 900, 300, Axis::cols},
+                          {80, 96, 1000, Axis::inner},
+                          {20, 30, 40, Axis::whole}};
+  const int saved = omp_get_max_threads();
+  for (const Shape& s : shapes) {
+    REQUIRE(cpu::gemm_blocks(s.m, s.n, s.k).axis == s.axis);
+    for (int t = 0; t < 8; ++t) {
+      const bool ta = t & 1, tb = t & 2;
+      const float beta = (t & 4) ? 0.5f : 0.0f;
+      INFO("m " << s.m << " n " << s.n << " k " << s.k << " ta " << ta << " tb " << tb << " beta "
+                << beta);
+      const int64_t lda = (ta ? s.m : s.k) + 3, ldb = (tb ? s.k : s.n) + 5, ldc = s.n + 2;
+      const std::vector<float> a = random_floats((ta ? s.k : s.m) * lda, 101 + t);
+      const std::vector<float> b = random_floats((tb ? s.n : s.k) * ldb, 201 + t);
+      std::vector<float> c0 = random_floats(s.m * ldc, 301 + t);
+      if (beta == 0) c0.assign(c0.size(), std::nanf(""));  // beta = 0 must not read C
+      std::vector<float> c1 = c0, c2 = c0;
+      omp_set_num_threads(1);
+      cpu::gemm(ta, tb, s.m, s.n, s.k, 1.5f, a.data(), lda, b.data(), ldb, beta, c1.data(), ldc);
+      omp_set_num_threads(2);
+      cpu::gemm(ta, tb, s.m, s.n, s.k, 1.5f, a.data(), lda, b.data(), ldb, beta, c2.data(), ldc);
+      omp_set_num_threads(saved);
+      CHECK(std::memcmp(c1.data(), c2.data(), c1.size() * sizeof(float)) == 0);
+      const std::vector<double> want =
+          naive_gemm(ta, tb, s.m, s.n, s.k, 1.5, a, lda, b, ldb, beta, c0, ldc);
+      double worst = 0;  // over the n columns of each row; the ldc padding must stay untouched
+      bool padding_kept = true;
+      for (int64_t i = 0; i < s.m; ++i) {
+        for (int64_t j = 0; j < s.n; ++j)
+          worst = std::max(worst, std::fabs(c1[i * ldc + j] - want[i * ldc + j]) /
+                                      (1.0 + std::fabs(want[i * ldc + j])));
+        for (int64_t j = s.n; j < ldc; ++j)
+          padding_kept = padding_kept && std::memcmp(&c1[i * ldc + j], &c0[i * ldc + j], 4) == 0;
+      }
+      CHECK(worst < 1e-4);  // f32 sums of up to 1000 O(1) products: ~1e-5 relative
+      CHECK(padding_kept);
+    }
+  }
+}
+
+TEST_CASE("linear and grouped linear are bitwise the same for 1 and 2 threads", "[linear][gemm]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 1000, in = 96, out = 80, experts = 3;  // every gemm here is cut in blocks
+  Buf<float> x = to_f32(random_buf({n, in}, 91)), w = to_f32(random_buf({out, in}, 92));
+  Buf<float> gy = to_f32(random_buf({n, out}, 93));
+  Buf<float> wg = to_f32(random_buf({experts, out, in}, 94));
+  Buf<int32_t> offsets({experts + 1});
+  offsets.v = {0, 600, 600, static_cast<int32_t>(n)};
+  struct Out {
+    Buf<float> y{n, out}, dx{n, in}, dw{out, in}, yg{n, out}, dxg{n, in}, dwg{experts, out, in};
+  };
+  auto run = [&](int threads, Out& o) {
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    linear_forward(ctx, o.y, x, w, false);
+    linear_backward(ctx, o.dx, o.dw, gy, x, w, false);
+    grouped_linear_forward(ctx, o.yg, x, wg, offsets);
+    grouped_linear_backward(ctx, o.dxg, o.dwg, gy, x, wg, offsets);
+    omp_set_num_threads(saved);
+  };
+  Out one, two;
+  run(1, one);
+  run(2, two);
+  CHECK(one.y.v == two.y.v);
+  CHECK(one.dx.v == two.dx.v);
+  CHECK(one.dw.v == two.dw.v);
+  CHECK(one.yg.v == two.yg.v);
+  CHECK(one.dxg.v == two.dxg.v);
+  CHECK(one.dwg.v == two.dwg.v);
 }
 
 // ---- SwiGLU / SiLU ------------------------------------------------------------------------------

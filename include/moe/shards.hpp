@@ -51,9 +51,13 @@ struct LoaderPosition {
 };
 
 // Training loader: the shards are cut into windows of seq_len + 1 tokens (never crossing a shard
-// boundary); each epoch visits every window once in an order shuffled from (seed, epoch); rank r
-// of `world` takes the windows whose position in that order is r mod world. A batch is `batch`
-// windows: ids = window[0..T), targets = window[1..T].
+// boundary; window w of a shard is tokens [w*T, w*T + T + 1), so neighbours share one token);
+// each epoch visits every window once in an order shuffled from (seed, epoch) (file order when
+// !shuffle); rank r of `world` takes the windows whose position in that order is r mod world.
+// When the window count is not a multiple of world, the order wraps around to the next multiple,
+// so every rank gets windows_per_epoch() windows and the ranks change epoch together. A batch is
+// `batch` windows: ids = window[0..T), targets = window[1..T]; batches continue into the next
+// epoch. Throws InputError naming the files when no shard holds T + 1 tokens.
 class ShardLoader {
  public:
   ShardLoader(const std::vector<std::string>& files, int seq_len, int batch, int rank, int world,
@@ -61,6 +65,7 @@ class ShardLoader {
   ~ShardLoader();
   void next(int32_t* ids, int32_t* targets);  // [batch * seq_len] each
   LoaderPosition position() const;
+  // Throws InputError when `p` does not fit these shards (other data, seq_len or world size).
   void restore(const LoaderPosition& p);
   int64_t windows_per_epoch() const;  // for this rank
   uint32_t max_token() const;         // largest token id in the shards (vocab checks)
@@ -70,9 +75,10 @@ class ShardLoader {
   std::unique_ptr<Impl> impl_;
 };
 
-// Evaluation reader (the llm.c convention): the files in sorted order, read sequentially without
-// shuffling; batch i uses tokens [i*B*T, i*B*T + B*T + 1) as B rows of T inputs and their next
-// tokens. Returns false when fewer than B*T + 1 tokens remain.
+// Evaluation reader (the llm.c convention): the files in sorted order, each read sequentially
+// without shuffling; within a shard, batch i uses tokens [i*B*T, i*B*T + B*T + 1) as B rows of T
+// inputs and their next tokens. A shard's tail shorter than B*T + 1 tokens is skipped and reading
+// continues with the next shard. Returns false when no shard has a batch left.
 class SequentialReader {
  public:
   SequentialReader(const std::vector<std::string>& files, int seq_len, int batch);

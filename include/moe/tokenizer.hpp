@@ -1,4 +1,5 @@
-// Tokenizers: byte-level (built in, vocab 256) and SentencePiece BPE (the system's library).
+// Tokenizers: byte-level (built in: ids 0-255 are the bytes and 256 is EOS, so vocab 257) and
+// SentencePiece BPE (the system's library; unk 0, bos 1, eos 2 when trained here).
 // A tokenizer lives in a directory as `tokenizer.json` (our small description: {"type": "byte"}
 // or {"type": "spm", "model": "tokenizer.model", "vocab_size": N}) plus, for spm, the
 // SentencePiece model file `tokenizer.model`.
@@ -28,7 +29,10 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir);
 // True when `dir` holds a tokenizer.json.
 bool has_tokenizer(const std::string& dir);
 std::unique_ptr<Tokenizer> make_byte_tokenizer();
-// Trains a SentencePiece BPE model of `vocab_size` on the text files (in `work_dir`).
+// Trains a SentencePiece BPE model of `vocab_size` on the text files (read line by line, at most
+// 2M lines sampled); leaves tokenizer.model and tokenizer.vocab in `work_dir`. Text round-trips
+// exactly (identity normalization, byte fallback). Throws InputError for unreadable inputs or a
+// vocabulary the corpus cannot fill.
 std::unique_ptr<Tokenizer> train_spm_tokenizer(const std::vector<std::string>& inputs,
                                                int vocab_size, const std::string& work_dir);
 // Loads an existing SentencePiece model file.
@@ -36,8 +40,10 @@ std::unique_ptr<Tokenizer> load_spm_model(const std::string& model_path);
 
 // `moe-train prepare`: tokenizes the input text files (each file one document, followed by EOS
 // when the tokenizer has one) and writes DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin shards of at
-// most shard_tokens tokens (the last val_fraction of the token stream goes to val) plus the
-// tokenizer. Prints a summary to `log`.
+// most shard_tokens tokens (the last val_fraction of the token stream goes to val, at least 2
+// tokens in each split) plus the tokenizer. Shards of an earlier run in DIR are replaced. Throws
+// InputError naming an unreadable input, or when the corpus is too small for both splits.
+// Prints a one-line summary to `log`.
 struct PrepareOptions {
   std::vector<std::string> inputs;
   std::string tokenizer = "byte";  // byte | spm

@@ -2,6 +2,7 @@
 #pragma once
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 #include "moe/config.hpp"
 #include "moe/tensor.hpp"
@@ -9,7 +10,9 @@
 namespace moe {
 
 struct TrainResult {
-  int steps = 0;
+  int steps = 0;            // the step the run ended at (counting resumed steps)
+  int resumed_from = 0;     // the checkpoint step it started from (0 = fresh)
+  std::vector<double> losses;  // LM loss of each step this call ran
   double last_loss = 0;     // LM loss of the last step
   double eval_loss = 0;     // LM loss on the held-out stream at the end
   double optimal_loss = 0;  // the data's best achievable loss (synthetic source)
@@ -19,9 +22,14 @@ struct TrainResult {
 // Picks the device from train.device ("auto" = cuda when built in and present, else cpu).
 Device resolve_device(const std::string& spec);
 
+struct TrainOptions {
+  // Return after this many steps of the run as if killed (tests of resume); 0 = run to the end.
+  int stop_after_step = 0;
+};
+
 // Trains per `cfg`, printing progress lines to `out`. Throws ConfigError / InputError on bad
 // input and std::runtime_error when training itself fails (e.g. the loss diverges).
-TrainResult train(const Config& cfg, std::ostream& out);
+TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt = {});
 
 // One line describing the build: version, CUDA archs compiled in, BLAS, MPI, OpenMP threads.
 std::string build_info();

@@ -49,6 +49,12 @@ AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, const
   return s;
 }
 
+// Scalar operations of one attention pass, about: T^2/2 causal pairs per head, a few hd-long dot
+// products and updates per pair.
+int64_t attention_work(const AttnDims& s) {
+  return s.batch * s.heads * s.seq * s.seq * s.hd;
+}
+
 template <class T>
 double dot_acc(const T* a, const T* b, int64_t n) {
   double s = 0;
@@ -135,7 +141,7 @@ void attention_forward(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Ten
     const T *pq = q.ptr<T>(), *pk = k.ptr<T>(), *pv = v.ptr<T>();
     T *po = out.ptr<T>(), *pl = lse.ptr<T>();
     const int64_t tasks = s.batch * s.heads;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (parallel_worth(attention_work(s)))
     for (int64_t t = 0; t < tasks; ++t)
       forward_head<T>(s, t / s.heads, t % s.heads, pq, pk, pv, po, pl);
   });
@@ -160,7 +166,7 @@ void attention_backward(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, 
     const T *po = out.ptr<T>(), *pl = lse.ptr<T>();
     T *pdq = dq.ptr<T>(), *pdk = dk.ptr<T>(), *pdv = dv.ptr<T>();
     const int64_t tasks = s.batch * s.kv_heads;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) if (parallel_worth(attention_work(s)))
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t b = t / s.kv_heads, g = t % s.kv_heads;
       KvGrads acc{std::vector<double>(static_cast<size_t>(s.seq * s.hd), 0.0),

@@ -1,7 +1,6 @@
-// Shared helpers of the CPU reference ops: float-type dispatch and BLAS matmuls in float or double.
+// Shared helpers of the CPU reference ops: float-type dispatch, the OpenMP work threshold, and BLAS
+// matmuls in float or double, split over OpenMP threads with BLAS itself single-threaded.
 #pragma once
-#include <cblas.h>
-
 #include <cmath>
 #include <cstdint>
 
@@ -18,26 +17,36 @@ void dispatch_float(DType t, const char* op, Fn&& fn) {
                       dtype_name(t));
 }
 
-// C[M,N] = alpha * op(A) op(B) + beta * C, row-major; op = transpose when the flag is set.
-inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
-                 const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
-                 int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-inline void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
-                 const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
-                 int64_t ldc) {
-  if (m == 0 || n == 0) return;
-  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
-              m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-
 // Below this many scalar operations an OpenMP region costs more than it saves (thread wake-up,
 // barrier; far worse when cores are shared). Use: #pragma omp parallel for if (parallel_worth(n))
 constexpr int64_t kParallelMinWork = 1 << 16;
-inline bool parallel_worth(int64_t work) { return work >= kParallelMinWork; }
+inline bool parallel_worth(int64_t work) {
+  return work >= kParallelMinWork;
+}
+// What one exp, log or sqrt-class call counts for in such a work estimate (tens of cycles).
+constexpr int64_t kExpWork = 16;
+
+// Makes BLAS single-threaded, once (the first call; cheap after): gemm() splits big matmuls over
+// OpenMP threads itself, so OpenBLAS's own thread pool never competes with OpenMP's. gemm() calls
+// it.
+void init_blas_threads();
+
+// How gemm() cuts a matmul into blocks, from its shape alone (never the thread count).
+struct GemmBlocks {
+  enum Axis { whole, rows, cols, inner } axis;  // cut C's rows, C's columns, or the sum over K
+  int64_t step, count;                          // rows / columns / K per block, number of blocks
+};
+GemmBlocks gemm_blocks(int64_t m, int64_t n, int64_t k);
+
+// C[M,N] = alpha * op(A) op(B) + beta * C, row-major; op = transpose when the flag is set.
+// Large products are cut into blocks by gemm_blocks and the blocks run on OpenMP threads (unless
+// already inside a parallel region), each one single-threaded BLAS call. The cut depends only on
+// the shape, so results are bitwise the same for any thread count.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+          const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+          int64_t ldc);
 
 template <class T>
 inline T sigmoid(T x) {

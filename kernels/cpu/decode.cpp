@@ -2,8 +2,9 @@
 // values, for one token at a time of autoregressive sampling:
 //   s_j = q . k_j / sqrt(hd) for j < lengths[b],  o = sum_j exp(s_j - max_s) v_j / sum_j exp(...)
 // The loops follow attention_forward's row computation term for term (double dot products,
-// max-shifted exponentials summed in index order), so the decode output of a token equals the
-// training attention's output at that token's row up to the last bit on the same inputs.
+// max-shifted exponentials summed in index order), so on the same inputs the decode output of a
+// token equals the training attention's output at that token's row to rounding (bitwise, built
+// with the same flags).
 // Entries at or beyond lengths[b] are never read: they may hold anything. Parallel over
 // (batch, head) once the work is large enough to pay for a thread team.
 #include <algorithm>

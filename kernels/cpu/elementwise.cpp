@@ -14,7 +14,6 @@
 namespace moe::cpu {
 namespace {
 
-constexpr int64_t kParallelMin = 1 << 15;  // elements below which a loop stays serial
 constexpr int64_t kReduceChunk = 1 << 14;  // fixed chunk of the deterministic reduction
 
 void check_numel(const Tensor& a, const Tensor& b, const char* what) {
@@ -39,7 +38,7 @@ void fill(Ctx& ctx, Tensor x, double value) {
     T* p = x.ptr<T>();
     const int64_t n = x.numel();
     const T v = static_cast<T>(value);
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n))
     for (int64_t i = 0; i < n; ++i) p[i] = v;
   });
 }
@@ -60,7 +59,7 @@ void add(Ctx& ctx, Tensor out, Tensor a, Tensor b) {
     const T* pa = a.ptr<T>();
     const T* pb = b.ptr<T>();
     const int64_t n = out.numel();
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n))
     for (int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
   });
 }
@@ -73,7 +72,7 @@ void axpy(Ctx& ctx, Tensor y, Tensor x, double alpha) {
     const T* px = x.ptr<T>();
     const int64_t n = y.numel();
     const T a = static_cast<T>(alpha);
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n))
     for (int64_t i = 0; i < n; ++i) py[i] += a * px[i];
   });
 }
@@ -84,7 +83,7 @@ void scale(Ctx& ctx, Tensor x, double alpha) {
     T* p = x.ptr<T>();
     const int64_t n = x.numel();
     const T a = static_cast<T>(alpha);
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n))
     for (int64_t i = 0; i < n; ++i) p[i] *= a;
   });
 }
@@ -100,7 +99,7 @@ void sum_squares(Ctx& ctx, Tensor out, Tensor x) {
     const int64_t n = x.numel();
     const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
     std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-#pragma omp parallel for if (chunks > 1)
+#pragma omp parallel for if (parallel_worth(n))
     for (int64_t c = 0; c < chunks; ++c)
       partial[c] = sum_squares_range(p, c * kReduceChunk, std::min(n, (c + 1) * kReduceChunk));
     double total = 0;

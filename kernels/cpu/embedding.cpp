@@ -44,7 +44,7 @@ void embedding_forward(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
     const int32_t* id = ids.ptr<int32_t>();
     const T* tab = table.ptr<T>();
     T* o = out.ptr<T>();
-#pragma omp parallel for if (n * d >= (1 << 15))
+#pragma omp parallel for if (parallel_worth(n * d))
     for (int64_t i = 0; i < n; ++i) std::copy_n(tab + id[i] * d, d, o + i * d);
   });
 }
@@ -63,7 +63,7 @@ void embedding_backward(Ctx& ctx, Tensor dtable, Tensor dout, Tensor ids) {
     const T* g = dout.ptr<T>();
     T* dt = dtable.ptr<T>();
     const int64_t blocks = (d + kColumnBlock - 1) / kColumnBlock;
-#pragma omp parallel for if (n * d >= (1 << 15))
+#pragma omp parallel for if (parallel_worth(n * d))
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c0 = b * kColumnBlock, c1 = std::min(d, c0 + kColumnBlock);
       for (int64_t i = 0; i < n; ++i) {  // token order: deterministic sums for repeated ids

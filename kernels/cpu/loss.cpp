@@ -21,11 +21,12 @@ namespace {
 
 constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic sums
 
-// sum_{i < n} f(i) in double, in a blocking that does not depend on the thread count.
+// sum_{i < n} f(i) in double, in a blocking that does not depend on the thread count; f(i) costs
+// about item_work scalar operations.
 template <class F>
-double deterministic_sum(int64_t n, F&& f) {
+double deterministic_sum(int64_t n, int64_t item_work, F&& f) {
   double partial[kSumBlocks];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n * item_work))
   for (int b = 0; b < kSumBlocks; ++b) {
     const int64_t begin = n * b / kSumBlocks, end = n * (b + 1) / kSumBlocks;
     double s = 0;
@@ -59,7 +60,7 @@ void ce_forward_impl(Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
   const int32_t* tgt = targets.ptr<int32_t>();
   T* loss = losses.ptr<T>();
   T* lse_p = lse.ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n * v * kExpWork))
   for (int64_t i = 0; i < n; ++i) {
     const double s = logsumexp_row(l + i * v, v);
     lse_p[i] = static_cast<T>(s);
@@ -75,7 +76,7 @@ void ce_backward_impl(Tensor dlogits, Tensor logits, Tensor lse, Tensor targets,
   const T* l = logits.ptr<T>();
   const T* lse_p = lse.ptr<T>();
   const int32_t* tgt = targets.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n * v * kExpWork))
   for (int64_t i = 0; i < n; ++i) {
     const int64_t t = tgt[i];
     const double s = lse_p[i];
@@ -92,7 +93,8 @@ void bce_forward_impl(Tensor loss, Tensor logits, Tensor targets) {
   const int64_t n = logits.size(0);
   const T* x = logits.ptr<T>();
   const T* t = targets.ptr<T>();
-  const double sum = deterministic_sum(n, [&](int64_t i) { return bce_with_logits(x[i], t[i]); });
+  const double sum =
+      deterministic_sum(n, 2 * kExpWork, [&](int64_t i) { return bce_with_logits(x[i], t[i]); });
   loss.ptr<T>()[0] = static_cast<T>(n > 0 ? sum / n : 0.0);
 }
 
@@ -103,7 +105,7 @@ void bce_backward_impl(Tensor dlogits, Tensor logits, Tensor targets, double gra
   const T* x = logits.ptr<T>();
   const T* t = targets.ptr<T>();
   const double scale = n > 0 ? grad_scale / n : 0.0;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n * kExpWork))
   for (int64_t i = 0; i < n; ++i)
     dx[i] = static_cast<T>(scale * (sigmoid(static_cast<double>(x[i])) - t[i]));
 }

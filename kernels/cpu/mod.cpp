@@ -20,6 +20,8 @@
 namespace moe::cpu {
 namespace {
 
+constexpr int64_t kSelectWork = 16;  // scalar operations per position of a top-C selection
+
 // The sequence length T of x: [B*T, d] for sel: [B, C], checked.
 int64_t seq_len(const Tensor& x, const Tensor& sel, const char* op) {
   MOE_CHECK(x.ndim == 2 && sel.ndim == 2, std::string(op) +
@@ -66,7 +68,7 @@ void select_impl(Tensor sel, Tensor mask, Tensor scores) {
   const T* r = scores.ptr<T>();
   T* m = mask.ptr<T>();
   int32_t* s = sel.ptr<int32_t>();
-#pragma omp parallel
+#pragma omp parallel if (parallel_worth(b * t * kSelectWork))
   {
     std::vector<int32_t> idx;  // one scratch per thread
 #pragma omp for schedule(static)
@@ -90,7 +92,7 @@ void gather_forward_impl(Tensor xs, Tensor x, Tensor sel, int64_t t) {
   T* out = xs.ptr<T>();
   const T* in = x.ptr<T>();
   const int32_t* s = sel.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * d))
   for (int64_t i = 0; i < rows; ++i) {
     const T* src = in + source_row(s, i, c, t) * d;
     for (int64_t j = 0; j < d; ++j) out[i * d + j] = src[j];
@@ -103,7 +105,7 @@ void gather_backward_impl(Tensor dx, Tensor dxs, Tensor sel, int64_t t) {
   T* out = dx.ptr<T>();
   const T* in = dxs.ptr<T>();
   const int32_t* s = sel.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * d))
   for (int64_t i = 0; i < rows; ++i) {
     T* dst = out + source_row(s, i, c, t) * d;
     for (int64_t j = 0; j < d; ++j) dst[j] += in[i * d + j];
@@ -113,7 +115,7 @@ void gather_backward_impl(Tensor dx, Tensor dxs, Tensor sel, int64_t t) {
 template <class T>
 void copy_rows(T* dst, const T* src, int64_t n) {
   if (dst == src) return;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n))
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
 }
 
@@ -126,7 +128,7 @@ void scatter_forward_impl(Tensor out, Tensor x, Tensor ys, Tensor scores, Tensor
   const T* r = scores.ptr<T>();
   const int32_t* s = sel.ptr<int32_t>();
   copy_rows(o, xp, x.numel());  // skipped rows: out = x
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * d))
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = source_row(s, i, c, t);
     const T g = sigmoid(r[row]);  // scores: [B, T] has the same flat index as the row of x
@@ -151,9 +153,9 @@ void scatter_backward_impl(Tensor dx, Tensor dys, Tensor dscores, Tensor dout, T
   const int32_t* s = sel.ptr<int32_t>();
   copy_rows(dxp, go, dout.numel());  // skipped rows: dx = dout
   const int64_t n_scores = scores.numel();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_scores))
   for (int64_t i = 0; i < n_scores; ++i) dr[i] = T(0);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * d))
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t row = source_row(s, i, c, t);
     const T g = sigmoid(r[row]);

@@ -54,7 +54,7 @@ void rmsnorm_forward(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, double
     const T* pw = w.ptr<T>();
     T* py = y.ptr<T>();
     T* pr = rstd.ptr<T>();
-#pragma omp parallel for if (n * d >= (1 << 14))
+#pragma omp parallel for if (parallel_worth(n * d))
     for (int64_t i = 0; i < n; ++i) {
       const T* xi = px + i * d;
       T* yi = py + i * d;
@@ -83,14 +83,13 @@ void rmsnorm_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tenso
     const T* pr = rstd.ptr<T>();
     T* pdx = dx.ptr<T>();
     T* pdw = dw.ptr<T>();
-    const bool parallel = n * d >= (1 << 14);
-#pragma omp parallel for if (parallel)
+#pragma omp parallel for if (parallel_worth(n * d))
     for (int64_t i = 0; i < n; ++i)
       row_dx(pdx + i * d, pdy + i * d, px + i * d, pw, static_cast<double>(pr[i]), d);
 
     // dw += sum_n dy * x * rstd, rows in order within each column block.
     const int64_t blocks = (d + kColumnBlock - 1) / kColumnBlock;
-#pragma omp parallel for if (parallel)
+#pragma omp parallel for if (parallel_worth(n * d))
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c0 = b * kColumnBlock, c1 = std::min(d, c0 + kColumnBlock);
       double acc[kColumnBlock] = {};

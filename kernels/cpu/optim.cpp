@@ -13,7 +13,7 @@
 namespace moe::cpu {
 namespace {
 
-constexpr int64_t kParallelMin = 1 << 14;  // elements below which the loop stays serial
+constexpr int64_t kAdamWork = 16;  // scalar operations per element (a sqrt, a division, ~12 flops)
 
 template <class T>
 void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
@@ -24,7 +24,7 @@ void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   T* vp = v.ptr<T>();
   const double t = static_cast<double>(a.step);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
-#pragma omp parallel for schedule(static) if (n >= kParallelMin)
+#pragma omp parallel for schedule(static) if (parallel_worth(n * kAdamWork))
   for (int64_t i = 0; i < n; ++i) {
     const double gi = a.grad_scale * gp[i];
     const double mi = a.beta1 * mp[i] + (1.0 - a.beta1) * gi;

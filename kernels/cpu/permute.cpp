@@ -43,7 +43,7 @@ void permute_forward_impl(Tensor xp, Tensor x, Tensor row_token) {
   T* out = xp.ptr<T>();
   const T* in = x.ptr<T>();
   const int32_t* tok = row_token.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * d))
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = in + tok[r] * d;
     T* dst = out + r * d;
@@ -57,7 +57,7 @@ void permute_backward_impl(Tensor dx, Tensor dxp, Tensor slot_row, int64_t k) {
   T* out = dx.ptr<T>();
   const T* in = dxp.ptr<T>();
   const int32_t* row = slot_row.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
   for (int64_t n = 0; n < n_tok; ++n) {
     T* dst = out + n * d;
     for (int64_t j = 0; j < d; ++j) dst[j] = T(0);
@@ -75,7 +75,7 @@ void combine_forward_impl(Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row) {
   const T* in = yp.ptr<T>();
   const T* w = topk_w.ptr<T>();
   const int32_t* row = slot_row.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
   for (int64_t n = 0; n < n_tok; ++n) {
     T* dst = out + n * d;
     for (int64_t j = 0; j < d; ++j) dst[j] = T(0);
@@ -98,7 +98,7 @@ void combine_backward_impl(Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Ten
   const T* w = topk_w.ptr<T>();
   const int32_t* row = slot_row.ptr<int32_t>();
   // Slot s owns permuted row slot_row[s] (the plan's permutation), so the writes never collide.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
   for (int64_t s = 0; s < n_tok * k; ++s) {
     const T* g = dy_p + (s / k) * d;
     const T* ys = yp_p + row[s] * d;

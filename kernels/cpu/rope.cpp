@@ -44,7 +44,7 @@ void rotate_rows(Tensor x, const int32_t* pos, const Tensor& cos, const Tensor& 
   T* px = x.ptr<T>();
   const T* pc = cos.ptr<T>();
   const T* ps = sin.ptr<T>();
-#pragma omp parallel for if (n * heads * hd >= (1 << 14))
+#pragma omp parallel for if (parallel_worth(n * heads * hd))
   for (int64_t i = 0; i < n; ++i) {
     const T* c = pc + pos[i] * half;
     const T* s = ps + pos[i] * half;
@@ -73,7 +73,7 @@ void rope_table(Ctx& ctx, Tensor cos, Tensor sin, double theta) {
     T* pc = cos.ptr<T>();
     T* ps = sin.ptr<T>();
     const double hd = 2.0 * static_cast<double>(half);
-#pragma omp parallel for if (max_pos * half >= (1 << 14))
+#pragma omp parallel for if (parallel_worth(max_pos * half * 3 * kExpWork))
     for (int64_t p = 0; p < max_pos; ++p) {
       for (int64_t j = 0; j < half; ++j) {
         const double angle = static_cast<double>(p) * std::pow(theta, -2.0 * j / hd);

@@ -26,11 +26,12 @@ namespace {
 
 constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic row sums
 
-// sum_{n < rows} f(n) in double, in a blocking that does not depend on the thread count.
+// sum_{n < rows} f(n) in double, in a blocking that does not depend on the thread count; f(n)
+// costs about row_work scalar operations.
 template <class F>
-double deterministic_row_sum(int64_t rows, F&& f) {
+double deterministic_row_sum(int64_t rows, int64_t row_work, F&& f) {
   double partial[kSumBlocks];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(rows * row_work))
   for (int b = 0; b < kSumBlocks; ++b) {
     const int64_t begin = rows * b / kSumBlocks, end = rows * (b + 1) / kSumBlocks;
     double s = 0;
@@ -105,7 +106,8 @@ void topk_forward_impl(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor coun
   T* p = probs.ptr<T>();
   T* w = topk_w.ptr<T>();
   int32_t* idx = topk_idx.ptr<int32_t>();
-#pragma omp parallel for schedule(static)
+  // Per row: softmax (an exp per expert), K selection scans over E, K more exps.
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * n_exp * (kExpWork + 4 * k)))
   for (int64_t n = 0; n < n_tok; ++n) {
     // l_n, p_n: [E]   idx_n, w_n: [K]
     const T* ln = l + n * n_exp;
@@ -139,7 +141,7 @@ void topk_backward_impl(Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor top
   const int32_t* idx = topk_idx.ptr<int32_t>();
   T* dl = dlogits.ptr<T>();
   check_expert_indices(idx, n_tok * k, n_exp, "router_topk_backward");
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * (n_exp + 8 * k)))
   for (int64_t n = 0; n < n_tok; ++n) {
     const T* pn = p + n * n_exp;
     const T* dwn = dw + n * k;
@@ -178,13 +180,13 @@ void aux_forward_impl(Tensor losses, Tensor logits, Tensor probs, Tensor counts,
     return;
   }
   // aux = sum_n sum_e (d aux / d p_ne) p_ne, since aux is linear in p with f held constant.
-  const double aux = deterministic_row_sum(n_tok, [&](int64_t n) {
+  const double aux = deterministic_row_sum(n_tok, 8 * n_exp, [&](int64_t n) {
     double s = 0;
     for (int64_t e = 0; e < n_exp; ++e)
       s += aux_grad_factor(aux_coef, n_exp, c[e], n_tok, k) * p[n * n_exp + e];
     return s;
   });
-  const double sum_lse2 = deterministic_row_sum(n_tok, [&](int64_t n) {
+  const double sum_lse2 = deterministic_row_sum(n_tok, n_exp * kExpWork, [&](int64_t n) {
     const double lse = logsumexp_row(l + n * n_exp, n_exp);
     return lse * lse;
   });
@@ -200,7 +202,7 @@ void aux_backward_impl(Tensor dlogits, Tensor logits, Tensor probs, Tensor count
   const T* p = probs.ptr<T>();
   const int32_t* c = counts.ptr<int32_t>();
   T* dl = dlogits.ptr<T>();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * n_exp * (kExpWork + 16)))
   for (int64_t n = 0; n < n_tok; ++n) {
     const T* pn = p + n * n_exp;
     // aux through the softmax: p_e * (g_e - sum_j p_j g_j), g_e = aux_grad_factor(e).

@@ -11,8 +11,6 @@
 namespace moe::cpu {
 namespace {
 
-constexpr int64_t kParallelMin = 1 << 14;  // elements below which a loop stays serial
-
 template <class T>
 T silu(T a) {
   return a * sigmoid(a);
@@ -54,7 +52,7 @@ void swiglu_forward(Ctx& ctx, Tensor h, Tensor gate, Tensor up) {
     const T* u = up.ptr<T>();
     T* ph = h.ptr<T>();
     const int64_t n = gate.numel();
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n * kExpWork))
     for (int64_t i = 0; i < n; ++i) ph[i] = silu(g[i]) * u[i];
   });
 }
@@ -70,7 +68,7 @@ void swiglu_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dh, Tensor gate,
     T* dg = dgate.ptr<T>();
     T* du = dup.ptr<T>();
     const int64_t n = gate.numel();
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n * kExpWork))
     for (int64_t i = 0; i < n; ++i) {
       const T gi = g[i], ui = u[i], di = d[i];  // read all before writing: outputs may alias dh
       dg[i] = di * ui * silu_grad(gi);
@@ -87,7 +85,7 @@ void silu_forward(Ctx& ctx, Tensor y, Tensor x) {
     const T* px = x.ptr<T>();
     T* py = y.ptr<T>();
     const int64_t n = x.numel();
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n * kExpWork))
     for (int64_t i = 0; i < n; ++i) py[i] = silu(px[i]);
   });
 }
@@ -101,7 +99,7 @@ void silu_backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x) {
     const T* pdy = dy.ptr<T>();
     T* pdx = dx.ptr<T>();
     const int64_t n = x.numel();
-#pragma omp parallel for if (n >= kParallelMin)
+#pragma omp parallel for if (parallel_worth(n * kExpWork))
     for (int64_t i = 0; i < n; ++i) pdx[i] = pdy[i] * silu_grad(px[i]);
   });
 }

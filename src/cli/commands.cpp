@@ -1,98 +1,28 @@
-// `train` and `info`: flags, config loading (with --set overrides) and the calls into the library.
-#include <cmath>
-#include <cstdio>
-#include <functional>
-#include <iostream>
-#include <map>
-#include <memory>
-
+// The runner registry and the flags every config-reading subcommand shares.
 #include "cli/commands.hpp"
-#include "moe/config.hpp"
-#include "moe/model.hpp"
-#include "moe/trainer.hpp"
+
+#include <map>
 
 namespace moe::cli {
 
 namespace {
-
-struct CommonFlags {
-  std::string config_path;
-  std::vector<std::string> overrides;
-};
-
 std::map<std::string, std::function<void()>>& runners() {
   static std::map<std::string, std::function<void()>> r;
   return r;
 }
+}  // namespace
 
-void add_config_flags(CLI::App* cmd, CommonFlags& f) {
+void register_runner(const std::string& name, std::function<void()> run) {
+  runners()[name] = std::move(run);
+}
+
+void add_config_flags(CLI::App* cmd, ConfigFlags& f) {
   cmd->add_option("-c,--config", f.config_path, "JSON config file (see docs/config.md)")
       ->required();
   cmd->add_option("--set", f.overrides,
                   "override a config key, e.g. --set optimizer.params.lr=1e-3 (repeatable)")
       ->take_all()
       ->allow_extra_args(false);
-}
-
-double mib(double bytes) { return bytes / 1048576.0; }
-
-void run_train(const CommonFlags& f, const std::string& device) {
-  std::vector<std::string> overrides = f.overrides;
-  if (!device.empty()) overrides.push_back("train.device=\"" + device + "\"");
-  Config cfg = load_config(f.config_path, overrides);
-  std::cout << build_info() << "\nresolved config:\n" << config_to_json(cfg) << "\n" << std::flush;
-  TrainResult r = train(cfg, std::cout);
-  std::printf("done: %d steps | last train loss %.4f | eval loss %.4f | best achievable %.4f\n",
-              r.steps, r.last_loss, r.eval_loss, r.optimal_loss);
-}
-
-void run_info(const CommonFlags& f) {
-  Config cfg = load_config(f.config_path, f.overrides);
-  const ModelConfig& m = cfg.model;
-  const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
-  const ParamCounts c = count_params(m, t);
-  // The CPU backend trains in fp32: parameters, gradients and both Adam moments in fp32.
-  const double param_bytes = c.total * 4, grad_bytes = c.total * 4, optim_bytes = c.total * 8;
-  Model plan(m, DType::f32, Device{}, b, t, /*allocate=*/false);
-  const double act_bytes = static_cast<double>(plan.activation_bytes());
-  const double scratch_bytes = static_cast<double>(plan.scratch_bytes());
-  std::printf("%s\n", build_info().c_str());
-  std::printf("model: %d layers, d %d, %d experts (top-%d), vocab %d, seq_len %d, batch %d\n",
-              m.num_hidden_layers, m.hidden_size, m.num_local_experts, m.num_experts_per_tok,
-              m.vocab_size, t, b);
-  std::printf("parameters:        %14.0f total (%.3fM)\n", c.total, c.total / 1e6);
-  std::printf("active per token:  %14.0f (%.3fM)\n", c.active_per_token, c.active_per_token / 1e6);
-  std::printf("training FLOPs:    %14.4g per token (%.4g per step of %d tokens)\n",
-              c.flops_per_token, c.flops_per_token * b * t * cfg.gradient_accumulation_steps,
-              b * t * cfg.gradient_accumulation_steps);
-  std::printf("memory (fp32, per process):\n");
-  std::printf("  parameters        %10.1f MiB\n", mib(param_bytes));
-  std::printf("  gradients         %10.1f MiB\n", mib(grad_bytes));
-  std::printf("  optimizer state   %10.1f MiB (AdamW m, v)\n", mib(optim_bytes));
-  std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d)\n",
-              mib(act_bytes), b);
-  std::printf("  backward scratch  %10.1f MiB\n", mib(scratch_bytes));
-  std::printf("  total             %10.1f MiB\n",
-              mib(param_bytes + grad_bytes + optim_bytes + act_bytes + scratch_bytes));
-}
-
-}  // namespace
-
-void add_train_command(CLI::App& app) {
-  auto flags = std::make_shared<CommonFlags>();
-  auto device = std::make_shared<std::string>();
-  CLI::App* cmd = app.add_subcommand("train", "train a model as the config describes");
-  add_config_flags(cmd, *flags);
-  cmd->add_option("--device", *device, "cpu | cuda | cuda:N | auto (overrides train.device)");
-  runners()["train"] = [flags, device] { run_train(*flags, *device); };
-}
-
-void add_info_command(CLI::App& app) {
-  auto flags = std::make_shared<CommonFlags>();
-  CLI::App* cmd = app.add_subcommand(
-      "info", "print parameter counts, FLOPs per token and a memory estimate for a config");
-  add_config_flags(cmd, *flags);
-  runners()["info"] = [flags] { run_info(*flags); };
 }
 
 void run_selected(CLI::App& app) {

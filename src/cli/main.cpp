@@ -16,6 +16,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string(MOE_VERSION));
   moe::cli::add_train_command(app);
+  moe::cli::add_eval_command(app);
+  moe::cli::add_sample_command(app);
+  moe::cli::add_prepare_command(app);
+  moe::cli::add_export_command(app);
   moe::cli::add_info_command(app);
   try {
     app.parse(argc, argv);

@@ -1,17 +1,24 @@
 // The training loop. Each step: zero gradients, run gradient_accumulation_steps micro-batches
 // (each scaled by 1/accum so the step sees the mean), clip by global norm, AdamW, then router
-// bias updates; progress lines every log_interval steps and held-out evaluation every
-// eval_interval steps and at the end.
+// bias updates. Every log_interval steps a progress line and a metrics.jsonl record; every
+// eval_interval steps and at the end a held-out evaluation; every save_interval steps and at the
+// end a checkpoint. A resumed run restores model, optimizer, RNG and data position and continues
+// with bitwise the same losses.
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ostream>
-#include <sstream>
 
-#include "moe/data.hpp"
+#include <nlohmann/json.hpp>
+
+#include "moe/checkpoint.hpp"
+#include "moe/metrics.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
 #include "moe/trainer.hpp"
+#include "train/train_data.hpp"
 
 namespace moe {
 
@@ -25,10 +32,10 @@ Device resolve_device(const std::string& spec) {
 
 namespace {
 
-struct Batch {
-  std::vector<int32_t> ids, targets;
-  Batch(int b, int t) : ids(static_cast<size_t>(b) * t), targets(static_cast<size_t>(b) * t) {}
-};
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
 
 std::string format_eta(double seconds) {
   char buf[32];
@@ -43,21 +50,68 @@ std::string format_eta(double seconds) {
   return buf;
 }
 
-// Mean LM loss over `batches` micro-batches of the held-out stream (the same batches each time).
-double evaluate(Ctx& ctx, Model& model, const MarkovSource& source, uint64_t seed, int batches) {
-  Rng rng(seed);
-  Batch batch(model.batch(), model.seq_len());
-  double sum = 0;
-  for (int i = 0; i < batches; ++i) {
-    source.sample(rng, model.batch(), model.seq_len(), batch.ids.data(), batch.targets.data());
-    sum += model.forward(ctx, batch.ids.data(), batch.targets.data()).lm;
+double peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+// Time spent per phase since the last log line.
+struct PhaseTimes {
+  double data = 0, forward_backward = 0, optimizer = 0, steps = 0, tokens = 0;
+};
+
+// The checkpoint to resume from per train.resume ("" = none).
+std::string checkpoint_to_resume(const TrainConfig& t, std::ostream& out) {
+  if (t.resume.empty()) return "";
+  if (t.resume == "auto") {
+    std::string dir = find_latest_checkpoint(t.out_dir, &out);
+    if (dir.empty()) out << "resume auto: no complete checkpoint in " << t.out_dir
+                         << ", starting fresh\n";
+    return dir;
   }
-  return sum / batches;
+  std::string dir = find_latest_checkpoint(t.resume, &out);
+  if (dir.empty()) throw InputError("train.resume: no complete checkpoint in " + t.resume);
+  return dir;
+}
+
+nlohmann::json train_record(int step, const Losses& l, double lr, double gnorm,
+                            const PhaseTimes& ph, Model& model) {
+  const RoutingStats& r = model.routing();
+  nlohmann::json j = {{"kind", "train"},
+                      {"step", step},
+                      {"loss", l.lm},
+                      {"aux_loss", l.aux},
+                      {"z_loss", l.z},
+                      {"mod_pred_loss", l.mod_pred},
+                      {"lr", lr},
+                      {"grad_norm", gnorm},
+                      {"tokens_per_s", ph.tokens / std::max(1e-9, ph.data + ph.forward_backward +
+                                                                      ph.optimizer)},
+                      {"maxvio_mean", r.maxvio_mean()},
+                      {"maxvio_max", r.maxvio_max()},
+                      {"mod_kept", r.mod_seen > 0 ? r.mod_kept / r.mod_seen : 1.0},
+                      {"peak_rss_mib", peak_rss_mib()},
+                      {"time_s",
+                       {{"data", ph.data / ph.steps},
+                        {"forward_backward", ph.forward_backward / ph.steps},
+                        {"optimizer", ph.optimizer / ph.steps}}}};
+  // Per MoE layer: each expert's share of the routed slots in the logged step.
+  nlohmann::json load = nlohmann::json::array();
+  for (const auto& layer : r.expert_load) {
+    double total = 0;
+    for (double v : layer) total += v;
+    nlohmann::json row = nlohmann::json::array();
+    for (double v : layer) row.push_back(total > 0 ? v / total : 0.0);
+    load.push_back(row);
+  }
+  j["expert_load"] = load;
+  return j;
 }
 
 }  // namespace
 
-TrainResult train(const Config& cfg, std::ostream& out) {
+TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt) {
   const Device dev = resolve_device(cfg.train.device);
   Ctx ctx{dev};
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
@@ -66,36 +120,56 @@ TrainResult train(const Config& cfg, std::ostream& out) {
   Model model(cfg.model, DType::f32, dev, b, t);
   model.init_weights(cfg.train.seed);
   AdamW optimizer(cfg.optimizer, model);
-  const MarkovSource source(cfg.model.vocab_size, cfg.data.synthetic.branching,
-                            static_cast<uint64_t>(cfg.data.synthetic.seed));
-  Rng train_rng(hash_name("train", cfg.train.seed));
-  const uint64_t eval_seed = hash_name("eval", cfg.train.seed);
+  std::unique_ptr<TrainData> data = make_train_data(cfg, 0, 1);
   Buffer norm_acc(dev, sizeof(double));
 
   TrainResult result;
-  result.optimal_loss = source.optimal_loss(t);
+  TrainerState state;
+  const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
+  if (!resume_dir.empty()) {
+    load_checkpoint(resume_dir, 0, model, optimizer, state);
+    data->restore(state);
+    result.resumed_from = static_cast<int>(state.step);
+    out << "resumed from " << resume_dir << " at step " << state.step << "\n";
+  } else if (!cfg.model.init_from.empty()) {
+    init_from_hf(model, cfg.model.init_from);
+    out << "initialised weights from " << cfg.model.init_from << "\n";
+  }
+  MetricsWriter metrics(cfg.train.out_dir + "/metrics.jsonl",
+                        resume_dir.empty() ? -1 : state.step);
+  SaveOptions save_opt;
+  save_opt.run_dir = cfg.train.out_dir;
+  save_opt.keep_last = cfg.train.keep_checkpoints;
+  save_opt.tokenizer_dir = data->tokenizer_dir();
+
+  result.optimal_loss = data->optimal_loss();
   const ParamCounts counts = count_params(cfg.model, t);
-  char line[512];
+  char line[640];
   std::snprintf(line, sizeof line,
                 "model: %.3fM parameters (%.3fM active per token), activations %.1f MiB | data: "
-                "order-2 Markov source, best achievable loss %.4f (uniform %.4f)\n",
+                "%s | run dir: %s\n",
                 counts.total / 1e6, counts.active_per_token / 1e6,
                 static_cast<double>(model.activation_bytes() + model.scratch_bytes()) / 1048576.0,
-                result.optimal_loss, std::log(static_cast<double>(cfg.model.vocab_size)));
+                data->describe().c_str(), cfg.train.out_dir.c_str());
   out << line << std::flush;
 
-  Batch batch(b, t);
-  const auto start = std::chrono::steady_clock::now();
-  auto window_start = start;
-  double window_tokens = 0;
-  const double tokens_per_step = static_cast<double>(b) * t * accum;
-  for (int step = 0; step < cfg.train.max_steps; ++step) {
+  const size_t n = static_cast<size_t>(b) * t;
+  std::vector<int32_t> ids(n), targets(n);
+  const auto start = Clock::now();
+  const int first_step = static_cast<int>(state.step);
+  PhaseTimes phase;
+  const int max_steps = cfg.train.max_steps;
+  for (int step = first_step; step < max_steps; ++step) {
     model.zero_grads(ctx);
     model.routing().reset();
     Losses sum;
     for (int micro = 0; micro < accum; ++micro) {
-      source.sample(train_rng, b, t, batch.ids.data(), batch.targets.data());
-      Losses l = model.forward_backward(ctx, batch.ids.data(), batch.targets.data(), 1.0 / accum);
+      auto t0 = Clock::now();
+      data->next(ids.data(), targets.data());
+      phase.data += seconds_since(t0);
+      t0 = Clock::now();
+      Losses l = model.forward_backward(ctx, ids.data(), targets.data(), 1.0 / accum);
+      phase.forward_backward += seconds_since(t0);
       sum.lm += l.lm / accum;
       sum.aux += l.aux / accum;
       sum.z += l.z / accum;
@@ -104,41 +178,56 @@ TrainResult train(const Config& cfg, std::ostream& out) {
     if (!std::isfinite(sum.total()))
       throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
                                "; lower optimizer.params.lr or enable gradient_clipping");
-    const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, cfg.train.max_steps);
+    auto t0 = Clock::now();
+    const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
     const double gnorm = global_grad_norm(ctx, model, norm_acc.as(DType::f64, {1}));
     optimizer.step(ctx, model, lr, clip_factor(gnorm, cfg.gradient_clipping));
     model.after_step(ctx);
-    window_tokens += tokens_per_step;
+    phase.optimizer += seconds_since(t0);
+    phase.steps += 1;
+    phase.tokens += static_cast<double>(n) * accum;
+    state.step = step + 1;
+    state.tokens_seen += static_cast<int64_t>(n) * accum;
+    result.losses.push_back(sum.lm);
     result.last_loss = sum.lm;
     result.steps = step + 1;
 
-    const bool last = step + 1 == cfg.train.max_steps;
+    const bool last = step + 1 == max_steps;
     if ((step + 1) % cfg.train.log_interval == 0 || last) {
-      const auto now = std::chrono::steady_clock::now();
-      const double window = std::chrono::duration<double>(now - window_start).count();
-      const double elapsed = std::chrono::duration<double>(now - start).count();
-      const double tps = window > 0 ? window_tokens / window : 0;
-      const double eta = elapsed / (step + 1) * (cfg.train.max_steps - step - 1);
-      const RoutingStats& r = model.routing();
-      const double kept = r.mod_seen > 0 ? r.mod_kept / r.mod_seen : 1.0;
+      nlohmann::json rec = train_record(step + 1, sum, lr, gnorm, phase, model);
+      const double tps = rec["tokens_per_s"].get<double>();
+      const double eta = seconds_since(start) / (step + 1 - first_step) * (max_steps - step - 1);
       std::snprintf(line, sizeof line,
                     "step %6d/%d | loss %.4f | aux %.4f | z %.4f | mod_pred %.4f | lr %.3e | "
                     "grad_norm %.3f | tok/s %.0f | maxvio %.3f/%.3f | mod_kept %.3f | eta %s\n",
-                    step + 1, cfg.train.max_steps, sum.lm, sum.aux, sum.z, sum.mod_pred, lr, gnorm,
-                    tps, r.maxvio_mean(), r.maxvio_max(), kept, format_eta(eta).c_str());
+                    step + 1, max_steps, sum.lm, sum.aux, sum.z, sum.mod_pred, lr, gnorm, tps,
+                    rec["maxvio_mean"].get<double>(), rec["maxvio_max"].get<double>(),
+                    rec["mod_kept"].get<double>(), format_eta(eta).c_str());
       out << line << std::flush;
+      metrics.write(rec);
       result.tokens_per_second = tps;
-      window_start = now;
-      window_tokens = 0;
+      phase = PhaseTimes{};
     }
-    const bool eval_now =
-        last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0);
-    if (eval_now) {
-      result.eval_loss = evaluate(ctx, model, source, eval_seed, cfg.train.eval_batches);
-      std::snprintf(line, sizeof line, "eval  step %6d | loss %.4f | best achievable %.4f\n",
-                    step + 1, result.eval_loss, result.optimal_loss);
-      out << line << std::flush;
+    if (last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0)) {
+      const double eval = data->evaluate(ctx, model, cfg.train.eval_batches);
+      if (std::isfinite(eval)) {
+        result.eval_loss = eval;
+        std::snprintf(line, sizeof line, "eval  step %6d | loss %.4f | ppl %.3f%s\n", step + 1,
+                      eval, std::exp(eval),
+                      std::isfinite(result.optimal_loss)
+                          ? (" | best achievable " + std::to_string(result.optimal_loss)).c_str()
+                          : "");
+        out << line << std::flush;
+        metrics.write({{"kind", "eval"}, {"step", step + 1}, {"loss", eval}, {"ppl", std::exp(eval)}});
+      }
     }
+    const bool stop_now = opt.stop_after_step > 0 && step + 1 == opt.stop_after_step;
+    if (last || (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
+      data->save(state);
+      const std::string dir = save_checkpoint(save_opt, cfg, model, optimizer, state);
+      out << "saved " << dir << "\n" << std::flush;
+    }
+    if (stop_now) break;
   }
   return result;
 }

@@ -1,0 +1,77 @@
+// Shared between the files of src/checkpoint: the streaming safetensors writer (weights go from
+// the model's buffers to disk one tensor at a time, never as a second full copy in host memory),
+// the Hugging Face tensor list of a parameter table, and chunked host <-> tensor copies.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpoint/file_io.hpp"
+#include "moe/checkpoint.hpp"
+#include "moe/model.hpp"
+
+namespace moe::checkpoint_internal {
+
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+
+// ---- safetensors.cpp
+// Bytes per element of a safetensors dtype name; 0 when the name is not a safetensors dtype.
+size_t safetensors_dtype_size(const std::string& dtype);
+
+// One tensor to write: its header entry and a function that writes exactly `nbytes` data bytes.
+struct SafetensorsEntry {
+  std::string name, dtype;
+  std::vector<int64_t> shape;
+  uint64_t nbytes = 0;
+  std::function<void(DurableFile&)> write_data;
+};
+// Writes header and data into `f` (entries sorted by name, offsets in that order); no commit.
+void write_safetensors_entries(DurableFile& f, std::vector<SafetensorsEntry> entries,
+                               const Metadata& metadata);
+
+// ---- hf_names.cpp
+// transformers refuses a safetensors file without this metadata ("format": "pt").
+Metadata hf_weights_metadata();
+std::string safetensors_dtype(DType t);
+
+// One tensor of the Hugging Face layout: parameter `param` of the table, member `member` of its
+// stack (0 for unstacked parameters).
+struct HfTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  size_t param = 0;
+  int member = 0;
+};
+std::vector<HfTensor> hf_tensors(const ParamTable& table);
+
+// The model's weights as streaming entries (for model.safetensors inside a checkpoint).
+std::vector<SafetensorsEntry> model_safetensors_entries(const Model& model);
+
+// Checks `tensors` against the table: every name present once, shapes equal, float dtypes. For
+// tensor i, files[i] names the file it came from; `source` names the whole set (for a missing
+// tensor). Returns, per tensor, its index in hf_tensors(table), or -1 for a tensor that is
+// deliberately ignored (lm_head.weight of a model with tied embeddings). Throws InputError.
+std::vector<int> match_named_tensors(const ParamTable& table,
+                                     const std::vector<NamedTensor>& tensors,
+                                     const std::vector<std::string>& files,
+                                     const std::string& source);
+// match_named_tensors, then the copy into the model (converting to its dtype).
+void load_named_tensors_from(Model& model, const std::vector<NamedTensor>& tensors,
+                             const std::vector<std::string>& files, const std::string& source);
+
+// Chunked copies between a tensor (any device) and the host, in pieces of at most `chunk_bytes`
+// so a large tensor never needs a full host-side copy.
+void tensor_to_host_chunks(const Tensor& t, size_t chunk_bytes,
+                           const std::function<void(const void*, size_t)>& sink);
+void tensor_from_host_chunks(const Tensor& t, size_t chunk_bytes,
+                             const std::function<void(void*, size_t)>& source);
+
+// ---- checkpoint.cpp
+// Copies tokenizer.json (required) and tokenizer.model (when present) from one directory to
+// another, durably.
+void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir,
+                          const WriteHook& hook);
+
+}  // namespace moe::checkpoint_internal

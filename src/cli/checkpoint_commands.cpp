@@ -1,0 +1,166 @@
+// `eval`, `sample` and `export`: the commands that read a checkpoint.
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.hpp"
+#include "moe/checkpoint.hpp"
+#include "moe/sampler.hpp"
+#include "moe/shards.hpp"
+#include "moe/tokenizer.hpp"
+
+namespace moe::cli {
+
+namespace {
+
+// The complete step directory a --checkpoint flag names (a step or a run directory).
+std::string resolve_checkpoint(const std::string& path) {
+  std::string dir = find_latest_checkpoint(path, &std::cerr);
+  if (dir.empty()) throw InputError(path + ": no complete checkpoint (step_*/ with a DONE marker)");
+  return dir;
+}
+
+struct EvalFlags {
+  std::string checkpoint, data;
+  int batches = 0, batch_size = 0, seq_len = 0;
+};
+
+void run_eval(const EvalFlags& f) {
+  const std::string dir = resolve_checkpoint(f.checkpoint);
+  Config cfg = load_checkpoint_config(dir);
+  const int b = f.batch_size > 0 ? f.batch_size : cfg.train_micro_batch_size_per_gpu;
+  const int t = f.seq_len > 0 ? f.seq_len : cfg.data.seq_len;
+  if (t > cfg.model.max_position_embeddings)
+    throw InputError("--seq-len " + std::to_string(t) + " exceeds the model's " +
+                     "max_position_embeddings " +
+                     std::to_string(cfg.model.max_position_embeddings));
+  Model model(cfg.model, DType::f32, Device{}, b, t);
+  load_checkpoint_weights(dir, model);
+  SequentialReader reader(expand_glob(f.data), t, b);
+  const size_t n = static_cast<size_t>(b) * t;
+  std::vector<int32_t> ids(n), targets(n);
+  Ctx ctx;
+  double sum = 0;
+  int done = 0;
+  while ((f.batches <= 0 || done < f.batches) && reader.next(ids.data(), targets.data())) {
+    sum += model.forward(ctx, ids.data(), targets.data()).lm;
+    ++done;
+  }
+  if (done == 0)
+    throw InputError(f.data + ": fewer than batch_size * seq_len + 1 = " +
+                     std::to_string(n + 1) + " tokens; nothing to evaluate");
+  const double loss = sum / done;
+  nlohmann::json j = {{"loss", loss},    {"ppl", std::exp(loss)},      {"tokens", done * n},
+                      {"batches", done}, {"checkpoint", dir},          {"batch_size", b},
+                      {"seq_len", t}};
+  std::cout << j.dump() << std::endl;
+}
+
+struct SampleFlags {
+  std::string checkpoint, prompt, prompt_ids;
+  SampleOptions opt;
+};
+
+std::vector<uint32_t> parse_ids(const std::string& text) {
+  std::vector<uint32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    try {
+      size_t used = 0;
+      long v = std::stol(item, &used);
+      if (used != item.size() || v < 0) throw std::invalid_argument(item);
+      ids.push_back(static_cast<uint32_t>(v));
+    } catch (const std::exception&) {
+      throw InputError("--prompt-ids: \"" + item + "\" is not a token id");
+    }
+  }
+  return ids;
+}
+
+void run_sample(SampleFlags f) {
+  const std::string dir = resolve_checkpoint(f.checkpoint);
+  Config cfg = load_checkpoint_config(dir);
+  Model model(cfg.model, DType::f32, Device{}, 1, 1);
+  load_checkpoint_weights(dir, model);
+  std::unique_ptr<Tokenizer> tok;
+  if (has_tokenizer(dir)) tok = load_tokenizer(dir);
+  std::vector<uint32_t> prompt;
+  if (!f.prompt_ids.empty()) {
+    prompt = parse_ids(f.prompt_ids);
+  } else {
+    if (!tok)
+      throw InputError(dir + " has no tokenizer (the run used the synthetic source): give the " +
+                       "prompt as --prompt-ids 1,2,3");
+    prompt = tok->encode(f.prompt);
+  }
+  if (tok) f.opt.eos_id = tok->eos_id();
+  std::vector<uint32_t> out = generate(model, prompt, f.opt);
+  if (tok) {
+    std::cout << tok->decode(prompt) << tok->decode(out) << std::endl;
+  } else {
+    for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? "," : "") << out[i];
+    std::cout << std::endl;
+  }
+}
+
+}  // namespace
+
+void add_eval_command(CLI::App& app) {
+  auto f = std::make_shared<EvalFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "eval", "LM loss of a checkpoint on token shards, read in order (prints one JSON line)");
+  cmd->add_option("--checkpoint", f->checkpoint, "a step directory or a run directory (newest)")
+      ->required();
+  cmd->add_option("--data", f->data, "glob of token shards")->required();
+  cmd->add_option("--batches", f->batches, "batches to evaluate (default: all the data)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--batch-size", f->batch_size, "rows per batch (default: the training micro-batch)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--seq-len", f->seq_len, "tokens per row (default: the training seq_len)")
+      ->check(CLI::PositiveNumber);
+  register_runner("eval", [f] { run_eval(*f); });
+}
+
+void add_sample_command(CLI::App& app) {
+  auto f = std::make_shared<SampleFlags>();
+  CLI::App* cmd = app.add_subcommand(
+      "sample", "generate text from a checkpoint (KV cache; MoD layers use their predictor)");
+  cmd->add_option("--checkpoint", f->checkpoint, "a step directory or a run directory (newest)")
+      ->required();
+  auto* text = cmd->add_option("--prompt", f->prompt, "prompt text (needs the run's tokenizer)");
+  auto* ids = cmd->add_option("--prompt-ids", f->prompt_ids, "prompt as token ids: 1,2,3");
+  text->excludes(ids);
+  cmd->add_option("--max-new-tokens", f->opt.max_new_tokens, "tokens to generate (default 64)")
+      ->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--temperature", f->opt.temperature, "0 = greedy (default 1)")
+      ->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--top-k", f->opt.top_k, "sample among the k most likely (0 = all)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
+  cmd->callback([text, ids] {
+    if (text->count() == 0 && ids->count() == 0)
+      throw CLI::RequiredError("--prompt or --prompt-ids");
+  });
+  register_runner("sample", [f] { run_sample(*f); });
+}
+
+void add_export_command(CLI::App& app) {
+  auto checkpoint = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  CLI::App* cmd = app.add_subcommand(
+      "export", "write a Hugging Face directory (safetensors, config.json, tokenizer files)");
+  cmd->add_option("--checkpoint", *checkpoint, "a step directory or a run directory (newest)")
+      ->required();
+  cmd->add_option("--out", *out, "output directory")->required();
+  register_runner("export", [checkpoint, out] {
+    export_hf(*checkpoint, *out);
+    std::cout << "exported " << resolve_checkpoint(*checkpoint) << " to " << *out << std::endl;
+  });
+}
+
+}  // namespace moe::cli

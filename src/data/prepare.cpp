@@ -1,0 +1,184 @@
+// `moe-train prepare`: text files in, token shards and a tokenizer out.
+//
+// Each input file is one document: it is encoded whole and followed by the tokenizer's EOS, so the
+// model sees where documents end. The token stream is then split once, the last val_fraction
+// going to validation, so validation text is never trained on (a per-document split would need
+// many documents; a tail split works for a single file too). The stream is held in memory
+// (4 bytes a token), which keeps the split exact and the code simple; corpora far beyond memory
+// should be prepared in parts.
+//
+// Shards from an earlier run in the same directory (train_NNNNNN.bin / val_NNNNNN.bin) are
+// removed first: a glob such as train_*.bin would otherwise pick up stale ones.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <ostream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "moe/error.hpp"
+#include "moe/shards.hpp"
+#include "moe/tokenizer.hpp"
+
+namespace moe {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kDefaultSpmVocab = 8000;
+// Each split needs at least one input token and its target.
+constexpr int64_t kMinSplitTokens = 2;
+
+void validate(const PrepareOptions& opt) {
+  if (opt.inputs.empty()) throw InputError("prepare: no input text files given");
+  if (opt.out_dir.empty()) throw InputError("prepare: no output directory given");
+  if (opt.tokenizer != "byte" && opt.tokenizer != "spm")
+    throw InputError("prepare: unknown tokenizer \"" + opt.tokenizer + "\" (expected byte or spm)");
+  if (!(opt.val_fraction > 0.0 && opt.val_fraction < 1.0))
+    throw InputError("prepare: val_fraction must be in (0, 1), got " +
+                     std::to_string(opt.val_fraction));
+  if (opt.shard_tokens < 1 || opt.shard_tokens > INT32_MAX)
+    throw InputError("prepare: shard_tokens must be in [1, 2^31 - 1], got " +
+                     std::to_string(opt.shard_tokens));
+  if (opt.vocab_size < 0)
+    throw InputError("prepare: vocab_size must be >= 0 (0 = " + std::to_string(kDefaultSpmVocab) +
+                     "), got " + std::to_string(opt.vocab_size));
+}
+
+// Fails before any slow work (tokenizer training) when an input cannot be read.
+void check_inputs(const std::vector<std::string>& inputs) {
+  for (const auto& f : inputs) {
+    std::error_code ec;
+    if (!fs::exists(f, ec)) throw InputError(f + ": cannot read: no such file");
+    if (!fs::is_regular_file(f, ec)) throw InputError(f + ": cannot read: not a regular file");
+    if (!std::ifstream(f, std::ios::binary)) throw InputError(f + ": cannot read (permissions?)");
+  }
+}
+
+void make_dir(const std::string& dir) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) throw InputError(dir + ": cannot create the directory: " + ec.message());
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw InputError(path + ": cannot read");
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw InputError(path + ": read error");
+  return text.str();
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const PrepareOptions& opt) {
+  if (opt.tokenizer == "byte") return make_byte_tokenizer();
+  if (!opt.spm_model.empty()) return load_spm_model(opt.spm_model);
+  const int vocab = opt.vocab_size > 0 ? opt.vocab_size : kDefaultSpmVocab;
+  return train_spm_tokenizer(opt.inputs, vocab, opt.out_dir);
+}
+
+// The whole corpus as one token stream, each document followed by EOS (when there is one).
+std::vector<uint32_t> encode_inputs(const std::vector<std::string>& inputs, const Tokenizer& tok,
+                                    int64_t& text_bytes) {
+  std::vector<uint32_t> stream;
+  text_bytes = 0;
+  for (const auto& f : inputs) {
+    const std::string text = read_text(f);
+    text_bytes += static_cast<int64_t>(text.size());
+    const std::vector<uint32_t> ids = tok.encode(text);
+    stream.insert(stream.end(), ids.begin(), ids.end());
+    if (tok.eos_id() >= 0) stream.push_back(static_cast<uint32_t>(tok.eos_id()));
+  }
+  return stream;
+}
+
+// Tokens that go to validation: the requested fraction, but at least kMinSplitTokens in each
+// split.
+int64_t val_token_count(int64_t total, double val_fraction) {
+  if (total < 2 * kMinSplitTokens)
+    throw InputError("prepare: the corpus is too small: " + std::to_string(total) +
+                     " tokens, but train and val need at least " + std::to_string(kMinSplitTokens) +
+                     " tokens each");
+  const auto wanted = static_cast<int64_t>(std::llround(static_cast<double>(total) * val_fraction));
+  return std::min(std::max(wanted, kMinSplitTokens), total - kMinSplitTokens);
+}
+
+void remove_stale_shards(const std::string& dir) {
+  static const std::regex kShardName(R"((train|val)_[0-9]{6}\.bin)");
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (!entry.is_regular_file() || !std::regex_match(entry.path().filename().string(), kShardName))
+      continue;
+    if (!fs::remove(entry.path(), ec) || ec)
+      throw InputError(entry.path().string() + ": cannot remove the old shard: " + ec.message());
+  }
+}
+
+std::string shard_path(const std::string& dir, const std::string& split, int index) {
+  char name[32];
+  std::snprintf(name, sizeof name, "%s_%06d.bin", split.c_str(), index);
+  return (fs::path(dir) / name).string();
+}
+
+// Writes tokens [begin, end) of the stream as `split` shards; returns how many.
+int write_split(const std::vector<uint32_t>& stream, int64_t begin, int64_t end,
+                const PrepareOptions& opt, const std::string& split, int64_t vocab) {
+  int shards = 0;
+  for (int64_t at = begin; at < end; at += opt.shard_tokens, ++shards) {
+    const int64_t stop = std::min(end, at + opt.shard_tokens);
+    const std::vector<uint32_t> part(stream.begin() + at, stream.begin() + stop);
+    write_shard(shard_path(opt.out_dir, split, shards), part, vocab);
+  }
+  return shards;
+}
+
+std::string summary(const PrepareOptions& opt, const PrepareResult& r, size_t files,
+                    int64_t text_bytes, double seconds) {
+  std::ostringstream s;
+  s << "prepare: " << files << " file(s), " << text_bytes << " bytes -> "
+    << r.train_tokens + r.val_tokens << " tokens (" << opt.tokenizer << ", vocab " << r.vocab_size
+    << "): train " << r.train_tokens << " tokens in " << r.train_shards << " shard(s), val "
+    << r.val_tokens << " tokens in " << r.val_shards << " shard(s) -> " << opt.out_dir << " ("
+    << std::fixed;
+  s.precision(1);
+  s << seconds << " s)";
+  return s.str();
+}
+
+}  // namespace
+
+PrepareResult prepare_dataset(const PrepareOptions& opt, std::ostream& log) {
+  const auto start = std::chrono::steady_clock::now();
+  validate(opt);
+  check_inputs(opt.inputs);
+  make_dir(opt.out_dir);
+  const std::unique_ptr<Tokenizer> tok = make_tokenizer(opt);
+
+  int64_t text_bytes = 0;
+  const std::vector<uint32_t> stream = encode_inputs(opt.inputs, *tok, text_bytes);
+  const auto total = static_cast<int64_t>(stream.size());
+  const int64_t val = val_token_count(total, opt.val_fraction);
+
+  PrepareResult r;
+  r.vocab_size = tok->vocab_size();
+  r.train_tokens = total - val;
+  r.val_tokens = val;
+  remove_stale_shards(opt.out_dir);
+  r.train_shards = write_split(stream, 0, r.train_tokens, opt, "train", r.vocab_size);
+  r.val_shards = write_split(stream, r.train_tokens, total, opt, "val", r.vocab_size);
+  tok->save(opt.out_dir);
+
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  log << summary(opt, r, opt.inputs.size(), text_bytes, took.count()) << std::endl;
+  return r;
+}
+
+}  // namespace moe

@@ -1,0 +1,216 @@
+// The SentencePiece BPE tokenizer: training one on text files, loading a model file, and the
+// Tokenizer interface over sentencepiece::SentencePieceProcessor.
+//
+// Training choices, and why:
+// - identity normalization and no whitespace collapsing, so decode(encode(text)) == text exactly
+//   (the default NFKC rule rewrites characters and folds runs of spaces and newlines);
+// - byte_fallback with full character coverage: characters never seen in training (and the
+//   newlines, which training never sees because it reads line by line) become byte pieces
+//   instead of <unk>, so every input is representable;
+// - whitespace-only pieces allowed, so indentation and ASCII art do not cost one token a space;
+// - unk 0, bos 1, eos 2, no pad: EOS is what `prepare` appends after each document;
+// - at most kMaxTrainingLines lines, sampled uniformly, which bounds training time on big corpora.
+// Training leaves tokenizer.model and tokenizer.vocab in its work directory; the model is then
+// kept in memory as its serialized proto, which is what save() writes.
+#include <fcntl.h>
+#include <sentencepiece_processor.h>
+#include <sentencepiece_trainer.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "moe/error.hpp"
+#include "moe/tokenizer.hpp"
+
+namespace moe {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kMaxTrainingLines = 2'000'000;
+constexpr int kTrainThreads = 2;
+// Training writes <prefix>.model (the same bytes save() writes) and <prefix>.vocab, the pieces
+// with their scores, which is worth keeping for inspection.
+constexpr const char* kModelPrefix = "tokenizer";
+constexpr const char* kModelFile = "tokenizer.model";
+// SentencePiece's own log level while training: 2 keeps errors, drops its INFO/WARNING chatter.
+constexpr const char* kQuietLogLevel = "2";
+
+// Same contract as in tokenizer_byte.cpp: temporary name, fsync, rename.
+void write_file_durably(const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw InputError(path + ": cannot write: " + std::strerror(errno));
+  const char* why = nullptr;
+  for (size_t done = 0; done < data.size() && !why;) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n >= 0)
+      done += static_cast<size_t>(n);
+    else if (errno != EINTR)
+      why = std::strerror(errno);
+  }
+  if (!why && ::fsync(fd) != 0) why = std::strerror(errno);
+  if (::close(fd) != 0 && !why) why = std::strerror(errno);
+  if (!why && ::rename(tmp.c_str(), path.c_str()) != 0) why = std::strerror(errno);
+  if (why) {
+    ::unlink(tmp.c_str());
+    throw InputError(path + ": cannot write: " + why);
+  }
+}
+
+class SpmTokenizer : public Tokenizer {
+ public:
+  // `source` names where the model came from, for error messages.
+  SpmTokenizer(std::string serialized, const std::string& source)
+      : serialized_(std::move(serialized)) {
+    const auto status = sp_.LoadFromSerializedProto(serialized_);
+    if (!status.ok())
+      throw InputError(source + ": not a SentencePiece model: " + status.ToString());
+  }
+  std::vector<uint32_t> encode(const std::string& text) const override {
+    std::vector<int> ids;
+    const auto status = sp_.Encode(text, &ids);
+    if (!status.ok()) throw InputError("SentencePiece encode failed: " + status.ToString());
+    return std::vector<uint32_t>(ids.begin(), ids.end());
+  }
+  std::string decode(const std::vector<uint32_t>& ids) const override {
+    std::vector<int> sp_ids(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= static_cast<uint32_t>(vocab_size()))
+        throw InputError("SentencePiece tokenizer: token id " + std::to_string(ids[i]) +
+                         " is outside the vocabulary of " + std::to_string(vocab_size()));
+      sp_ids[i] = static_cast<int>(ids[i]);
+    }
+    std::string text;
+    const auto status = sp_.Decode(sp_ids, &text);
+    if (!status.ok()) throw InputError("SentencePiece decode failed: " + status.ToString());
+    return text;
+  }
+  int64_t vocab_size() const override { return sp_.GetPieceSize(); }
+  int64_t eos_id() const override { return sp_.eos_id(); }  // -1 when the model has none
+  std::string type() const override { return "spm"; }
+  void save(const std::string& dir) const override {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw InputError(dir + ": cannot create the tokenizer directory: " + ec.message());
+    write_file_durably((fs::path(dir) / kModelFile).string(), serialized_);
+    const nlohmann::json j = {{"type", "spm"}, {"model", kModelFile}, {"vocab_size", vocab_size()}};
+    write_file_durably((fs::path(dir) / "tokenizer.json").string(), j.dump(2) + "\n");
+  }
+
+ private:
+  std::string serialized_;
+  sentencepiece::SentencePieceProcessor sp_;
+};
+
+// Feeds the training text to SentencePiece line by line, one file after another, without
+// holding the corpus in memory.
+class LineIterator : public sentencepiece::SentenceIterator {
+ public:
+  explicit LineIterator(const std::vector<std::string>& files) : files_(files) { advance(); }
+  bool done() const override { return done_; }
+  void Next() override { advance(); }
+  const std::string& value() const override { return line_; }
+  sentencepiece::util::Status status() const override { return status_; }
+
+ private:
+  void advance() {
+    while (!done_) {
+      if (in_.is_open() && std::getline(in_, line_)) {
+        if (!line_.empty()) return;
+        continue;
+      }
+      if (in_.is_open() && in_.bad()) {
+        fail(files_[next_file_ - 1]);
+        return;
+      }
+      in_.close();
+      if (next_file_ == files_.size()) {
+        done_ = true;
+        return;
+      }
+      in_.open(files_[next_file_++], std::ios::binary);
+      if (!in_) fail(files_[next_file_ - 1]);
+    }
+  }
+  void fail(const std::string& file) {
+    status_ = sentencepiece::util::Status(sentencepiece::util::StatusCode::kInternal,
+                                          file + ": cannot read");
+    done_ = true;
+  }
+
+  const std::vector<std::string>& files_;
+  size_t next_file_ = 0;
+  std::ifstream in_;
+  std::string line_;
+  bool done_ = false;
+  sentencepiece::util::Status status_;
+};
+
+std::unordered_map<std::string, std::string> trainer_args(int vocab_size,
+                                                          const std::string& work_dir) {
+  return {
+      {"model_type", "bpe"},
+      {"vocab_size", std::to_string(vocab_size)},
+      {"model_prefix", (fs::path(work_dir) / kModelPrefix).string()},
+      {"byte_fallback", "true"},
+      {"character_coverage", "1.0"},
+      {"normalization_rule_name", "identity"},
+      {"remove_extra_whitespaces", "false"},
+      {"allow_whitespace_only_pieces", "true"},
+      {"input_sentence_size", std::to_string(kMaxTrainingLines)},
+      {"shuffle_input_sentence", "true"},
+      {"num_threads", std::to_string(kTrainThreads)},
+      {"unk_id", "0"},
+      {"bos_id", "1"},
+      {"eos_id", "2"},
+      {"pad_id", "-1"},
+      {"minloglevel", kQuietLogLevel},
+  };
+}
+
+void check_readable(const std::vector<std::string>& files) {
+  if (files.empty()) throw InputError("SentencePiece training needs at least one text file");
+  for (const auto& f : files) {
+    std::error_code ec;
+    if (!fs::exists(f, ec)) throw InputError(f + ": cannot read: no such file");
+    if (!fs::is_regular_file(f, ec)) throw InputError(f + ": cannot read: not a regular file");
+    if (!std::ifstream(f, std::ios::binary)) throw InputError(f + ": cannot read (permissions?)");
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> train_spm_tokenizer(const std::vector<std::string>& inputs,
+                                               int vocab_size, const std::string& work_dir) {
+  check_readable(inputs);
+  std::error_code ec;
+  fs::create_directories(work_dir, ec);
+  if (ec) throw InputError(work_dir + ": cannot create the directory: " + ec.message());
+  LineIterator lines(inputs);
+  const auto status =
+      sentencepiece::SentencePieceTrainer::Train(trainer_args(vocab_size, work_dir), &lines);
+  if (!status.ok())
+    throw InputError("SentencePiece training on " + std::to_string(inputs.size()) +
+                     " file(s) (first: " + inputs.front() + ") failed: " + status.ToString());
+  return load_spm_model((fs::path(work_dir) / kModelFile).string());
+}
+
+std::unique_ptr<Tokenizer> load_spm_model(const std::string& model_path) {
+  std::ifstream in(model_path, std::ios::binary);
+  if (!in) throw InputError(model_path + ": cannot read the SentencePiece model (missing?)");
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  return std::make_unique<SpmTokenizer>(bytes.str(), model_path);
+}
+
+}  // namespace moe

@@ -1,0 +1,120 @@
+// The two training data sources behind TrainData.
+#include "train/train_data.hpp"
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+#include <vector>
+
+#include "moe/data.hpp"
+#include "moe/model.hpp"
+#include "moe/shards.hpp"
+#include "moe/tokenizer.hpp"
+
+namespace moe {
+
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Runs `batches` forward passes over batches drawn by `fill` and averages the LM loss.
+template <class Fill>
+double mean_loss(Ctx& ctx, Model& model, int batches, Fill&& fill) {
+  const size_t n = static_cast<size_t>(model.batch()) * model.seq_len();
+  std::vector<int32_t> ids(n), targets(n);
+  double sum = 0;
+  int done = 0;
+  for (; done < batches; ++done) {
+    if (!fill(ids.data(), targets.data())) break;
+    sum += model.forward(ctx, ids.data(), targets.data()).lm;
+  }
+  return done > 0 ? sum / done : kNaN;
+}
+
+class SyntheticData : public TrainData {
+ public:
+  SyntheticData(const Config& cfg, int rank)
+      : cfg_(cfg),
+        source_(cfg.model.vocab_size, cfg.data.synthetic.branching,
+                static_cast<uint64_t>(cfg.data.synthetic.seed)),
+        rng_(hash_name("train-rank" + std::to_string(rank), cfg.train.seed)) {}
+
+  void next(int32_t* ids, int32_t* targets) override {
+    source_.sample(rng_, cfg_.train_micro_batch_size_per_gpu, cfg_.data.seq_len, ids, targets);
+  }
+  void save(TrainerState& s) const override { s.rng_state = rng_.state(); }
+  void restore(const TrainerState& s) override { rng_ = Rng(s.rng_state); }
+  double evaluate(Ctx& ctx, Model& model, int batches) override {
+    Rng rng(hash_name("eval", cfg_.train.seed));  // the same held-out stream every time
+    return mean_loss(ctx, model, batches, [&](int32_t* ids, int32_t* targets) {
+      source_.sample(rng, model.batch(), model.seq_len(), ids, targets);
+      return true;
+    });
+  }
+  std::string describe() const override {
+    char buf[160];
+    std::snprintf(buf, sizeof buf,
+                  "synthetic order-2 Markov source, best achievable loss %.4f (uniform %.4f)",
+                  optimal_loss(), std::log(static_cast<double>(cfg_.model.vocab_size)));
+    return buf;
+  }
+  double optimal_loss() const override { return source_.optimal_loss(cfg_.data.seq_len); }
+  std::string tokenizer_dir() const override { return ""; }
+
+ private:
+  const Config& cfg_;
+  MarkovSource source_;
+  Rng rng_;
+};
+
+class ShardData : public TrainData {
+ public:
+  ShardData(const Config& cfg, int rank, int world)
+      : cfg_(cfg),
+        files_(expand_glob(cfg.data.train_files)),
+        loader_(files_, cfg.data.seq_len, cfg.train_micro_batch_size_per_gpu, rank, world,
+                cfg.train.seed, cfg.data.shuffle) {
+    check_vocab(loader_.max_token(), cfg.data.train_files);
+    if (!cfg.data.val_files.empty()) val_files_ = expand_glob(cfg.data.val_files);
+    const std::string dir = std::filesystem::path(files_.front()).parent_path().string();
+    if (has_tokenizer(dir)) tokenizer_dir_ = dir;
+  }
+
+  void next(int32_t* ids, int32_t* targets) override { loader_.next(ids, targets); }
+  void save(TrainerState& s) const override { s.data = loader_.position(); }
+  void restore(const TrainerState& s) override { loader_.restore(s.data); }
+  double evaluate(Ctx& ctx, Model& model, int batches) override {
+    if (val_files_.empty()) return kNaN;
+    SequentialReader reader(val_files_, model.seq_len(), model.batch());
+    return mean_loss(ctx, model, batches,
+                     [&](int32_t* ids, int32_t* targets) { return reader.next(ids, targets); });
+  }
+  std::string describe() const override {
+    return std::to_string(files_.size()) + " shard(s) " + cfg_.data.train_files + ", " +
+           std::to_string(loader_.windows_per_epoch()) + " windows per epoch";
+  }
+  double optimal_loss() const override { return kNaN; }
+  std::string tokenizer_dir() const override { return tokenizer_dir_; }
+
+ private:
+  void check_vocab(uint32_t max_token, const std::string& pattern) const {
+    if (max_token >= static_cast<uint32_t>(cfg_.model.vocab_size))
+      throw InputError(pattern + ": token id " + std::to_string(max_token) +
+                       " does not fit model.vocab_size " + std::to_string(cfg_.model.vocab_size) +
+                       " (set model.vocab_size to the tokenizer's vocabulary)");
+  }
+
+  const Config& cfg_;
+  std::vector<std::string> files_, val_files_;
+  ShardLoader loader_;
+  std::string tokenizer_dir_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainData> make_train_data(const Config& cfg, int rank, int world) {
+  if (cfg.data.source == "shards") return std::make_unique<ShardData>(cfg, rank, world);
+  return std::make_unique<SyntheticData>(cfg, rank);
+}
+
+}  // namespace moe

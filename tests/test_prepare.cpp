@@ -1,0 +1,243 @@
+// `prepare`: text files become train/val shards that hold exactly the encoded documents (each
+// followed by EOS) in order, split at the val fraction, with the tokenizer saved beside them.
+// The fortunes case (hidden: run with "[fortunes]") times the README's default corpus.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "moe/error.hpp"
+#include "moe/rng.hpp"
+#include "moe/shards.hpp"
+#include "moe/tokenizer.hpp"
+
+using namespace moe;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    static int counter = 0;
+    path = fs::temp_directory_path() /
+           ("moe_test_prepare_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+template <class F>
+std::string input_error_of(F&& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  FAIL("expected an InputError");
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// English-like lines from small word lists (as in test_tokenizer.cpp).
+std::string generated_corpus(int lines, uint64_t seed) {
+  static const std::vector<std::string> words = {
+      "the",      "quick",    "lazy",      "fox",     "dog",      "teacher", "river",
+      "mountain", "computer", "garden",    "village", "painter",  "student", "remembers",
+      "builds",   "follows",  "describes", "visits",  "explains", "every",   "morning",
+      "without",  "a",        "word",      "and",     "then",     "sleeps",  "ocean"};
+  Rng rng(seed);
+  std::string text;
+  for (int i = 0; i < lines; ++i) {
+    std::string line = "The";
+    const int n = 5 + static_cast<int>(rng.below(8));
+    for (int w = 0; w < n; ++w) line += " " + words[rng.below(words.size())];
+    text += line + (rng.below(2) ? ".\n" : "!\n");
+  }
+  return text;
+}
+
+// All tokens of the shards a glob names, in file order.
+std::vector<uint32_t> read_split(const std::string& pattern, int expect_shards) {
+  const auto files = expand_glob(pattern);
+  CHECK(static_cast<int>(files.size()) == expect_shards);
+  std::vector<uint32_t> tokens;
+  for (const auto& f : files) {
+    Shard s(f);
+    for (int64_t i = 0; i < s.size(); ++i) tokens.push_back(s.at(i));
+  }
+  return tokens;
+}
+
+// The stream prepare should produce: each document encoded, then EOS.
+std::vector<uint32_t> expected_stream(const Tokenizer& tok, const std::vector<std::string>& docs) {
+  std::vector<uint32_t> stream;
+  for (const auto& d : docs) {
+    const auto ids = tok.encode(d);
+    stream.insert(stream.end(), ids.begin(), ids.end());
+    stream.push_back(static_cast<uint32_t>(tok.eos_id()));
+  }
+  return stream;
+}
+
+// Checks the shards in `out` against the expected stream and the reported counts.
+void check_output(const std::string& out, const PrepareResult& r,
+                  const std::vector<uint32_t>& expected) {
+  const auto train = read_split(out + "/train_*.bin", r.train_shards);
+  const auto val = read_split(out + "/val_*.bin", r.val_shards);
+  CHECK(static_cast<int64_t>(train.size()) == r.train_tokens);
+  CHECK(static_cast<int64_t>(val.size()) == r.val_tokens);
+  CHECK(r.train_tokens + r.val_tokens == static_cast<int64_t>(expected.size()));
+  std::vector<uint32_t> all(train);
+  all.insert(all.end(), val.begin(), val.end());
+  CHECK(all == expected);
+}
+
+}  // namespace
+
+TEST_CASE("prepare with the byte tokenizer", "[prepare]") {
+  TempDir dir;
+  const std::vector<std::string> docs = {"first document\n", "second, with ünïcode ✓\n",
+                                         std::string("third\0binary", 12)};
+  std::vector<std::string> inputs;
+  for (size_t i = 0; i < docs.size(); ++i) {
+    inputs.push_back(dir.file("doc" + std::to_string(i) + ".txt"));
+    write_text(inputs.back(), docs[i]);
+  }
+  PrepareOptions opt;
+  opt.inputs = inputs;
+  opt.out_dir = dir.file("out");
+  opt.val_fraction = 0.2;
+  opt.shard_tokens = 16;
+  std::ostringstream log;
+  const PrepareResult r = prepare_dataset(opt, log);
+  INFO(log.str());
+  CHECK(contains(log.str(), "prepare:"));
+  CHECK(r.vocab_size == 257);
+  const auto tok = load_tokenizer(opt.out_dir);
+  CHECK(tok->type() == "byte");
+  const auto expected = expected_stream(*tok, docs);
+  const int64_t total = static_cast<int64_t>(docs[0].size() + docs[1].size() + docs[2].size()) + 3;
+  REQUIRE(static_cast<int64_t>(expected.size()) == total);
+  CHECK(r.val_tokens == std::llround(0.2 * static_cast<double>(total)));
+  CHECK(r.train_shards == static_cast<int>((r.train_tokens + 15) / 16));
+  CHECK(r.train_shards > 1);
+  CHECK(r.val_shards == 1);
+  check_output(opt.out_dir, r, expected);
+
+  // A second run into the same directory replaces the shards instead of mixing old ones in.
+  opt.shard_tokens = 1000;
+  const PrepareResult again = prepare_dataset(opt, log);
+  CHECK(again.train_shards == 1);
+  check_output(opt.out_dir, again, expected);
+}
+
+TEST_CASE("prepare with a trained SentencePiece tokenizer", "[prepare][spm]") {
+  TempDir dir;
+  const std::vector<std::string> docs = {generated_corpus(250, 1), generated_corpus(150, 2)};
+  const std::vector<std::string> inputs = {dir.file("a.txt"), dir.file("b.txt")};
+  write_text(inputs[0], docs[0]);
+  write_text(inputs[1], docs[1]);
+  PrepareOptions opt;
+  opt.inputs = inputs;
+  opt.tokenizer = "spm";
+  opt.vocab_size = 320;
+  opt.out_dir = dir.file("out");
+  opt.val_fraction = 0.1;
+  opt.shard_tokens = 2000;
+  std::ostringstream log;
+  const PrepareResult r = prepare_dataset(opt, log);
+  INFO(log.str());
+  CHECK(r.vocab_size == 320);
+  REQUIRE(has_tokenizer(opt.out_dir));
+  const auto tok = load_tokenizer(opt.out_dir);
+  CHECK(tok->type() == "spm");
+  CHECK(tok->vocab_size() == 320);
+  const auto expected = expected_stream(*tok, docs);
+  CHECK(r.train_shards == static_cast<int>((r.train_tokens + 1999) / 2000));
+  check_output(opt.out_dir, r, expected);
+  for (const auto& d : docs) CHECK(tok->decode(tok->encode(d)) == d);
+
+  // An existing model is used as is: the same tokens again.
+  PrepareOptions reuse = opt;
+  reuse.spm_model = opt.out_dir + "/tokenizer.model";
+  reuse.out_dir = dir.file("reuse");
+  const PrepareResult r2 = prepare_dataset(reuse, log);
+  check_output(reuse.out_dir, r2, expected);
+}
+
+TEST_CASE("prepare rejects bad inputs with a clear message", "[prepare]") {
+  TempDir dir;
+  write_text(dir.file("ok.txt"), "some text that is long enough");
+  PrepareOptions opt;
+  opt.out_dir = dir.file("out");
+  std::ostringstream log;
+  SECTION("an unreadable input names the file") {
+    opt.inputs = {dir.file("ok.txt"), dir.file("missing.txt")};
+    const std::string msg = input_error_of([&] { prepare_dataset(opt, log); });
+    CHECK(contains(msg, dir.file("missing.txt")));
+  }
+  SECTION("a corpus too small for train and val") {
+    write_text(dir.file("one.txt"), "x");  // 1 byte + EOS
+    opt.inputs = {dir.file("one.txt")};
+    const std::string msg = input_error_of([&] { prepare_dataset(opt, log); });
+    CHECK(contains(msg, "too small"));
+  }
+  SECTION("bad options") {
+    opt.inputs = {dir.file("ok.txt")};
+    opt.tokenizer = "wordpiece";
+    CHECK_THROWS_AS(prepare_dataset(opt, log), InputError);
+    opt.tokenizer = "byte";
+    opt.val_fraction = 0;
+    CHECK_THROWS_AS(prepare_dataset(opt, log), InputError);
+    opt.val_fraction = 0.5;
+    opt.inputs.clear();
+    CHECK_THROWS_AS(prepare_dataset(opt, log), InputError);
+  }
+}
+
+// The README's default corpus: every plain-text fortune file, SentencePiece vocab 4000.
+TEST_CASE("prepare the fortunes corpus with spm 4000", "[.][fortunes]") {
+  const std::string root = "/usr/share/games/fortunes";
+  if (!fs::is_directory(root)) return;
+  std::vector<std::string> inputs;
+  for (const auto& e : fs::directory_iterator(root)) {
+    const std::string name = e.path().string();
+    if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat" &&
+        e.path().extension() != ".u8")
+      inputs.push_back(name);
+  }
+  std::sort(inputs.begin(), inputs.end());
+  TempDir dir;
+  PrepareOptions opt;
+  opt.inputs = inputs;
+  opt.tokenizer = "spm";
+  opt.vocab_size = 4000;
+  opt.out_dir = dir.file("fortunes");
+  const auto start = std::chrono::steady_clock::now();
+  const PrepareResult r = prepare_dataset(opt, std::cout);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+  std::cout << inputs.size() << " files, " << took.count() << " s\n";
+  CHECK(r.vocab_size == 4000);
+  CHECK(took.count() < 60);
+}
