@@ -1,5 +1,6 @@
 // The training loop: data -> micro-batches (forward + backward) -> clip -> AdamW -> log / eval.
 #pragma once
+#include <cmath>
 #include <iosfwd>
 #include <string>
 #include <vector>
@@ -14,7 +15,7 @@ struct TrainResult {
   int resumed_from = 0;     // the checkpoint step it started from (0 = fresh)
   std::vector<double> losses;  // LM loss of each step this call ran
   double last_loss = 0;     // LM loss of the last step
-  double eval_loss = 0;     // LM loss on the held-out stream at the end
+  double eval_loss = NAN;   // LM loss on held-out data at the end (NaN: none)
   double optimal_loss = 0;  // the data's best achievable loss (synthetic source)
   double tokens_per_second = 0;
 };

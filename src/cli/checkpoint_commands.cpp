@@ -1,6 +1,7 @@
 // `eval`, `sample` and `export`: the commands that read a checkpoint.
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -25,9 +26,20 @@ std::string resolve_checkpoint(const std::string& path) {
 }
 
 struct EvalFlags {
-  std::string checkpoint, data;
+  std::string checkpoint, data, logits_out;
   int batches = 0, batch_size = 0, seq_len = 0;
 };
+
+// The first batch's logits as raw little-endian float32 [B*T, V], for comparisons with other
+// implementations (scripts/check_hf_export.py).
+void write_logits(const std::string& path, Tensor logits) {
+  std::vector<float> host(static_cast<size_t>(logits.numel()));
+  copy_to_host(host.data(), logits);
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(host.data()),
+            static_cast<std::streamsize>(host.size() * sizeof(float)));
+  if (!out) throw InputError("cannot write " + path);
+}
 
 void run_eval(const EvalFlags& f) {
   const std::string dir = resolve_checkpoint(f.checkpoint);
@@ -48,6 +60,7 @@ void run_eval(const EvalFlags& f) {
   int done = 0;
   while ((f.batches <= 0 || done < f.batches) && reader.next(ids.data(), targets.data())) {
     sum += model.forward(ctx, ids.data(), targets.data()).lm;
+    if (done == 0 && !f.logits_out.empty()) write_logits(f.logits_out, model.logits());
     ++done;
   }
   if (done == 0)
@@ -123,6 +136,8 @@ void add_eval_command(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--seq-len", f->seq_len, "tokens per row (default: the training seq_len)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--logits-out", f->logits_out,
+                  "write the first batch's logits (float32 [B*T, V]) to this file");
   register_runner("eval", [f] { run_eval(*f); });
 }
 

@@ -21,7 +21,7 @@ void add_prepare_command(CLI::App& app) {
       ->check(CLI::ExistingFile);
   cmd->add_option("--out", opt->out_dir, "output directory")->required();
   cmd->add_option("--val-fraction", opt->val_fraction, "share of tokens held out (default 0.05)")
-      ->check(CLI::Range(0.0, 0.5));
+      ->check(CLI::Range(1e-6, 0.5));
   cmd->add_option("--shard-tokens", opt->shard_tokens, "tokens per shard (default 1e8)")
       ->check(CLI::Range(int64_t{1024}, int64_t{1} << 40));
   register_runner("prepare", [opt] { prepare_dataset(*opt, std::cout); });

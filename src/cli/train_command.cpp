@@ -22,8 +22,8 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
   Config cfg = load_config(f.config_path, overrides);
   std::cout << build_info() << "\nresolved config:\n" << config_to_json(cfg) << "\n" << std::flush;
   TrainResult r = train(cfg, std::cout);
-  std::printf("done: %d steps | last train loss %.4f | eval loss %.4f", r.steps, r.last_loss,
-              r.eval_loss);
+  std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
+  if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
   if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);
   std::printf("\n");
 }

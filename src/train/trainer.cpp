@@ -158,6 +158,7 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   const auto start = Clock::now();
   const int first_step = static_cast<int>(state.step);
   PhaseTimes phase;
+  bool warned_no_eval = false;
   const int max_steps = cfg.train.max_steps;
   for (int step = first_step; step < max_steps; ++step) {
     model.zero_grads(ctx);
@@ -210,6 +211,11 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
     }
     if (last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0)) {
       const double eval = data->evaluate(ctx, model, cfg.train.eval_batches);
+      if (!std::isfinite(eval) && !cfg.data.val_files.empty() && !warned_no_eval) {
+        out << "eval skipped: " << cfg.data.val_files << " holds fewer than batch * seq_len + 1 = "
+            << n + 1 << " tokens\n";
+        warned_no_eval = true;
+      }
       if (std::isfinite(eval)) {
         result.eval_loss = eval;
         std::snprintf(line, sizeof line, "eval  step %6d | loss %.4f | ppl %.3f%s\n", step + 1,
