@@ -635,7 +635,7 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
   TempDir dir;
   const std::string tok = dir.sub("tok");
   fs::create_directories(tok);
-  write_text(tok + "/tokenizer.json", R"({"type": "spm", "model": "tokenizer.model"})");
+  write_text(tok + "/moe_tokenizer.json", R"({"type": "spm", "model": "tokenizer.model"})");
   write_text(tok + "/tokenizer.model", std::string("\x01\x02spm-bytes", 11));
   Trainee a(tiny_config());
   a.step(3);
@@ -647,9 +647,9 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
   const std::string out = dir.sub("hf");
   export_hf(dir.sub("run"), out);  // a run directory: its newest checkpoint
   for (const char* f : {"model.safetensors", "config.json", "generation_config.json",
-                        "tokenizer.json", "tokenizer.model"})
+                        "moe_tokenizer.json", "tokenizer.model"})
     CHECK(fs::is_regular_file(fs::path(out) / f));
-  CHECK(read_text(out + "/tokenizer.json") == read_text(tok + "/tokenizer.json"));
+  CHECK(read_text(out + "/moe_tokenizer.json") == read_text(tok + "/moe_tokenizer.json"));
   CHECK(nlohmann::json::parse(read_text(out + "/generation_config.json")).is_object());
   const ModelConfig exported = model_config_from_hf_json(out + "/config.json");
   CHECK(exported.num_shared_experts == 1);

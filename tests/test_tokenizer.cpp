@@ -162,32 +162,32 @@ TEST_CASE("missing or corrupt tokenizers throw InputError naming the file", "[to
   TempDir dir;
   std::string msg, named;
   SECTION("missing directory") {
-    named = dir.file("nowhere/tokenizer.json");
+    named = dir.file("nowhere/moe_tokenizer.json");
     msg = input_error_of([&] { load_tokenizer(dir.file("nowhere")); });
   }
-  SECTION("tokenizer.json is not JSON") {
-    named = dir.file("tokenizer.json");
+  SECTION("moe_tokenizer.json is not JSON") {
+    named = dir.file("moe_tokenizer.json");
     write_text(named, "{\"type\": \"byte\"");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
   }
   SECTION("unknown type") {
-    named = dir.file("tokenizer.json");
+    named = dir.file("moe_tokenizer.json");
     write_text(named, "{\"type\": \"wordpiece\"}");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
     CHECK(contains(msg, "wordpiece"));
   }
   SECTION("no type") {
-    named = dir.file("tokenizer.json");
+    named = dir.file("moe_tokenizer.json");
     write_text(named, "{\"model\": \"x\"}");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
   }
   SECTION("spm model file missing") {
-    write_text(dir.file("tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
+    write_text(dir.file("moe_tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
     named = dir.file("tokenizer.model");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
   }
   SECTION("spm model file corrupt") {
-    write_text(dir.file("tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
+    write_text(dir.file("moe_tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
     named = dir.file("tokenizer.model");
     write_text(named, "this is not a protobuf");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });

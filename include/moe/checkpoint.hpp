@@ -8,7 +8,7 @@
 //   rank_NNNNN.state      per-rank state: magic + version header, then step, RNG state, data
 //                         position, loss scale, router biases, AdamW step and moments, fp32
 //                         master weights
-//   tokenizer.json (+ tokenizer.model) when the run has a tokenizer
+//   moe_tokenizer.json (+ tokenizer.model) when the run has a tokenizer
 //   DONE                  written last: a directory without it is incomplete and never loaded
 // Writes go to step_NNNNNNNN.tmp/ (each file fsync'ed), which is renamed into place, then DONE is
 // written and fsync'ed with its directory. The previous checkpoints are not touched until the new
@@ -59,8 +59,8 @@ std::vector<NamedTensor> model_to_named_tensors(const Model& model);
 void load_named_tensors(Model& model, const std::vector<NamedTensor>& tensors,
                         const std::string& source);
 
-// Hugging Face config.json for the model (MixtralConfig names + extras), and back (checks that
-// the shape keys match `expected` when given, else throws InputError naming the file and key).
+// Hugging Face config.json for the model (MixtralConfig names + extras), and back (the keys go
+// through the config validation; InputError naming the file on bad JSON or values).
 std::string hf_config_json(const ModelConfig& m);
 ModelConfig model_config_from_hf_json(const std::string& path);
 

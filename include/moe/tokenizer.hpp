@@ -1,6 +1,6 @@
 // Tokenizers: byte-level (built in: ids 0-255 are the bytes and 256 is EOS, so vocab 257) and
 // SentencePiece BPE (the system's library; unk 0, bos 1, eos 2 when trained here).
-// A tokenizer lives in a directory as `tokenizer.json` (our small description: {"type": "byte"}
+// A tokenizer lives in a directory as `moe_tokenizer.json` (our small description: {"type": "byte"}
 // or {"type": "spm", "model": "tokenizer.model", "vocab_size": N}) plus, for spm, the
 // SentencePiece model file `tokenizer.model`.
 #pragma once
@@ -20,13 +20,13 @@ class Tokenizer {
   // End-of-document token appended after each input document by `prepare` (-1 = none).
   virtual int64_t eos_id() const = 0;
   virtual std::string type() const = 0;
-  // Writes tokenizer.json (+ tokenizer.model for spm) into `dir` (created if needed).
+  // Writes moe_tokenizer.json (+ tokenizer.model for spm) into `dir` (created if needed).
   virtual void save(const std::string& dir) const = 0;
 };
 
 // Loads the tokenizer saved in `dir`; throws InputError naming the file when missing or corrupt.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& dir);
-// True when `dir` holds a tokenizer.json.
+// True when `dir` holds a moe_tokenizer.json.
 bool has_tokenizer(const std::string& dir);
 std::unique_ptr<Tokenizer> make_byte_tokenizer();
 // Trains a SentencePiece BPE model of `vocab_size` on the text files (read line by line, at most

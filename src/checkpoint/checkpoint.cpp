@@ -453,9 +453,9 @@ void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir
                           const WriteHook& hook) {
   const fs::path from(from_dir), to(to_dir);
   std::error_code ec;
-  if (!fs::is_regular_file(from / "tokenizer.json", ec))
-    throw InputError(from_dir + ": no tokenizer.json to copy");
-  for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+  if (!fs::is_regular_file(from / "moe_tokenizer.json", ec))
+    throw InputError(from_dir + ": no moe_tokenizer.json to copy");
+  for (const char* name : {"moe_tokenizer.json", "tokenizer.model"}) {
     if (!fs::is_regular_file(from / name, ec)) continue;
     write_file_durably((to / name).string(), read_text_file((from / name).string()), hook);
   }

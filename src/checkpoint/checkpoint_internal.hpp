@@ -69,7 +69,7 @@ void tensor_from_host_chunks(const Tensor& t, size_t chunk_bytes,
                              const std::function<void(void*, size_t)>& source);
 
 // ---- checkpoint.cpp
-// Copies tokenizer.json (required) and tokenizer.model (when present) from one directory to
+// Copies moe_tokenizer.json (required) and tokenizer.model (when present) from one directory to
 // another, durably.
 void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir,
                           const WriteHook& hook);

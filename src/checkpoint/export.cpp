@@ -94,7 +94,7 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
   write_safetensors((out / "model.safetensors").string(), tensors, hf_weights_metadata());
   write_file_durably((out / "config.json").string(), hf_config_json(cfg.model), nullptr);
   write_file_durably((out / "generation_config.json").string(), generation_config_json(), nullptr);
-  if (fs::is_regular_file(fs::path(step_dir) / "tokenizer.json", ec))
+  if (fs::is_regular_file(fs::path(step_dir) / "moe_tokenizer.json", ec))
     copy_tokenizer_files(step_dir, out_dir, nullptr);
   fsync_directory(out_dir);
 }

@@ -4,7 +4,7 @@
 // 257. The extra id lets `prepare` separate documents in the token stream without giving up any
 // byte value: text, UTF-8 and binary (\0 included) all round-trip exactly.
 //
-// A tokenizer directory holds tokenizer.json ({"type": "byte"} or {"type": "spm", "model": ...,
+// A tokenizer directory holds moe_tokenizer.json ({"type": "byte"} or {"type": "spm", "model": ...,
 // "vocab_size": N}); load_tokenizer reads it and dispatches to the right implementation.
 #include <fcntl.h>
 #include <unistd.h>
@@ -29,7 +29,7 @@ namespace fs = std::filesystem;
 
 constexpr int64_t kByteVocab = 257;
 constexpr int64_t kByteEos = 256;
-constexpr const char* kTokenizerJson = "tokenizer.json";
+constexpr const char* kTokenizerJson = "moe_tokenizer.json";
 
 // Writes `text` to a temporary name, syncs it and renames it into place: a checkpoint that copies
 // the tokenizer relies on the file being durable once save() returns.
@@ -110,7 +110,7 @@ T field(const nlohmann::json& j, const char* key, const std::string& path) {
   }
 }
 
-// Loads the spm model named by tokenizer.json and checks it against the recorded vocabulary.
+// Loads the spm model named by moe_tokenizer.json and checks it against the recorded vocabulary.
 std::unique_ptr<Tokenizer> load_spm_from_json(const nlohmann::json& j, const std::string& dir,
                                               const std::string& path) {
   const std::string model =

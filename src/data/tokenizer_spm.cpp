@@ -104,7 +104,7 @@ class SpmTokenizer : public Tokenizer {
     if (ec) throw InputError(dir + ": cannot create the tokenizer directory: " + ec.message());
     write_file_durably((fs::path(dir) / kModelFile).string(), serialized_);
     const nlohmann::json j = {{"type", "spm"}, {"model", kModelFile}, {"vocab_size", vocab_size()}};
-    write_file_durably((fs::path(dir) / "tokenizer.json").string(), j.dump(2) + "\n");
+    write_file_durably((fs::path(dir) / "moe_tokenizer.json").string(), j.dump(2) + "\n");
   }
 
  private:

@@ -16,7 +16,7 @@ for f in /usr/share/games/fortunes/{computers,linux,science}; do [ -f "$f" ] && 
 
 "$bin" prepare --input "${corpus[@]}" --tokenizer byte --out "$tmp/byte" >"$tmp/prep.log" 2>&1 ||
   fail "prepare byte: $(cat "$tmp/prep.log")"
-ls "$tmp"/byte/train_000000.bin "$tmp"/byte/val_000000.bin "$tmp"/byte/tokenizer.json >/dev/null ||
+ls "$tmp"/byte/train_000000.bin "$tmp"/byte/val_000000.bin "$tmp"/byte/moe_tokenizer.json >/dev/null ||
   fail "prepare byte wrote no shards/tokenizer"
 "$bin" prepare --input "${corpus[@]}" --tokenizer spm --vocab-size 500 --out "$tmp/spm" \
   >"$tmp/prep2.log" 2>&1 || fail "prepare spm: $(cat "$tmp/prep2.log")"
@@ -52,7 +52,7 @@ s2=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --see
 
 # export writes a Hugging Face directory
 "$bin" export --checkpoint "$run" --out "$tmp/hf" >/dev/null || fail "export"
-for f in model.safetensors config.json tokenizer.json; do [ -f "$tmp/hf/$f" ] || fail "export lacks $f"; done
+for f in model.safetensors config.json moe_tokenizer.json; do [ -f "$tmp/hf/$f" ] || fail "export lacks $f"; done
 
 # plots
 if /usr/bin/python3 -c "import matplotlib" 2>/dev/null; then
