@@ -1,5 +1,8 @@
 #include "moe/memory.hpp"
 
+#include "moe/cuda_runtime.hpp"
+#include "moe/ops/common.hpp"
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -8,7 +11,11 @@
 namespace moe {
 
 Buffer::Buffer(Device dev, size_t bytes) : bytes_(bytes), dev_(dev) {
-  MOE_CHECK(dev.type == DeviceType::cpu, "Buffer: device " + dev.str() + " is not in this build");
+  if (dev.type == DeviceType::cuda) {
+    ptr_ = gpu::malloc_device(bytes, dev.index);
+    gpu::memset_device(ptr_, 0, bytes);
+    return;
+  }
   size_t rounded = (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
   ptr_ = std::aligned_alloc(Arena::kAlign, rounded == 0 ? Arena::kAlign : rounded);
   if (!ptr_)
@@ -19,7 +26,10 @@ Buffer::Buffer(Device dev, size_t bytes) : bytes_(bytes), dev_(dev) {
 Buffer::~Buffer() { release(); }
 
 void Buffer::release() {
-  if (ptr_) std::free(ptr_);
+  if (ptr_ && dev_.type == DeviceType::cuda)
+    gpu::free_device(ptr_);
+  else if (ptr_)
+    std::free(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
 }
@@ -71,13 +81,28 @@ Tensor Arena::alloc(DType t, std::initializer_list<int64_t> dims) {
 namespace moe {
 
 void copy_from_host(Tensor dst, const void* src) {
-  MOE_CHECK(dst.device.type == DeviceType::cpu, "copy_from_host: device not in this build");
-  std::memcpy(dst.data, src, dst.nbytes());
+  if (dst.device.type == DeviceType::cuda)
+    gpu::copy_to_device(dst.data, src, dst.nbytes());
+  else
+    std::memcpy(dst.data, src, dst.nbytes());
 }
 
 void copy_to_host(void* dst, Tensor src) {
-  MOE_CHECK(src.device.type == DeviceType::cpu, "copy_to_host: device not in this build");
-  std::memcpy(dst, src.data, src.nbytes());
+  if (src.device.type == DeviceType::cuda)
+    gpu::copy_to_host(dst, src.data, src.nbytes());
+  else
+    std::memcpy(dst, src.data, src.nbytes());
+}
+
+Ctx make_ctx(Device dev) {
+  Ctx ctx;
+  ctx.device = dev;
+  if (dev.type == DeviceType::cuda) {
+    gpu::set_device(dev.index);
+    ctx.stream = gpu::default_stream(dev.index);
+    ctx.blas = gpu::blas_handle(dev.index);
+  }
+  return ctx;
 }
 
 }  // namespace moe

@@ -1,6 +1,7 @@
 // The op seam. Every op is declared once with MOE_OP: that declares its CPU implementation
-// (moe::cpu::name, kernels/cpu), its CUDA implementation when built with CUDA (moe::cuda::name,
-// kernels/cuda) and the dispatching moe::name, which picks the backend from ctx.device.
+// (moe::cpu::name, kernels/cpu), the slot of its CUDA implementation when built with CUDA
+// (moe::cuda::name, set by kernels/cuda) and the dispatching moe::name, which picks the backend
+// from ctx.device.
 //
 // Conventions shared by every op:
 // - Parameter gradients (dw, dtable, ...) ACCUMULATE (+=), so micro-batches and tied weights add up.
@@ -26,12 +27,16 @@ struct Ctx {
 
 }  // namespace moe
 
+// CUDA kernels register themselves (kernels/cuda/*.cu, linked whole-archive) in a function pointer
+// of the op's exact signature; an op without a CUDA kernel yet throws when called on a GPU.
 #ifdef MOE_WITH_CUDA
-#define MOE_OP_CUDA_DECL(name, params) \
-  namespace cuda {                     \
-  void name params;                    \
+#define MOE_OP_CUDA_DECL(name, params)             \
+  namespace cuda {                                 \
+  inline decltype(&::moe::cpu::name) name = nullptr; \
   }
-#define MOE_OP_CUDA_CALL(name, args) return cuda::name args
+#define MOE_OP_CUDA_CALL(name, args)          \
+  if (cuda::name) return cuda::name args;     \
+  throw_no_backend(#name, ctx.device)
 #else
 #define MOE_OP_CUDA_DECL(name, params)
 #define MOE_OP_CUDA_CALL(name, args) throw_no_backend(#name, ctx.device)

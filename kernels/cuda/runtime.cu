@@ -1,0 +1,146 @@
+// The CUDA runtime behind include/moe/cuda_runtime.hpp: device discovery, the compiled-arch check,
+// memory, and the per-device stream and cuBLAS handle the ops run on.
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/cuda_runtime.hpp"
+
+namespace moe::cuda_detail {
+
+void throw_cuda(const char* what, const char* call, const char* file, int line) {
+  throw std::runtime_error(std::string("CUDA error: ") + what + " in " + call + " at " + file + ":" +
+                           std::to_string(line));
+}
+
+}  // namespace moe::cuda_detail
+
+namespace moe::gpu {
+
+namespace {
+
+__global__ void probe_kernel(int* out) {
+  if (out) *out = 1;
+}
+
+struct PerDevice {
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+};
+
+std::vector<PerDevice>& per_device() {
+  static std::vector<PerDevice> d(static_cast<size_t>(std::max(device_count(), 0)));
+  return d;
+}
+std::mutex& handles_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+bool built_with_cuda() { return true; }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver / no device: clear the sticky error, report none
+    return 0;
+  }
+  return n;
+}
+
+DeviceInfo device_info(int index) {
+  cudaDeviceProp p{};
+  MOE_CUDA_CHECK(cudaGetDeviceProperties(&p, index));
+  DeviceInfo info;
+  info.name = p.name;
+  info.major = p.major;
+  info.minor = p.minor;
+  set_device(index);
+  MOE_CUDA_CHECK(cudaMemGetInfo(&info.free_bytes, &info.total_bytes));
+  return info;
+}
+
+bool has_code_for(int index, std::string* why_not) {
+  set_device(index);
+  cudaFuncAttributes attr{};
+  cudaError_t err = cudaFuncGetAttributes(&attr, probe_kernel);
+  if (err == cudaSuccess) return true;
+  cudaGetLastError();
+  if (why_not) {
+    DeviceInfo info = device_info(index);
+    *why_not = "this binary has no code for " + info.name + " (sm_" + std::to_string(info.major) +
+               std::to_string(info.minor) + "; built for MOE_CUDA_ARCHS=" MOE_CUDA_ARCHS_STR
+               "): rebuild with scripts/build.sh --arch sm_" +
+               std::to_string(info.major) + std::to_string(info.minor) + " (" +
+               cudaGetErrorString(err) + ")";
+  }
+  return false;
+}
+
+void set_device(int index) { MOE_CUDA_CHECK(cudaSetDevice(index)); }
+
+void* malloc_device(size_t bytes, int index) {
+  set_device(index);
+  void* p = nullptr;
+  cudaError_t err = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    char msg[256];
+    std::snprintf(msg, sizeof msg,
+                  "out of GPU memory on cuda:%d allocating %.1f MiB (%.1f MiB free of %.1f MiB)",
+                  index, bytes / 1048576.0, free_b / 1048576.0, total_b / 1048576.0);
+    throw std::runtime_error(msg);
+  }
+  return p;
+}
+
+void free_device(void* p) {
+  if (p) cudaFree(p);  // never throws from destructors
+}
+
+// Host copies wait for all work first: ops run on non-blocking streams, which a plain cudaMemcpy
+// does not order against. (The training step keeps such copies out of its hot path.)
+void copy_to_device(void* dst, const void* src, size_t bytes) {
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+void copy_to_host(void* dst, const void* src, size_t bytes) {
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+void memset_device(void* p, int value, size_t bytes) {
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+  MOE_CUDA_CHECK(cudaMemset(p, value, bytes));
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
+void synchronize() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+
+void* default_stream(int index) {
+  std::lock_guard<std::mutex> lock(handles_mutex());
+  PerDevice& d = per_device().at(static_cast<size_t>(index));
+  if (!d.stream) {
+    set_device(index);
+    MOE_CUDA_CHECK(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking));
+  }
+  return d.stream;
+}
+
+void* blas_handle(int index) {
+  void* stream = default_stream(index);
+  std::lock_guard<std::mutex> lock(handles_mutex());
+  PerDevice& d = per_device().at(static_cast<size_t>(index));
+  if (!d.blas) {
+    set_device(index);
+    MOE_CUBLAS_CHECK(cublasCreate(&d.blas));
+    MOE_CUBLAS_CHECK(cublasSetStream(d.blas, static_cast<cudaStream_t>(stream)));
+  }
+  return d.blas;
+}
+
+}  // namespace moe::gpu

@@ -1,0 +1,32 @@
+// include/moe/cuda_runtime.hpp in a build without CUDA: no devices; anything else is a bug.
+#include "moe/cuda_runtime.hpp"
+#include "moe/error.hpp"
+
+#ifndef MOE_WITH_CUDA
+namespace moe::gpu {
+
+namespace {
+[[noreturn]] void absent(const char* what) {
+  throw InternalError(std::string(what) + ": this build has no CUDA backend");
+}
+}  // namespace
+
+bool built_with_cuda() { return false; }
+int device_count() { return 0; }
+DeviceInfo device_info(int) { absent("device_info"); }
+bool has_code_for(int, std::string* why_not) {
+  if (why_not) *why_not = "this build has no CUDA backend (rebuild with scripts/build.sh)";
+  return false;
+}
+void set_device(int) { absent("set_device"); }
+void* malloc_device(size_t, int) { absent("malloc_device"); }
+void free_device(void*) {}
+void copy_to_device(void*, const void*, size_t) { absent("copy_to_device"); }
+void copy_to_host(void*, const void*, size_t) { absent("copy_to_host"); }
+void memset_device(void*, int, size_t) { absent("memset_device"); }
+void synchronize() {}
+void* default_stream(int) { absent("default_stream"); }
+void* blas_handle(int) { absent("blas_handle"); }
+
+}  // namespace moe::gpu
+#endif
