@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Installs dependencies, builds and runs the test suite: the CPU tests (GPU tests skip without a
-# GPU), then the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
-#   scripts/test.sh            everything (what CI runs)
-#   scripts/test.sh --fast     the release build's tests only
+# Installs dependencies, builds and runs the test suite (what CI runs):
+#   1. the CPU build and every CPU test (GPU tests are not built there);
+#   2. when nvcc is present, the CUDA sources compiled for sm_75 and sm_90 (no GPU needed);
+#      their GPU tests run (or report "skipped" without a GPU);
+#   3. the unit tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+#   scripts/test.sh --fast     step 1 only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${MOE_SKIP_SETUP:-0}" != 1 ]; then scripts/setup.sh; fi
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-# A CPU-only build runs the tests; the CUDA sources are compiled separately below when nvcc exists.
+# ctest runs two tests at once on two cores: one OpenMP thread each (the tests that check
+# thread-count independence set their thread counts themselves).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 BUILD_DIR=build scripts/build.sh --cpu
 ctest --test-dir build --output-on-failure -j 2
 if [ "${1:-}" = "--fast" ]; then exit 0; fi
+if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
+  PATH=$PATH:/usr/local/cuda/bin
+  cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON -DMOE_CUDA_ARCHS="75;90" \
+    $(command -v ninja >/dev/null && echo -G Ninja)
+  cmake --build build-cuda -j "$(nproc)"
+  ctest --test-dir build-cuda --output-on-failure -L gpu
+fi
 BUILD_DIR=build-asan scripts/build.sh --asan
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j 2 -LE slow
