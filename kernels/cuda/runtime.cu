@@ -106,9 +106,11 @@ void free_device(void* p) {
 
 // Host copies wait for all work first: ops run on non-blocking streams, which a plain cudaMemcpy
 // does not order against. (The training step keeps such copies out of its hot path.)
+// (A pageable host-to-device cudaMemcpy may return before the DMA lands: wait after it too.)
 void copy_to_device(void* dst, const void* src, size_t bytes) {
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
   MOE_CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
 void copy_to_host(void* dst, const void* src, size_t bytes) {
   MOE_CUDA_CHECK(cudaDeviceSynchronize());

@@ -1,0 +1,225 @@
+// CUDA attention against the CPU reference: causal GQA forward (out, lse) and backward (dq, dk, dv)
+// for B = 2, T = 37 (a multiple of nothing the kernels tile by), nh = 4, nkv = 2 (two query heads
+// per kv head), hd = 32 and 64, in f32, f64, f16 and bf16; and decode attention over a cache whose
+// unused entries hold NaN (so reading past lengths[b] would show).
+//
+// Inputs are random (never zero), rounded to the storage dtype, and the CPU op runs in f64 on the
+// same rounded values; the backward's out and lse inputs are the CPU forward's, rounded to the
+// dtype, so both sides differentiate exactly the same data. Outputs are poisoned (NaN) first.
+// Tolerance per element: |gpu - ref| <= rtol (|ref| + max|ref|), rtol = rtol_for(dtype):
+// f32 2e-5 (fp32 accumulation over <= 64-long dot products and <= 37-long sums), f64 1e-11,
+// f16 4e-3 and bf16 2e-2 (fp32 math, one rounding of each output into the dtype).
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "catch.hpp"
+#include "gpu_test_util.hpp"
+#include "moe/cuda_runtime.hpp"
+#include "moe/ops/attention.hpp"
+#include "moe/ops/decode.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+// Uniform in [lo, hi) with |x| >= 1e-3 (never zero), seeded.
+std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (double& x : v) {
+    do x = u(rng);
+    while (std::fabs(x) < 1e-3);
+  }
+  return v;
+}
+
+// An f64 host tensor holding a copy of values.
+struct Host {
+  std::vector<double> v;
+  Tensor t;
+  Host(std::initializer_list<int64_t> dims, std::vector<double> values) : v(std::move(values)) {
+    t = Tensor(v.data(), DType::f64, Device{}, dims);
+    REQUIRE(static_cast<int64_t>(v.size()) == t.numel());
+  }
+  Host(std::initializer_list<int64_t> dims) : Host(dims, std::vector<double>(count(dims), 0.0)) {}
+  static size_t count(std::initializer_list<int64_t> dims) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return static_cast<size_t>(n);
+  }
+  Host(const Host&) = delete;
+  operator Tensor() const { return t; }
+};
+
+DeviceTensor device_with(DType dt, std::initializer_list<int64_t> dims,
+                         const std::vector<double>& values) {
+  DeviceTensor d(dt, dims);
+  upload(d, values);
+  return d;
+}
+
+DeviceTensor device_poisoned(DType dt, std::initializer_list<int64_t> dims) {
+  DeviceTensor d(dt, dims);
+  poison(d);
+  return d;
+}
+
+// |gpu - ref| <= rtol (|ref| + max|ref|) everywhere.
+void expect_close(const std::vector<double>& gpu, const std::vector<double>& ref, double rtol,
+                  const char* what) {
+  double scale = 0;
+  for (double x : ref) scale = std::max(scale, std::fabs(x));
+  const double ratio = worst_ratio(gpu, ref, rtol, rtol * scale);
+  INFO(what << ": worst |gpu - ref| / tolerance = " << ratio << " (rtol " << rtol << ", max|ref| "
+            << scale << ")");
+  CHECK(ratio <= 1.0);
+}
+
+const char* name_of(DType dt) {
+  return dtype_name(dt);
+}
+
+void check_attention(DType dt, int64_t hd) {
+  const int64_t B = 2, T = 37, nh = 4, nkv = 2;
+  INFO("dtype " << name_of(dt) << ", hd " << hd);
+  const double rtol = rtol_for(dt);
+  const size_t nq = static_cast<size_t>(B * T * nh * hd),
+               nkv_el = static_cast<size_t>(B * T * nkv * hd);
+  const std::vector<double> q = round_to(dt, random_values(nq, 11, -2.0, 2.0));
+  const std::vector<double> k = round_to(dt, random_values(nkv_el, 12));
+  const std::vector<double> v = round_to(dt, random_values(nkv_el, 13));
+  const std::vector<double> dout = round_to(dt, random_values(nq, 14));
+
+  // ---- forward ----
+  Ctx cpu{};
+  Host cq({B, T, nh, hd}, q), ck({B, T, nkv, hd}, k), cv({B, T, nkv, hd}, v);
+  Host c_out({B, T, nh, hd}), clse({B, nh, T});
+  attention_forward(cpu, c_out, clse, cq, ck, cv);
+
+  Ctx ctx = gpu_ctx();
+  DeviceTensor gq = device_with(dt, {B, T, nh, hd}, q);
+  DeviceTensor gk = device_with(dt, {B, T, nkv, hd}, k);
+  DeviceTensor gv = device_with(dt, {B, T, nkv, hd}, v);
+  DeviceTensor gout = device_poisoned(dt, {B, T, nh, hd});
+  DeviceTensor glse = device_poisoned(dt, {B, nh, T});
+  gpu::synchronize();
+  attention_forward(ctx, gout, glse, gq, gk, gv);
+  gpu::synchronize();
+  expect_close(download(gout), c_out.v, rtol, "forward out");
+  expect_close(download(glse), clse.v, rtol, "forward lse");
+
+  // ---- backward, from the reference forward's out and lse rounded to the dtype ----
+  const std::vector<double> out_r = round_to(dt, c_out.v), lse_r = round_to(dt, clse.v);
+  Host cdo({B, T, nh, hd}, dout), cout_r({B, T, nh, hd}, out_r), clse_r({B, nh, T}, lse_r);
+  Host cdq({B, T, nh, hd}), cdk({B, T, nkv, hd}), cdv({B, T, nkv, hd});
+  attention_backward(cpu, cdq, cdk, cdv, cdo, cq, ck, cv, cout_r, clse_r);
+
+  upload(gout, out_r);
+  upload(glse, lse_r);
+  DeviceTensor gdo = device_with(dt, {B, T, nh, hd}, dout);
+  DeviceTensor gdq = device_poisoned(dt, {B, T, nh, hd});
+  DeviceTensor gdk = device_poisoned(dt, {B, T, nkv, hd});
+  DeviceTensor gdv = device_poisoned(dt, {B, T, nkv, hd});
+  gpu::synchronize();
+  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
+  gpu::synchronize();
+  const std::vector<double> dq1 = download(gdq), dk1 = download(gdk), dv1 = download(gdv);
+  expect_close(dq1, cdq.v, rtol, "backward dq");
+  expect_close(dk1, cdk.v, rtol, "backward dk");
+  expect_close(dv1, cdv.v, rtol, "backward dv");
+
+  // Deterministic: a second run (over poisoned outputs) gives bitwise the same gradients.
+  poison(gdq);
+  poison(gdk);
+  poison(gdv);
+  gpu::synchronize();
+  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
+  gpu::synchronize();
+  CHECK(download(gdq) == dq1);
+  CHECK(download(gdk) == dk1);
+  CHECK(download(gdv) == dv1);
+}
+
+void check_decode(DType dt, int64_t hd) {
+  const int64_t B = 3, S = 40, nh = 4, nkv = 2;
+  const std::vector<int32_t> lengths = {37, 1, 23};
+  INFO("dtype " << name_of(dt) << ", hd " << hd);
+  const double rtol = rtol_for(dt);
+  const std::vector<double> q =
+      round_to(dt, random_values(static_cast<size_t>(B * nh * hd), 21, -2, 2));
+  std::vector<double> k = round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 22));
+  std::vector<double> v = round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 23));
+  // Entries at or beyond lengths[b] are never to be read: NaN there.
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = lengths[static_cast<size_t>(b)]; j < S; ++j)
+      for (int64_t e = 0; e < nkv * hd; ++e) {
+        const size_t at = static_cast<size_t>((b * S + j) * nkv * hd + e);
+        k[at] = v[at] = std::nan("");
+      }
+
+  Ctx cpu{};
+  Host cq({B, nh, hd}, q), ck({B, S, nkv, hd}, k), cv({B, S, nkv, hd}, v), c_out({B, nh, hd});
+  std::vector<int32_t> len_host = lengths;
+  Tensor clen(len_host.data(), DType::i32, Device{}, {B});
+  attention_decode_forward(cpu, c_out, cq, ck, cv, clen);
+
+  Ctx ctx = gpu_ctx();
+  DeviceTensor gq = device_with(dt, {B, nh, hd}, q);
+  DeviceTensor gk = device_with(dt, {B, S, nkv, hd}, k);
+  DeviceTensor gv = device_with(dt, {B, S, nkv, hd}, v);
+  DeviceTensor glen(DType::i32, {B});
+  upload_i32(glen, lengths);
+  DeviceTensor gout = device_poisoned(dt, {B, nh, hd});
+  gpu::synchronize();
+  attention_decode_forward(ctx, gout, gq, gk, gv, glen);
+  gpu::synchronize();
+  expect_close(download(gout), c_out.v, rtol, "decode out");
+}
+
+}  // namespace
+
+TEST_CASE("gpu attention forward/backward match the CPU reference", "[gpu][attention]") {
+  for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16})
+    for (int64_t hd : {32, 64}) check_attention(dt, hd);
+}
+
+TEST_CASE("gpu attention handles a head_dim that is not a multiple of 32", "[gpu][attention]") {
+  check_attention(DType::f32, 40);
+}
+
+TEST_CASE("gpu decode attention matches the CPU reference and reads only lengths[b] entries",
+          "[gpu][decode]") {
+  for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16})
+    for (int64_t hd : {32, 64}) check_decode(dt, hd);
+}
+
+TEST_CASE("gpu decode equals the last row of the training forward", "[gpu][decode]") {
+  // One sequence of T tokens: decode of the last token over the full cache is row T-1 of the
+  // forward (both on the GPU, f32).
+  const int64_t T = 37, nh = 4, nkv = 2, hd = 64;
+  const std::vector<double> q = random_values(static_cast<size_t>(T * nh * hd), 31, -2, 2);
+  const std::vector<double> k = random_values(static_cast<size_t>(T * nkv * hd), 32);
+  const std::vector<double> v = random_values(static_cast<size_t>(T * nkv * hd), 33);
+  Ctx ctx = gpu_ctx();
+  DeviceTensor gq = device_with(DType::f32, {1, T, nh, hd}, q);
+  DeviceTensor gk = device_with(DType::f32, {1, T, nkv, hd}, k);
+  DeviceTensor gv = device_with(DType::f32, {1, T, nkv, hd}, v);
+  DeviceTensor gout = device_poisoned(DType::f32, {1, T, nh, hd});
+  DeviceTensor glse = device_poisoned(DType::f32, {1, nh, T});
+  const std::vector<double> q_last(q.end() - nh * hd, q.end());
+  DeviceTensor dq = device_with(DType::f32, {1, nh, hd}, q_last);
+  DeviceTensor dlen(DType::i32, {1});
+  upload_i32(dlen, {static_cast<int32_t>(T)});
+  DeviceTensor dout = device_poisoned(DType::f32, {1, nh, hd});
+  gpu::synchronize();
+  attention_forward(ctx, gout, glse, gq, gk, gv);
+  attention_decode_forward(ctx, dout, dq, gk, gv, dlen);
+  gpu::synchronize();
+  const std::vector<double> full = download(gout);
+  const std::vector<double> last(full.end() - nh * hd, full.end());
+  expect_close(download(dout), last, 2e-6, "decode vs forward row T-1");
+}
