@@ -1,0 +1,357 @@
+// CUDA MoE router and permutation ops against the CPU reference (kernels/cpu/{router,permute}.cpp)
+// on the same inputs: values rounded to the storage dtype, the CPU computing in f64. Outputs are
+// poisoned before each GPU call so anything left unwritten fails.
+//
+// Index outputs (topk_idx, counts, offsets, row_token, slot_row) must equal the CPU bitwise, in
+// every dtype (the selection compares logits + bias in double on both sides). Float outputs:
+//   |gpu - cpu| <= atol + rtol * |cpu|, rtol = rtol_for(dtype) (f32 2e-5, f16 4e-3, bf16 2e-2,
+//   f64 1e-11); atol = 1e-3 * rtol for probabilities and weights (scale 1), rtol * max|cpu| for
+//   gradients and dot products (cancellation), 0 for pure copies (which must be exact).
+#include <algorithm>
+#include <random>
+
+#include "catch.hpp"
+#include "gpu_test_util.hpp"
+#include "moe/ops/permute.hpp"
+#include "moe/ops/router.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+const DType kFloatTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
+
+// Uniform in [lo, hi), never exactly zero.
+std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (auto& x : v) {
+    x = u(rng);
+    if (x == 0) x = 0.375;
+  }
+  return v;
+}
+
+// Values drawn from a small set of exactly representable non-zero numbers: many exact ties.
+std::vector<double> tied_values(size_t n, uint64_t seed) {
+  static const double kSet[] = {-1.0, 0.5, 1.0, 1.5};
+  std::mt19937_64 rng(seed);
+  std::vector<double> v(n);
+  for (auto& x : v) x = kSet[rng() % 4];
+  return v;
+}
+
+Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
+  Buf<double> b(dims);
+  REQUIRE(b.size() == v.size());
+  b.v = v;
+  return b;
+}
+
+DeviceTensor device(DType dt, std::initializer_list<int64_t> dims, const std::vector<double>& v) {
+  DeviceTensor t(dt, dims);
+  upload(t, v);
+  return t;
+}
+
+DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
+  DeviceTensor t(dt, dims);
+  poison(t);
+  return t;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+void check_close(const std::vector<double>& got, const std::vector<double>& want, DType dt,
+                 double atol, const char* what) {
+  const double r = worst_ratio(got, want, rtol_for(dt), atol);
+  INFO(what << " (" << dtype_name(dt) << "): worst |error| / tolerance = " << r);
+  CHECK(r <= 1.0);
+}
+// Tolerance of gradient-like outputs: relative, plus rtol of the output's scale.
+void check_grad(const std::vector<double>& got, const std::vector<double>& want, DType dt,
+                const char* what) {
+  check_close(got, want, dt, rtol_for(dt) * std::max(max_abs(want), 1e-30), what);
+}
+
+struct RouteCase {
+  int64_t n, e, k;
+  std::vector<double> logits;  // [N, E]
+  std::vector<double> bias;    // [E] or empty
+  const char* name;
+};
+
+// Random logits; `skew`: column hot gets +6 (most tokens' first pick), the last two columns -8
+// (no token picks them while K <= E - 2 and hot/cold dominate).
+RouteCase make_case(int64_t n, int64_t e, int64_t k, bool with_bias, bool skew, bool ties,
+                    uint64_t seed, const char* name) {
+  RouteCase c{n, e, k, {}, {}, name};
+  c.logits = ties ? tied_values(static_cast<size_t>(n * e), seed)
+                  : random_values(static_cast<size_t>(n * e), seed, -2.0, 2.0);
+  if (skew)
+    for (int64_t t = 0; t < n; ++t) {
+      c.logits[t * e + 1] += 6.0;
+      c.logits[t * e + e - 1] -= 8.0;
+      c.logits[t * e + e - 2] -= 8.0;
+    }
+  if (with_bias) {
+    c.bias = ties ? tied_values(static_cast<size_t>(e), seed + 1)
+                  : random_values(static_cast<size_t>(e), seed + 1, -0.5, 0.5);
+    if (skew) c.bias[2] += 3.0;  // steers selection only
+  }
+  return c;
+}
+
+// Runs forward (and, from its outputs, backward, aux loss, aux backward and the plan) on the GPU
+// in dtype dt and on the CPU in f64, and compares.
+void check_routing(const RouteCase& rc, bool norm, DType dt) {
+  const int64_t n = rc.n, e = rc.e, k = rc.k;
+  INFO(rc.name << ": N=" << n << " E=" << e << " K=" << k << " norm=" << norm
+               << " bias=" << !rc.bias.empty() << " dtype=" << dtype_name(dt));
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  const std::vector<double> lr = round_to(dt, rc.logits);
+  const std::vector<double> br = round_to(dt, rc.bias);
+
+  // ---- forward
+  Buf<double> l = host({n, e}, lr), p({n, e}), w({n, k});
+  Buf<double> b = rc.bias.empty() ? Buf<double>() : host({e}, br);
+  Buf<int32_t> idx({n, k}), cnt({e});
+  cpu::router_topk_forward(cctx, p, idx, w, cnt, l, rc.bias.empty() ? Tensor() : b.t, norm);
+
+  DeviceTensor gl = device(dt, {n, e}, lr);
+  DeviceTensor gp = poisoned(dt, {n, e}), gw = poisoned(dt, {n, k});
+  DeviceTensor gidx = poisoned(DType::i32, {n, k}), gcnt = poisoned(DType::i32, {e});
+  Tensor gbias;
+  DeviceTensor gb(dt, {std::max<int64_t>(e, 1)});
+  if (!rc.bias.empty()) {
+    upload(gb, br);
+    gbias = gb;
+  }
+  router_topk_forward(gctx, gp, gidx, gw, gcnt, gl, gbias, norm);
+  CHECK(download_i32(gidx) == idx.v);
+  CHECK(download_i32(gcnt) == cnt.v);
+  check_close(download(gp), p.v, dt, 1e-3 * rtol_for(dt), "probs");
+  check_close(download(gw), w.v, dt, 1e-3 * rtol_for(dt), "topk_w");
+
+  // ---- backward (both sides from the same rounded probs)
+  const std::vector<double> pr = round_to(dt, p.v);
+  const std::vector<double> dwr =
+      round_to(dt, random_values(static_cast<size_t>(n * k), 77 + static_cast<uint64_t>(n)));
+  {
+    Buf<double> hp = host({n, e}, pr), hdw = host({n, k}, dwr), hdl({n, e});
+    cpu::router_topk_backward(cctx, hdl, hdw, hp, idx, norm);
+    DeviceTensor dp = device(dt, {n, e}, pr), ddw = device(dt, {n, k}, dwr);
+    DeviceTensor ddl = poisoned(dt, {n, e});
+    router_topk_backward(gctx, ddl, ddw, dp, gidx, norm);
+    check_grad(download(ddl), hdl.v, dt, "router_topk_backward dlogits");
+  }
+
+  // ---- aux losses
+  const double aux_coef = 0.5, z_coef = 0.1, grad_scale = 0.7;
+  {
+    Buf<double> hp = host({n, e}, pr), hloss({2});
+    cpu::router_aux_loss_forward(cctx, hloss, l, hp, cnt, static_cast<int>(k), aux_coef, z_coef);
+    DeviceTensor dp = device(dt, {n, e}, pr), dloss = poisoned(dt, {2});
+    router_aux_loss_forward(gctx, dloss, gl, dp, gcnt, static_cast<int>(k), aux_coef, z_coef);
+    const std::vector<double> first = download(dloss);
+    check_close(first, hloss.v, dt, 1e-30, "router_aux_loss_forward");
+    poison(dloss);
+    router_aux_loss_forward(gctx, dloss, gl, dp, gcnt, static_cast<int>(k), aux_coef, z_coef);
+    CHECK(download(dloss) == first);  // deterministic reduction
+
+    // Accumulates into a small random dlogits.
+    const std::vector<double> dl0 =
+        round_to(dt, random_values(static_cast<size_t>(n * e), 99, -1e-3, 1e-3));
+    Buf<double> hdl = host({n, e}, dl0);
+    cpu::router_aux_loss_backward(cctx, hdl, l, hp, cnt, static_cast<int>(k), aux_coef, z_coef,
+                                  grad_scale);
+    DeviceTensor ddl = device(dt, {n, e}, dl0);
+    router_aux_loss_backward(gctx, ddl, gl, dp, gcnt, static_cast<int>(k), aux_coef, z_coef,
+                             grad_scale);
+    check_grad(download(ddl), hdl.v, dt, "router_aux_loss_backward dlogits");
+  }
+
+  // ---- plan from the routing (index-only: once, in f32)
+  if (dt == DType::f32) {
+    const int64_t slots = n * k;
+    Buf<int32_t> off({e + 1}), rt({slots}), sr({slots});
+    cpu::moe_permute_plan(cctx, off, rt, sr, idx);
+    DeviceTensor goff = poisoned(DType::i32, {e + 1});
+    DeviceTensor grt = poisoned(DType::i32, {slots}), gsr = poisoned(DType::i32, {slots});
+    moe_permute_plan(gctx, goff, grt, gsr, gidx);
+    CHECK(download_i32(goff) == off.v);
+    CHECK(download_i32(grt) == rt.v);
+    CHECK(download_i32(gsr) == sr.v);
+  }
+}
+
+void check_routing_all(const RouteCase& rc) {
+  for (DType dt : kFloatTypes)
+    for (bool norm : {true, false}) check_routing(rc, norm, dt);
+}
+
+}  // namespace
+
+TEST_CASE("gpu router: random logits, with and without bias", "[gpu][moe]") {
+  check_routing_all(make_case(203, 8, 2, false, false, false, 1, "random"));
+  check_routing_all(make_case(203, 8, 2, true, false, false, 2, "random+bias"));
+  check_routing_all(make_case(203, 64, 8, false, false, false, 3, "E64 K8"));
+  check_routing_all(make_case(203, 64, 8, true, false, false, 4, "E64 K8 +bias"));
+  check_routing_all(make_case(1000, 16, 4, true, false, false, 5, "N1000 E16 K4"));
+  check_routing_all(make_case(1, 8, 3, false, false, false, 6, "single token"));
+  check_routing_all(make_case(37, 100, 40, true, false, false, 7, "E100 K40 (K > warp)"));
+}
+
+TEST_CASE("gpu router: skewed routing (one hot expert, some experts empty)", "[gpu][moe]") {
+  for (bool with_bias : {false, true}) {
+    RouteCase rc = make_case(203, 8, 2, with_bias, true, false, 11, "skew E8");
+    check_routing_all(rc);
+    // The case is what it claims: the last two experts receive no slot.
+    Buf<double> l = host({rc.n, rc.e}, rc.logits), p({rc.n, rc.e}), w({rc.n, rc.k});
+    Buf<double> b = with_bias ? host({rc.e}, rc.bias) : Buf<double>();
+    Buf<int32_t> idx({rc.n, rc.k}), cnt({rc.e});
+    Ctx cctx = cpu_ctx();
+    cpu::router_topk_forward(cctx, p, idx, w, cnt, l, with_bias ? b.t : Tensor(), true);
+    CHECK(cnt[rc.e - 1] == 0);
+    CHECK(cnt[rc.e - 2] == 0);
+    check_routing_all(make_case(300, 64, 8, with_bias, true, false, 12, "skew E64"));
+  }
+}
+
+TEST_CASE("gpu router: exact ties resolve to the lower expert index", "[gpu][moe]") {
+  check_routing_all(make_case(203, 8, 2, false, false, true, 21, "ties"));
+  check_routing_all(make_case(203, 8, 2, true, false, true, 22, "ties+bias"));
+  check_routing_all(make_case(203, 64, 8, true, false, true, 23, "ties E64"));
+  // All logits equal: every token picks experts 0..K-1 in that order.
+  RouteCase flat{50, 8, 3, std::vector<double>(400, 0.5), {}, "all equal"};
+  check_routing_all(flat);
+}
+
+TEST_CASE("gpu router: bias update", "[gpu][moe]") {
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  for (DType dt : kFloatTypes) {
+    for (int64_t e : {8, 64, 300}) {
+      INFO("E=" << e << " dtype=" << dtype_name(dt));
+      std::vector<double> load(static_cast<size_t>(e));
+      std::mt19937_64 rng(static_cast<uint64_t>(e));
+      for (auto& x : load) x = static_cast<double>(rng() % 9);  // integer loads: exact mean
+      if (e == 8) load = {4, 4, 1, 8, 2, 6, 4, 3};              // mean 4: three with sign 0
+      const std::vector<double> b0 =
+          round_to(dt, random_values(static_cast<size_t>(e), 5 + static_cast<uint64_t>(e)));
+      const std::vector<double> lr = round_to(dt, load);
+      Buf<double> hb = host({e}, b0), hl = host({e}, lr);
+      cpu::router_bias_update(cctx, hb, hl, 0.25);
+      DeviceTensor db = device(dt, {e}, b0), dl = device(dt, {e}, lr);
+      router_bias_update(gctx, db, dl, 0.25);
+      check_close(download(db), hb.v, dt, 1e-30, "router_bias_update");
+    }
+  }
+}
+
+namespace {
+
+// Permute / combine forward and backward on a routing of (n, e, k), model width d.
+void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_t seed) {
+  INFO("permute N=" << n << " E=" << e << " K=" << k << " d=" << d << " dtype=" << dtype_name(dt));
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  const int64_t slots = n * k;
+  // Routing and plan on the CPU (the plan itself is compared in the router tests).
+  RouteCase rc = make_case(n, e, k, true, false, false, seed, "permute");
+  Buf<double> l = host({n, e}, rc.logits), b = host({e}, rc.bias), p({n, e}), w({n, k});
+  Buf<int32_t> idx({n, k}), cnt({e}), off({e + 1}), rt({slots}), sr({slots});
+  cpu::router_topk_forward(cctx, p, idx, w, cnt, l, b, true);
+  cpu::moe_permute_plan(cctx, off, rt, sr, idx);
+  DeviceTensor grt(DType::i32, {slots}), gsr(DType::i32, {slots});
+  upload_i32(grt, rt.v);
+  upload_i32(gsr, sr.v);
+
+  // permute_forward: an exact copy
+  const std::vector<double> x = round_to(dt, random_values(static_cast<size_t>(n * d), seed + 1));
+  Buf<double> hx = host({n, d}, x), hxp({slots, d});
+  cpu::permute_forward(cctx, hxp, hx, rt);
+  DeviceTensor gx = device(dt, {n, d}, x), gxp = poisoned(dt, {slots, d});
+  permute_forward(gctx, gxp, gx, grt);
+  CHECK(download(gxp) == hxp.v);
+
+  // permute_backward: sum of a token's K rows
+  const std::vector<double> dxp =
+      round_to(dt, random_values(static_cast<size_t>(slots * d), seed + 2));
+  Buf<double> hdxp = host({slots, d}, dxp), hdx({n, d});
+  cpu::permute_backward(cctx, hdx, hdxp, sr);
+  DeviceTensor gdxp = device(dt, {slots, d}, dxp), gdx = poisoned(dt, {n, d});
+  permute_backward(gctx, gdx, gdxp, gsr);
+  check_grad(download(gdx), hdx.v, dt, "permute_backward");
+
+  // combine_forward
+  const std::vector<double> yp =
+      round_to(dt, random_values(static_cast<size_t>(slots * d), seed + 3));
+  const std::vector<double> wr = round_to(dt, w.v);
+  Buf<double> hyp = host({slots, d}, yp), hw = host({n, k}, wr), hy({n, d});
+  cpu::combine_forward(cctx, hy, hyp, hw, sr);
+  DeviceTensor gyp = device(dt, {slots, d}, yp), gw = device(dt, {n, k}, wr);
+  DeviceTensor gy = poisoned(dt, {n, d});
+  combine_forward(gctx, gy, gyp, gw, gsr);
+  check_grad(download(gy), hy.v, dt, "combine_forward");
+
+  // combine_backward
+  const std::vector<double> dy = round_to(dt, random_values(static_cast<size_t>(n * d), seed + 4));
+  Buf<double> hdy = host({n, d}, dy), hdyp({slots, d}), hdw({n, k});
+  cpu::combine_backward(cctx, hdyp, hdw, hdy, hyp, hw, sr);
+  DeviceTensor gdy = device(dt, {n, d}, dy);
+  DeviceTensor gdyp = poisoned(dt, {slots, d}), gdw = poisoned(dt, {n, k});
+  combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
+  check_grad(download(gdyp), hdyp.v, dt, "combine_backward dyp");
+  check_grad(download(gdw), hdw.v, dt, "combine_backward dtopk_w");
+}
+
+}  // namespace
+
+TEST_CASE("gpu permute and combine, forward and backward", "[gpu][moe]") {
+  for (DType dt : kFloatTypes) {
+    check_permute(203, 8, 2, 37, dt, 31);
+    check_permute(203, 64, 8, 130, dt, 32);
+    check_permute(64, 16, 4, 1000, dt, 33);  // rows longer than a block
+    check_permute(1, 8, 3, 5, dt, 34);
+  }
+}
+
+TEST_CASE("gpu permute plan: large, skewed and hand-made routings", "[gpu][moe]") {
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  auto check_plan = [&](int64_t n, int64_t e, int64_t k, const std::vector<int32_t>& experts) {
+    INFO("plan N=" << n << " E=" << e << " K=" << k);
+    const int64_t slots = n * k;
+    Buf<int32_t> idx({n, k}), off({e + 1}), rt({slots}), sr({slots});
+    idx.v = experts;
+    cpu::moe_permute_plan(cctx, off, rt, sr, idx);
+    DeviceTensor gidx(DType::i32, {n, k});
+    upload_i32(gidx, experts);
+    DeviceTensor goff = poisoned(DType::i32, {e + 1});
+    DeviceTensor grt = poisoned(DType::i32, {slots}), gsr = poisoned(DType::i32, {slots});
+    moe_permute_plan(gctx, goff, grt, gsr, gidx);
+    CHECK(download_i32(goff) == off.v);
+    CHECK(download_i32(grt) == rt.v);
+    CHECK(download_i32(gsr) == sr.v);
+  };
+  std::mt19937_64 rng(41);
+  // Many slots (several chunks of the placement kernel), E = 64, K = 8, skewed: expert 5 gets
+  // about half of the slots, experts >= 60 none. (Not a valid top-K: repeats within a token are
+  // fine for the plan.)
+  {
+    const int64_t n = 4099, e = 64, k = 8;
+    std::vector<int32_t> ex(static_cast<size_t>(n * k));
+    for (auto& x : ex) x = rng() % 2 ? 5 : static_cast<int32_t>(rng() % 60);
+    check_plan(n, e, k, ex);
+  }
+  // Every slot to the last expert; every slot to expert 0.
+  check_plan(777, 8, 2, std::vector<int32_t>(1554, 7));
+  check_plan(777, 8, 2, std::vector<int32_t>(1554, 0));
+  // E = 1.
+  check_plan(203, 1, 1, std::vector<int32_t>(203, 0));
+}
