@@ -1,0 +1,217 @@
+// Elementwise CUDA ops over whole tensors: fill, copy, add, axpy, scale, and the sum of squares
+// behind global gradient-norm clipping. Tensors are flat arrays of numel() elements; every kernel
+// is a grid-stride loop that loads in fp32 (double for f64), computes, and rounds once on store, so
+// f16/bf16 results are the correctly rounded fp32 result. copy is a stream-ordered device memcpy.
+//
+// sum_squares (out[0] += sum x^2, out an f64 device scalar) is a deterministic two-pass reduction
+// in double: pass 1 runs a grid whose size depends only on numel (never on the device), each block
+// sums a fixed grid-stride subset and reduces it in a fixed tree into one partial; pass 2 is a
+// single block that adds the partials in a fixed tree and adds the total into out. The partials
+// live in a per-device scratch of kMaxPartials doubles allocated once per process (the only
+// cudaMalloc of these ops). Its use is ordered by the op's stream; ops of one device share one
+// stream (moe::gpu::default_stream), so concurrent calls on different streams of one device would
+// race on it and are not supported.
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/ops/elementwise.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 1 << 16;  // grid-stride loops cap their grid here
+constexpr int kMaxPartials = 1024;   // pass-1 blocks of sum_squares (= scratch doubles)
+constexpr int kReduceThreads = 256;  // threads of both sum_squares passes
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+template <class T>
+__global__ void fill_kernel(T* x, int64_t n, acc_t<T> value) {
+  const T v = store<T>(value);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = v;
+}
+
+// out may alias a or b: each element is read before it is written, by the same thread.
+template <class T>
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = store<T>(load(a[i]) + load(b[i]));
+}
+
+template <class T>
+__global__ void axpy_kernel(T* y, const T* x, int64_t n, acc_t<T> alpha) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = store<T>(load(y[i]) + alpha * load(x[i]));
+}
+
+template <class T>
+__global__ void scale_kernel(T* x, int64_t n, acc_t<T> alpha) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = store<T>(load(x[i]) * alpha);
+}
+
+// Sum of v over the block in a fixed tree (warp shuffles, then warp 0 over the warp sums); the
+// result is valid in thread 0.
+__device__ double block_sum_to_thread0(double v) {
+  __shared__ double warp_sums[32];
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = (blockDim.x + 31) >> 5;
+    v = lane < warps ? warp_sums[lane] : 0.0;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  }
+  return v;
+}
+
+// Pass 1: partial[b] = sum of x[i]^2 over the grid-stride subset of block b. Squares of
+// f32/f16/bf16 values are exact in double.
+template <class T>
+__global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const double v = static_cast<double>(load(x[i]));
+    s += v * v;
+  }
+  s = block_sum_to_thread0(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+// Pass 2 (one block): out[0] += sum of partial[0, count).
+__global__ void sum_partials_kernel(double* out, const double* partial, int count) {
+  double s = 0;
+  for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
+  s = block_sum_to_thread0(s);
+  if (threadIdx.x == 0) out[0] += s;
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+unsigned grid_for(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
+}
+
+void check_numel(const Tensor& a, const Tensor& b, const char* what) {
+  MOE_CHECK(a.numel() == b.numel(), std::string(what) + ": " + a.shape_str() + " vs " +
+                                        b.shape_str() + " (element counts differ)");
+  check_same_dtype(a, b, what);
+}
+
+// The sum_squares scratch of the current device: kMaxPartials doubles, allocated on first use and
+// kept for the life of the process.
+double* sum_squares_scratch() {
+  static std::mutex mutex;
+  static std::vector<double*> per_device;
+  int dev = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1, nullptr);
+  double*& p = per_device[dev];
+  if (!p) MOE_CUDA_CHECK(cudaMalloc(&p, kMaxPartials * sizeof(double)));
+  return p;
+}
+
+void fill_cuda(Ctx& ctx, Tensor x, double value) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_storage(x.dtype, "fill", [&](auto zero) {
+    using T = decltype(zero);
+    fill_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(x), n,
+                                                                 static_cast<acc_t<T>>(value));
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void copy_cuda(Ctx& ctx, Tensor dst, Tensor src) {
+  check_numel(dst, src, "copy: dst, src");
+  if (dst.data == src.data || dst.numel() == 0) return;
+  MOE_CUDA_CHECK(
+      cudaMemcpyAsync(dst.data, src.data, src.nbytes(), cudaMemcpyDeviceToDevice, stream_of(ctx)));
+}
+
+void add_cuda(Ctx& ctx, Tensor out, Tensor a, Tensor b) {
+  check_numel(out, a, "add: out, a");
+  check_numel(out, b, "add: out, b");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  dispatch_storage(out.dtype, "add", [&](auto zero) {
+    using T = decltype(zero);
+    add_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(out), data_of<T>(a),
+                                                                data_of<T>(b), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void axpy_cuda(Ctx& ctx, Tensor y, Tensor x, double alpha) {
+  check_numel(y, x, "axpy: y, x");
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  dispatch_storage(y.dtype, "axpy", [&](auto zero) {
+    using T = decltype(zero);
+    axpy_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(y), data_of<T>(x), n,
+                                                                 static_cast<acc_t<T>>(alpha));
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void scale_cuda(Ctx& ctx, Tensor x, double alpha) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_storage(x.dtype, "scale", [&](auto zero) {
+    using T = decltype(zero);
+    scale_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(x), n,
+                                                                  static_cast<acc_t<T>>(alpha));
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void sum_squares_cuda(Ctx& ctx, Tensor out, Tensor x) {
+  MOE_CHECK(out.dtype == DType::f64 && out.numel() == 1,
+            "sum_squares: out must be a 1-element f64 tensor, got " +
+                std::string(dtype_name(out.dtype)) + " " + out.shape_str());
+  const int64_t n = x.numel();
+  if (n == 0) return;  // out[0] += 0
+  // Grid from numel alone (4 elements per thread before the grid is capped): the summation order,
+  // hence the result, is the same on every device.
+  const int blocks =
+      static_cast<int>(std::min<int64_t>(blocks_for(n, kReduceThreads * 4), kMaxPartials));
+  double* partial = sum_squares_scratch();
+  dispatch_storage(x.dtype, "sum_squares", [&](auto zero) {
+    using T = decltype(zero);
+    sum_squares_partial_kernel<T>
+        <<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(partial, data_of<T>(x), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+  sum_partials_kernel<<<1, kReduceThreads, 0, stream_of(ctx)>>>(static_cast<double*>(out.data),
+                                                                partial, blocks);
+  MOE_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+namespace moe {
+MOE_REGISTER_CUDA_OP(fill, &cuda_detail::fill_cuda);
+MOE_REGISTER_CUDA_OP(copy, &cuda_detail::copy_cuda);
+MOE_REGISTER_CUDA_OP(add, &cuda_detail::add_cuda);
+MOE_REGISTER_CUDA_OP(axpy, &cuda_detail::axpy_cuda);
+MOE_REGISTER_CUDA_OP(scale, &cuda_detail::scale_cuda);
+MOE_REGISTER_CUDA_OP(sum_squares, &cuda_detail::sum_squares_cuda);
+}  // namespace moe

@@ -1,0 +1,127 @@
+// Token embedding on the GPU. The forward gathers table rows by token id: one grid-stride loop over
+// the N*d output elements, a plain copy (no rounding). The backward scatters dout back into the
+// table rows (dtable += , a parameter gradient) and must be deterministic when a token repeats, so
+// it uses no atomics: a block owns a slice of kColumns columns and one residue class of vocab rows
+// (id % buckets == blockIdx.y); its threads (one per column) walk all tokens in token order,
+// staging the ids through shared memory, and add the rows they own. Every (row, column) element is
+// thus updated by exactly one thread, in token order: bitwise the same for any bucket count or
+// device. Each add rounds once to the storage dtype (load fp32, add, store), as a sequence of +=
+// would.
+//
+// Ids live on the device and are never read by the host, so the InputError of the CPU op (an id
+// outside [0, V)) cannot be raised here: the data loader validates ids on the host. As a guard the
+// forward writes NaN into the output row of an out-of-range id (it then shows up as a non-finite
+// loss instead of reading out of bounds) and the backward skips it.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/ops/embedding.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kThreads = 256;        // forward
+constexpr int kMaxBlocks = 1 << 16;  // forward grid cap (grid-stride)
+constexpr int kColumns = 128;        // backward: columns per block (one thread each)
+constexpr int kIdChunk = 1024;       // backward: ids staged in shared memory per step
+constexpr int kTargetBlocks = 1024;  // backward: column blocks x buckets aimed at
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+template <class T>
+__global__ void embedding_forward_kernel(T* out, const int32_t* ids, const T* table, int64_t n,
+                                         int64_t d, int64_t vocab) {
+  const int64_t total = n * d;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / d, col = i - row * d;
+    const int32_t id = ids[row];
+    out[i] = (id >= 0 && id < vocab) ? table[id * d + col] : store<T>(acc_t<T>(NAN));
+  }
+}
+
+// grid (ceil(d / kColumns), buckets), block kColumns.
+template <class T>
+__global__ void embedding_backward_kernel(T* dtable, const T* dout, const int32_t* ids, int64_t n,
+                                          int64_t d, int64_t vocab) {
+  __shared__ int32_t staged[kIdChunk];
+  const int64_t col = blockIdx.x * int64_t(kColumns) + threadIdx.x;
+  const int buckets = static_cast<int>(gridDim.y), bucket = static_cast<int>(blockIdx.y);
+  for (int64_t c0 = 0; c0 < n; c0 += kIdChunk) {
+    const int64_t left = n - c0;
+    const int count = left < kIdChunk ? static_cast<int>(left) : kIdChunk;
+    __syncthreads();  // the previous chunk is consumed
+    for (int i = threadIdx.x; i < count; i += blockDim.x) staged[i] = ids[c0 + i];
+    __syncthreads();
+    if (col >= d) continue;
+    for (int i = 0; i < count; ++i) {  // token order
+      const int32_t id = staged[i];
+      if (id < 0 || id >= vocab || id % buckets != bucket) continue;
+      T* p = dtable + id * d + col;
+      *p = store<T>(load(*p) + load(dout[(c0 + i) * d + col]));
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+void check_ids(const Tensor& ids, int64_t n, const char* op) {
+  MOE_CHECK(ids.dtype == DType::i32,
+            std::string(op) + ": ids must be i32, got " + dtype_name(ids.dtype));
+  check_shape(ids, {n}, (std::string(op) + ": ids").c_str());
+}
+
+// out: [N, d], ids: [N], table: [V, d]
+void embedding_forward_cuda(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
+  MOE_CHECK(table.ndim == 2, "embedding_forward: table must be [V, d], got " + table.shape_str());
+  const int64_t vocab = table.size(0), d = table.size(1), n = ids.numel();
+  check_shape(out, {n, d}, "embedding_forward: out");
+  check_same_dtype(out, table, "embedding_forward: out, table");
+  check_ids(ids, n, "embedding_forward");
+  if (n * d == 0) return;
+  dispatch_storage(table.dtype, "embedding_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const unsigned grid =
+        static_cast<unsigned>(std::min<int64_t>(blocks_for(n * d, kThreads), kMaxBlocks));
+    embedding_forward_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(out), data_of<int32_t>(ids), data_of<T>(table), n, d, vocab);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// dtable: [V, d] (+=), dout: [N, d], ids: [N]
+void embedding_backward_cuda(Ctx& ctx, Tensor dtable, Tensor dout, Tensor ids) {
+  MOE_CHECK(dtable.ndim == 2,
+            "embedding_backward: dtable must be [V, d], got " + dtable.shape_str());
+  const int64_t vocab = dtable.size(0), d = dtable.size(1), n = ids.numel();
+  check_shape(dout, {n, d}, "embedding_backward: dout");
+  check_same_dtype(dout, dtable, "embedding_backward: dout, dtable");
+  check_ids(ids, n, "embedding_backward");
+  if (n * d == 0 || vocab == 0) return;
+  const int64_t column_blocks = blocks_for(d, kColumns);
+  MOE_CHECK(column_blocks <= 0x7fffffff, "embedding_backward: d too large");
+  const int64_t buckets =
+      std::max<int64_t>(1, std::min({int64_t{kTargetBlocks} / column_blocks, vocab, int64_t{64}}));
+  dispatch_storage(dtable.dtype, "embedding_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(buckets));
+    embedding_backward_kernel<T><<<grid, kColumns, 0, stream_of(ctx)>>>(
+        data_of<T>(dtable), data_of<T>(dout), data_of<int32_t>(ids), n, d, vocab);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+namespace moe {
+MOE_REGISTER_CUDA_OP(embedding_forward, &cuda_detail::embedding_forward_cuda);
+MOE_REGISTER_CUDA_OP(embedding_backward, &cuda_detail::embedding_backward_cuda);
+}  // namespace moe

@@ -1,0 +1,413 @@
+// Linear layers on the GPU, weights stored [out_features, in_features] row-major (Hugging Face
+// layout).
+//
+// linear_forward / linear_backward call cuBLAS. cuBLAS is column-major and a row-major M[r, c] is
+// the column-major M^T, so each row-major product C = A B is issued as the column-major C^T = B^T
+// A^T:  y = x w^T -> y^T = w x^T (op T on w's buffer, N on x's);  dx = dy w -> dx^T = w^T dy^T
+// (N, N);  dw += dy^T x -> dw^T += x^T dy (N on x's buffer, T on dy's), beta = 1. f32 / f16 / bf16
+// go through cublasGemmEx with CUBLAS_COMPUTE_32F (true fp32: no TF32, and reduced-precision
+// split-K reductions disallowed for the call), f64 through cublasDgemm. Empty products are skipped
+// (a non-accumulating forward with in = 0 writes zeros).
+//
+// grouped_linear_forward / grouped_linear_backward: rows [offsets[e], offsets[e+1]) use w[e], with
+// the offsets on the device, never copied to the host (no synchronisation). They are tiled SIMT
+// kernels: 64x64 output tiles, 256 threads with 4x4 outputs each, K in steps of 16 staged in shared
+// memory as fp32 (double for f64), a fixed summation order (deterministic), one rounding on store.
+// - y = x w[e]^T and dx = dy w[e] (overwritten): the row tiles are cut per expert, so a tile never
+//   mixes experts. The host sizes the grid from what it knows, ceil(R/64) + E row tiles (each
+//   expert wastes at most one partial tile), x out-column tiles. A block's first warp scans the
+//   offsets (32 experts per step with a warp prefix sum) to find which expert and rows its row tile
+//   is; blocks past the last tile exit at once.
+// - dw[e] += dy_e^T x_e: grid (in tiles, out tiles, E); a block loops over expert e's rows in
+//   K-steps of 16. An expert with no rows returns before touching dw[e] (+= 0, bitwise unchanged).
+// Offsets are clamped to [0, R] on the device, so malformed offsets (a caller bug; the CPU op
+// checks them) can leave rows unwritten but never read or write out of bounds.
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/ops/linear.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kTile = 64;                          // output tile edge (rows and columns)
+constexpr int kStepK = 16;                         // K per shared-memory step
+constexpr int kThreads = 256;                      // 16 x 16 threads, 4 x 4 outputs each
+constexpr int kSub = 4;                            // outputs per thread along each tile edge
+constexpr int kLanes = kTile / kSub;               // 16 threads along each tile edge
+constexpr int kLoads = kTile * kStepK / kThreads;  // elements each thread stages per operand
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+// Stages a kTile x kStepK slab of an operand into dst[k][m] (as fp32 / double, zero outside the
+// bounds). Element (m, k) is src[k*ld + m] when kMFast (m contiguous) else src[m*ld + k].
+template <class T, bool kMFast>
+__device__ __forceinline__ void stage(acc_t<T> (*dst)[kTile + 1], const T* src, int64_t ld,
+                                      int64_t m0, int64_t m1, int64_t k0, int64_t k1) {
+#pragma unroll
+  for (int it = 0; it < kLoads; ++it) {
+    const int idx = static_cast<int>(threadIdx.x) + it * kThreads;
+    const int mm = kMFast ? idx % kTile : idx / kStepK;
+    const int kk = kMFast ? idx / kTile : idx % kStepK;
+    const int64_t m = m0 + mm, k = k0 + kk;
+    acc_t<T> v = 0;
+    if (m < m1 && k < k1) v = load(kMFast ? src[k * ld + m] : src[m * ld + k]);
+    dst[kk][mm] = v;
+  }
+}
+
+// acc[i][j] = sum_{k in [k0, k1)} A(m0 + ty + 16 i, k) * B(k, n0 + tx + 16 j), rows < m1 and
+// columns < n1 (others are 0). A(m, k) = a[k*lda + m] if kAKM else a[m*lda + k]; B(k, n) =
+// b[k*ldb + n] if kBKN else b[n*ldb + k]. All threads of the block must call it.
+template <class T, bool kAKM, bool kBKN>
+__device__ __forceinline__ void tile_product(acc_t<T> (&acc)[kSub][kSub], const T* a, int64_t lda,
+                                             int64_t m0, int64_t m1, const T* b, int64_t ldb,
+                                             int64_t n0, int64_t n1, int64_t k0, int64_t k1) {
+  using A = acc_t<T>;
+  __shared__ A as[kStepK][kTile + 1];
+  __shared__ A bs[kStepK][kTile + 1];
+  const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) acc[i][j] = 0;
+  for (int64_t kb = k0; kb < k1; kb += kStepK) {
+    stage<T, kAKM>(as, a, lda, m0, m1, kb, k1);
+    stage<T, kBKN>(bs, b, ldb, n0, n1, kb, k1);
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < kStepK; ++kk) {
+      A av[kSub], bv[kSub];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) av[i] = as[kk][ty + kLanes * i];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) bv[j] = bs[kk][tx + kLanes * j];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i)
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) acc[i][j] += av[i] * bv[j];
+    }
+    __syncthreads();
+  }
+}
+
+__device__ __forceinline__ int64_t clamp_offset(int32_t v, int64_t rows) {
+  return v < 0 ? 0 : (v > rows ? rows : v);
+}
+
+// The expert and row range [r0, r1) of row tile `tile`, where expert e's rows are cut into
+// ceil(count_e / kTile) tiles, experts in order. Run by one full warp; returns false past the last
+// tile.
+__device__ bool find_row_tile(const int32_t* offsets, int experts, int64_t rows, int64_t tile,
+                              int* expert, int64_t* r0, int64_t* r1) {
+  const int lane = threadIdx.x & 31;
+  int64_t before = 0;  // tiles of the experts scanned so far
+  for (int e0 = 0; e0 < experts; e0 += 32) {
+    const int e = e0 + lane;
+    int64_t start = 0, count = 0;
+    if (e < experts) {
+      start = clamp_offset(offsets[e], rows);
+      count = std::max<int64_t>(0, clamp_offset(offsets[e + 1], rows) - start);
+    }
+    const int64_t tiles = (count + kTile - 1) / kTile;
+    int64_t incl = tiles;  // inclusive prefix sum over the lanes
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int64_t first = before + incl - tiles;
+    const bool mine = tiles > 0 && tile >= first && tile < before + incl;
+    const unsigned owner = __ballot_sync(0xffffffffu, mine);
+    if (owner) {  // the same for every lane
+      const int src = __ffs(owner) - 1;
+      const int64_t begin = start + (tile - first) * kTile;
+      *expert = __shfl_sync(0xffffffffu, e, src);
+      *r0 = __shfl_sync(0xffffffffu, begin, src);
+      *r1 = __shfl_sync(0xffffffffu, std::min(begin + kTile, start + count), src);
+      return true;
+    }
+    before += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return false;
+}
+
+// C[r, :] = A[r, :] B_e over expert row tiles: grid (ceil(R/64) + E, ceil(n/64)).
+// Forward: A = x [R, in], B_e(k, n) = w[e][n, k] (kBKN false), n = out, k = in.
+// dx:      A = dy [R, out], B_e(k, n) = w[e][k, n] (kBKN true), n = in, k = out.
+template <class T, bool kBKN>
+__global__ void __launch_bounds__(kThreads)
+    grouped_rows_kernel(T* c, const T* a, const T* w, const int32_t* offsets, int experts,
+                        int64_t rows, int64_t n, int64_t k, int64_t expert_stride) {
+  __shared__ int s_expert;
+  __shared__ int64_t s_r0, s_r1;
+  if (threadIdx.x < 32) {
+    int e = -1;
+    int64_t r0 = 0, r1 = 0;
+    const bool found = find_row_tile(offsets, experts, rows, blockIdx.x, &e, &r0, &r1);
+    if (threadIdx.x == 0) {
+      s_expert = found ? e : -1;
+      s_r0 = r0;
+      s_r1 = r1;
+    }
+  }
+  __syncthreads();
+  if (s_expert < 0) return;  // uniform over the block
+  const int64_t r0 = s_r0, r1 = s_r1, n0 = int64_t(blockIdx.y) * kTile;
+  const T* b = w + s_expert * expert_stride;
+  acc_t<T> acc[kSub][kSub];
+  // A(m, k) = a[m*k_total + k]; B(k, n) = b[k*n_total + n] (kBKN) or b[n*k_total + k].
+  tile_product<T, false, kBKN>(acc, a, k, r0, r1, b, kBKN ? n : k, n0, n, 0, k);
+  const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const int64_t r = r0 + ty + kLanes * i;
+    if (r >= r1) continue;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int64_t col = n0 + tx + kLanes * j;
+      if (col < n) c[r * n + col] = store<T>(acc[i][j]);
+    }
+  }
+}
+
+// dw[e] += dy_e^T x_e: grid (ceil(in/64), ceil(out/64), E). C(o, i) = sum_r dy[r, o] x[r, i].
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    grouped_dw_kernel(T* dw, const T* dy, const T* x, const int32_t* offsets, int64_t rows,
+                      int64_t out, int64_t in) {
+  const int e = blockIdx.z;
+  const int64_t r0 = clamp_offset(offsets[e], rows), r1 = clamp_offset(offsets[e + 1], rows);
+  if (r1 <= r0) return;  // no rows: dw[e] += 0, left untouched (uniform over the block)
+  const int64_t m0 = int64_t(blockIdx.y) * kTile, n0 = int64_t(blockIdx.x) * kTile;
+  acc_t<T> acc[kSub][kSub];
+  // A(m = o, k = r) = dy[r*out + o] (m fast); B(k = r, n = i) = x[r*in + i] (n fast).
+  tile_product<T, true, true>(acc, dy, out, m0, out, x, in, n0, in, r0, r1);
+  T* dw_e = dw + int64_t(e) * out * in;
+  const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const int64_t o = m0 + ty + kLanes * i;
+    if (o >= out) continue;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int64_t col = n0 + tx + kLanes * j;
+      if (col < in) {
+        T* p = dw_e + o * in + col;
+        *p = store<T>(load(*p) + acc[i][j]);
+      }
+    }
+  }
+}
+
+// ---- host side: cuBLAS --------------------------------------------------------------------------
+
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+int as_int(int64_t v, const char* op) {
+  MOE_CHECK(v <= INT_MAX,
+            std::string(op) + ": dimension " + std::to_string(v) + " exceeds the cuBLAS int range");
+  return static_cast<int>(v);
+}
+
+// Sets the handle's stream to ctx's and disallows reduced-precision split-K reductions for the
+// duration of one call, restoring the previous math mode after.
+class BlasCall {
+ public:
+  explicit BlasCall(Ctx& ctx) : h_(blas_of(ctx)) {
+    MOE_CHECK(h_ != nullptr, "linear: the context has no cuBLAS handle");
+    cudaStream_t current = nullptr;
+    MOE_CUBLAS_CHECK(cublasGetStream(h_, &current));
+    if (current != stream_of(ctx)) MOE_CUBLAS_CHECK(cublasSetStream(h_, stream_of(ctx)));
+    MOE_CUBLAS_CHECK(cublasGetMathMode(h_, &saved_));
+    MOE_CUBLAS_CHECK(cublasSetMathMode(
+        h_, static_cast<cublasMath_t>(saved_ | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+  }
+  ~BlasCall() { cublasSetMathMode(h_, saved_); }  // never throws
+  BlasCall(const BlasCall&) = delete;
+  BlasCall& operator=(const BlasCall&) = delete;
+  cublasHandle_t handle() const { return h_; }
+
+ private:
+  cublasHandle_t h_;
+  cublasMath_t saved_ = CUBLAS_DEFAULT_MATH;
+};
+
+cudaDataType_t cuda_type(DType t, const char* op) {
+  switch (t) {
+    case DType::f32:
+      return CUDA_R_32F;
+    case DType::f16:
+      return CUDA_R_16F;
+    case DType::bf16:
+      return CUDA_R_16BF;
+    default:
+      throw InternalError(std::string(op) + ": unsupported dtype " + dtype_name(t));
+  }
+}
+
+// Column-major C[m, n] = op(A) op(B) + beta C (alpha 1), all of dtype dt; m, n, k > 0.
+void gemm_cm(Ctx& ctx, DType dt, cublasOperation_t opa, cublasOperation_t opb, int64_t m, int64_t n,
+             int64_t k, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,
+             void* c, int64_t ldc, const char* op) {
+  BlasCall call(ctx);
+  if (dt == DType::f64) {
+    const double one = 1.0;
+    MOE_CUBLAS_CHECK(cublasDgemm(call.handle(), opa, opb, as_int(m, op), as_int(n, op),
+                                 as_int(k, op), &one, static_cast<const double*>(a),
+                                 as_int(lda, op), static_cast<const double*>(b), as_int(ldb, op),
+                                 &beta, static_cast<double*>(c), as_int(ldc, op)));
+    return;
+  }
+  const cudaDataType_t type = cuda_type(dt, op);
+  const float one = 1.0f, beta_f = static_cast<float>(beta);
+  MOE_CUBLAS_CHECK(cublasGemmEx(call.handle(), opa, opb, as_int(m, op), as_int(n, op),
+                                as_int(k, op), &one, a, type, as_int(lda, op), b, type,
+                                as_int(ldb, op), &beta_f, c, type, as_int(ldc, op),
+                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+void check_float(DType t, const char* op) {
+  MOE_CHECK(t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16,
+            std::string(op) + ": unsupported dtype " + dtype_name(t));
+}
+
+struct LinearDims {
+  int64_t n, in, out;
+};
+
+LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
+  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [N, in], got " + x.shape_str());
+  MOE_CHECK(w.ndim == 2, std::string(op) + ": w must be [out, in], got " + w.shape_str());
+  MOE_CHECK(w.size(1) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
+                                        w.shape_str() + " disagree on in_features");
+  return {x.size(0), x.size(1), w.size(0)};
+}
+
+// y: [N, out] (= or +=), x: [N, in], w: [out, in]
+void linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate) {
+  const LinearDims s = linear_dims(x, w, "linear_forward");
+  check_shape(y, {s.n, s.out}, "linear_forward: y");
+  check_same_dtype(x, w, "linear_forward: x, w");
+  check_same_dtype(y, x, "linear_forward: y, x");
+  check_float(x.dtype, "linear_forward");
+  if (s.n == 0 || s.out == 0) return;
+  if (s.in == 0) {  // y = 0 (or += 0)
+    if (!accumulate) MOE_CUDA_CHECK(cudaMemsetAsync(y.data, 0, y.nbytes(), stream_of(ctx)));
+    return;
+  }
+  // y^T [out, N] = w [out, in] (T of w's buffer) x^T [in, N] (x's buffer)
+  gemm_cm(ctx, x.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in, x.data, s.in,
+          accumulate ? 1.0 : 0.0, y.data, s.out, "linear_forward");
+}
+
+// dx: [N, in] (= or +=; skipped when empty), dw: [out, in] (+=), dy: [N, out]
+void linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                          bool accumulate_dx) {
+  const LinearDims s = linear_dims(x, w, "linear_backward");
+  check_shape(dy, {s.n, s.out}, "linear_backward: dy");
+  check_shape(dw, {s.out, s.in}, "linear_backward: dw");
+  if (!dx.empty()) check_shape(dx, {s.n, s.in}, "linear_backward: dx");
+  for (const Tensor* t : {&dw, &dy, &w}) check_same_dtype(*t, x, "linear_backward");
+  if (!dx.empty()) check_same_dtype(dx, x, "linear_backward: dx, x");
+  check_float(x.dtype, "linear_backward");
+  if (s.n == 0 || s.in == 0) return;  // dx has no elements; dw += 0
+  if (!dx.empty()) {
+    if (s.out == 0) {
+      if (!accumulate_dx) MOE_CUDA_CHECK(cudaMemsetAsync(dx.data, 0, dx.nbytes(), stream_of(ctx)));
+    } else {
+      // dx^T [in, N] = w^T [in, out] (w's buffer) dy^T [out, N] (dy's buffer)
+      gemm_cm(ctx, x.dtype, CUBLAS_OP_N, CUBLAS_OP_N, s.in, s.n, s.out, w.data, s.in, dy.data,
+              s.out, accumulate_dx ? 1.0 : 0.0, dx.data, s.in, "linear_backward");
+    }
+  }
+  if (s.out == 0) return;
+  // dw^T [in, out] += x^T [in, N] (x's buffer) dy [N, out] (T of dy's buffer)
+  gemm_cm(ctx, x.dtype, CUBLAS_OP_N, CUBLAS_OP_T, s.in, s.out, s.n, x.data, s.in, dy.data, s.out,
+          1.0, dw.data, s.in, "linear_backward");
+}
+
+// ---- host side: grouped -------------------------------------------------------------------------
+
+struct GroupedDims {
+  int64_t rows, in, out, experts;
+};
+
+GroupedDims grouped_dims(const Tensor& x, const Tensor& w, const Tensor& offsets, const char* op) {
+  const std::string name(op);
+  MOE_CHECK(x.ndim == 2, name + ": x must be [R, in], got " + x.shape_str());
+  MOE_CHECK(w.ndim == 3, name + ": w must be [E, out, in], got " + w.shape_str());
+  MOE_CHECK(w.size(2) == x.size(1),
+            name + ": x " + x.shape_str() + " and w " + w.shape_str() + " disagree on in_features");
+  const GroupedDims s{x.size(0), x.size(1), w.size(1), w.size(0)};
+  MOE_CHECK(offsets.dtype == DType::i32,
+            name + ": offsets must be i32, got " + dtype_name(offsets.dtype));
+  check_shape(offsets, {s.experts + 1}, (name + ": offsets").c_str());
+  MOE_CHECK(offsets.device == x.device,
+            name + ": offsets must be on " + x.device.str() + ", got " + offsets.device.str());
+  MOE_CHECK(s.experts <= 65535, name + ": at most 65535 experts, got " + std::to_string(s.experts));
+  MOE_CHECK(blocks_for(std::max(s.in, s.out), kTile) <= 65535,
+            name + ": features too large for the grid, got " + w.shape_str());
+  return s;
+}
+
+// y: [R, out], x: [R, in], w: [E, out, in], offsets: [E+1] (device)
+void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets) {
+  const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_forward");
+  check_shape(y, {s.rows, s.out}, "grouped_linear_forward: y");
+  check_same_dtype(x, w, "grouped_linear_forward: x, w");
+  check_same_dtype(y, x, "grouped_linear_forward: y, x");
+  if (s.rows == 0 || s.out == 0 || s.experts == 0) return;
+  dispatch_storage(x.dtype, "grouped_linear_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const dim3 grid(static_cast<unsigned>(blocks_for(s.rows, kTile) + s.experts),
+                    blocks_for(s.out, kTile));
+    grouped_rows_kernel<T, false><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(y), data_of<T>(x), data_of<T>(w), data_of<int32_t>(offsets),
+        static_cast<int>(s.experts), s.rows, s.out, s.in, s.out * s.in);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// dx: [R, in] (overwritten), dw: [E, out, in] (+=), dy: [R, out]
+void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                                  Tensor offsets) {
+  const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_backward");
+  check_shape(dx, {s.rows, s.in}, "grouped_linear_backward: dx");
+  check_shape(dy, {s.rows, s.out}, "grouped_linear_backward: dy");
+  check_shape(dw, {s.experts, s.out, s.in}, "grouped_linear_backward: dw");
+  for (const Tensor* t : {&dx, &dw, &dy, &w}) check_same_dtype(*t, x, "grouped_linear_backward");
+  if (s.rows == 0 || s.experts == 0 || s.in == 0) return;  // nothing to write; dw += 0
+  dispatch_storage(x.dtype, "grouped_linear_backward", [&](auto zero) {
+    using T = decltype(zero);
+    // dx = dy w[e] per expert row tile (k = out; out = 0 gives zeros).
+    const dim3 dx_grid(static_cast<unsigned>(blocks_for(s.rows, kTile) + s.experts),
+                       blocks_for(s.in, kTile));
+    grouped_rows_kernel<T, true><<<dx_grid, kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(dx), data_of<T>(dy), data_of<T>(w), data_of<int32_t>(offsets),
+        static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in);
+    MOE_CUDA_LAUNCH_CHECK();
+    if (s.out == 0) return;
+    // dw[e] += dy_e^T x_e
+    const dim3 dw_grid(blocks_for(s.in, kTile), blocks_for(s.out, kTile),
+                       static_cast<unsigned>(s.experts));
+    grouped_dw_kernel<T>
+        <<<dw_grid, kThreads, 0, stream_of(ctx)>>>(data_of<T>(dw), data_of<T>(dy), data_of<T>(x),
+                                                   data_of<int32_t>(offsets), s.rows, s.out, s.in);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+namespace moe {
+MOE_REGISTER_CUDA_OP(linear_forward, &cuda_detail::linear_forward_cuda);
+MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
+}  // namespace moe

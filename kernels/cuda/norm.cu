@@ -1,0 +1,177 @@
+// RMSNorm on the GPU: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), saved per row (in the
+// tensors' dtype) for the backward. Statistics accumulate in fp32 (double for f64).
+//
+// Forward and the dx part of the backward run one block per row: the threads stride over the row,
+// reduce in a fixed tree (warp shuffles, then one warp over the warp sums), and write the row.
+// dx = rstd * (w*dy - x * rstd^2 * mean(w*dy*x)) uses the saved rstd, as the CPU op does; dx may
+// alias dy (the row's reduction finishes before any element is written, each by its reader).
+// dw += sum_n dy * x * rstd sums over rows, so it is a separate kernel parallel over columns: a
+// block owns 32 columns, its 16 thread rows take every 16th data row, and the 16 partials of a
+// column are added in a fixed order. No atomics: bitwise the same on every run and device.
+#include <algorithm>
+#include <string>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/ops/norm.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kMaxRowThreads = 256;  // threads of a per-row block
+constexpr int kDwColumns = 32;       // dw: columns per block (blockDim.x)
+constexpr int kDwRowGroups = 16;     // dw: row groups per block (blockDim.y)
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float inv_sqrt(float v) {
+  return 1.0f / sqrtf(v);
+}
+__device__ __forceinline__ double inv_sqrt(double v) {
+  return 1.0 / sqrt(v);
+}
+
+// Sum of v over the block in a fixed tree, returned to every thread. blockDim.x is a multiple
+// of 32.
+template <class A>
+__device__ A block_sum(A v) {
+  __shared__ A warp_sums[32];
+  __shared__ A total;
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x >> 5) ? warp_sums[lane] : A(0);
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+// grid N, one block per row.
+template <class T>
+__global__ void rmsnorm_forward_kernel(T* y, T* rstd, const T* x, const T* w, int64_t d,
+                                       acc_t<T> eps) {
+  using A = acc_t<T>;
+  const T* xr = x + blockIdx.x * d;
+  T* yr = y + blockIdx.x * d;
+  A ss = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
+    const A v = load(xr[j]);
+    ss += v * v;
+  }
+  ss = block_sum(ss);
+  const A r = inv_sqrt(ss / static_cast<A>(d) + eps);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = store<T>(r);
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    yr[j] = store<T>(load(w[j]) * (load(xr[j]) * r));
+}
+
+// grid N, one block per row: dx (overwritten).
+template <class T>
+__global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const T* rstd,
+                                  int64_t d) {
+  using A = acc_t<T>;
+  const int64_t off = blockIdx.x * d;
+  A m = 0;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    m += load(w[j]) * load(dy[off + j]) * load(x[off + j]);
+  m = block_sum(m) / static_cast<A>(d);
+  const A r = load(rstd[blockIdx.x]);
+  const A c = r * r * m;
+  for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
+    dx[off + j] = store<T>(r * (load(w[j]) * load(dy[off + j]) - load(x[off + j]) * c));
+}
+
+// grid ceil(d / kDwColumns), block (kDwColumns, kDwRowGroups): dw += sum_n dy * x * rstd.
+template <class T>
+__global__ void rmsnorm_dw_kernel(T* dw, const T* dy, const T* x, const T* rstd, int64_t n,
+                                  int64_t d) {
+  using A = acc_t<T>;
+  __shared__ A partial[kDwRowGroups][kDwColumns + 1];
+  const int64_t col = blockIdx.x * int64_t(kDwColumns) + threadIdx.x;
+  A acc = 0;
+  if (col < d)
+    for (int64_t i = threadIdx.y; i < n; i += kDwRowGroups)
+      acc += load(dy[i * d + col]) * load(x[i * d + col]) * load(rstd[i]);
+  partial[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < d) {
+    A s = 0;
+    for (int g = 0; g < kDwRowGroups; ++g) s += partial[g][threadIdx.x];
+    dw[col] = store<T>(load(dw[col]) + s);
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+// Threads of a per-row block: a multiple of 32, no more than the row needs, at most 256.
+int row_threads(int64_t d) {
+  return static_cast<int>(
+      std::min<int64_t>(kMaxRowThreads, std::max<int64_t>(32, (d + 31) / 32 * 32)));
+}
+
+void check_rows(int64_t n) {
+  MOE_CHECK(n <= 0x7fffffff, "rmsnorm: too many rows (" + std::to_string(n) + ")");
+}
+
+// y: [N, d], rstd: [N], x: [N, d], w: [d]
+void rmsnorm_forward_cuda(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
+  MOE_CHECK(x.ndim == 2, "rmsnorm_forward: x must be [N, d], got " + x.shape_str());
+  const int64_t n = x.size(0), d = x.size(1);
+  check_shape(y, {n, d}, "rmsnorm_forward: y");
+  check_shape(rstd, {n}, "rmsnorm_forward: rstd");
+  check_shape(w, {d}, "rmsnorm_forward: w");
+  check_same_dtype(y, x, "rmsnorm_forward: y, x");
+  check_same_dtype(rstd, x, "rmsnorm_forward: rstd, x");
+  check_same_dtype(w, x, "rmsnorm_forward: w, x");
+  check_rows(n);
+  if (n == 0) return;
+  dispatch_storage(x.dtype, "rmsnorm_forward", [&](auto zero) {
+    using T = decltype(zero);
+    rmsnorm_forward_kernel<T><<<static_cast<unsigned>(n), row_threads(d), 0, stream_of(ctx)>>>(
+        data_of<T>(y), data_of<T>(rstd), data_of<T>(x), data_of<T>(w), d,
+        static_cast<acc_t<T>>(eps));
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// dx: [N, d] (overwritten), dw: [d] (+=), dy, x: [N, d], w: [d], rstd: [N]
+void rmsnorm_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                           Tensor rstd) {
+  MOE_CHECK(x.ndim == 2, "rmsnorm_backward: x must be [N, d], got " + x.shape_str());
+  const int64_t n = x.size(0), d = x.size(1);
+  check_shape(dx, {n, d}, "rmsnorm_backward: dx");
+  check_shape(dy, {n, d}, "rmsnorm_backward: dy");
+  check_shape(dw, {d}, "rmsnorm_backward: dw");
+  check_shape(w, {d}, "rmsnorm_backward: w");
+  check_shape(rstd, {n}, "rmsnorm_backward: rstd");
+  for (const Tensor* t : {&dx, &dw, &dy, &w, &rstd}) check_same_dtype(*t, x, "rmsnorm_backward");
+  check_rows(n);
+  if (n == 0 || d == 0) return;
+  dispatch_storage(x.dtype, "rmsnorm_backward", [&](auto zero) {
+    using T = decltype(zero);
+    // dw first: it reads dy, which dx may alias.
+    const dim3 dw_block(kDwColumns, kDwRowGroups);
+    rmsnorm_dw_kernel<T><<<blocks_for(d, kDwColumns), dw_block, 0, stream_of(ctx)>>>(
+        data_of<T>(dw), data_of<T>(dy), data_of<T>(x), data_of<T>(rstd), n, d);
+    MOE_CUDA_LAUNCH_CHECK();
+    rmsnorm_dx_kernel<T><<<static_cast<unsigned>(n), row_threads(d), 0, stream_of(ctx)>>>(
+        data_of<T>(dx), data_of<T>(dy), data_of<T>(x), data_of<T>(w), data_of<T>(rstd), d);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+namespace moe {
+MOE_REGISTER_CUDA_OP(rmsnorm_forward, &cuda_detail::rmsnorm_forward_cuda);
+MOE_REGISTER_CUDA_OP(rmsnorm_backward, &cuda_detail::rmsnorm_backward_cuda);
+}  // namespace moe

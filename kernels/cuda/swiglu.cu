@@ -1,0 +1,159 @@
+// SwiGLU and SiLU on the GPU: h = silu(gate) * up, silu(a) = a * sigmoid(a),
+// silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a))). Elementwise grid-stride loops in fp32
+// (double for f64), one rounding on store. sigmoid(a) = 1 / (1 + exp(-a)) saturates cleanly at
+// both ends (exp overflow gives 1/inf = 0). Each thread reads all inputs of an element before
+// writing its outputs, so outputs may alias inputs elementwise (e.g. dgate over dh), as on the CPU.
+#include <algorithm>
+#include <string>
+
+#include "cuda/cuda_common.cuh"
+#include "moe/ops/swiglu.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 1 << 16;  // grid cap (grid-stride loops)
+
+// ---- kernels ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float sigmoid(float a) {
+  return 1.0f / (1.0f + expf(-a));
+}
+__device__ __forceinline__ double sigmoid(double a) {
+  return 1.0 / (1.0 + exp(-a));
+}
+
+template <class A>
+__device__ __forceinline__ A silu(A a) {
+  return a * sigmoid(a);
+}
+template <class A>
+__device__ __forceinline__ A silu_grad(A a) {
+  const A s = sigmoid(a);
+  return s * (A(1) + a * (A(1) - s));
+}
+
+template <class T>
+__global__ void swiglu_forward_kernel(T* h, const T* gate, const T* up, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    h[i] = store<T>(silu(load(gate[i])) * load(up[i]));
+}
+
+template <class T>
+__global__ void swiglu_backward_kernel(T* dgate, T* dup, const T* dh, const T* gate, const T* up,
+                                       int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const auto g = load(gate[i]), u = load(up[i]), d = load(dh[i]);
+    dgate[i] = store<T>(d * u * silu_grad(g));
+    dup[i] = store<T>(d * silu(g));
+  }
+}
+
+template <class T>
+__global__ void silu_forward_kernel(T* y, const T* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    y[i] = store<T>(silu(load(x[i])));
+}
+
+template <class T>
+__global__ void silu_backward_kernel(T* dx, const T* dy, const T* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x)
+    dx[i] = store<T>(load(dy[i]) * silu_grad(load(x[i])));
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+unsigned grid_for(int64_t n) {
+  return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
+}
+
+bool same_shape(const Tensor& a, const Tensor& b) {
+  if (a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i]) return false;
+  return true;
+}
+
+// Every tensor has the shape and dtype of `like`.
+void check_like(const Tensor& like, std::initializer_list<const Tensor*> others,
+                std::initializer_list<const char*> names, const char* op) {
+  auto name = names.begin();
+  for (const Tensor* t : others) {
+    const std::string what = std::string(op) + ": " + *name++;
+    MOE_CHECK(same_shape(*t, like),
+              what + " has shape " + t->shape_str() + ", expected " + like.shape_str());
+    check_same_dtype(*t, like, what.c_str());
+  }
+}
+
+// h, gate, up: [R, F]
+void swiglu_forward_cuda(Ctx& ctx, Tensor h, Tensor gate, Tensor up) {
+  check_like(gate, {&h, &up}, {"h", "up"}, "swiglu_forward");
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  dispatch_storage(gate.dtype, "swiglu_forward", [&](auto zero) {
+    using T = decltype(zero);
+    swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(h), data_of<T>(gate), data_of<T>(up), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// dgate, dup (overwritten), dh, gate, up: [R, F]
+void swiglu_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dh, Tensor gate, Tensor up) {
+  check_like(gate, {&dgate, &dup, &dh, &up}, {"dgate", "dup", "dh", "up"}, "swiglu_backward");
+  const int64_t n = gate.numel();
+  if (n == 0) return;
+  dispatch_storage(gate.dtype, "swiglu_backward", [&](auto zero) {
+    using T = decltype(zero);
+    swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(dgate), data_of<T>(dup), data_of<T>(dh), data_of<T>(gate), data_of<T>(up), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// y, x: same shape
+void silu_forward_cuda(Ctx& ctx, Tensor y, Tensor x) {
+  check_like(x, {&y}, {"y"}, "silu_forward");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_storage(x.dtype, "silu_forward", [&](auto zero) {
+    using T = decltype(zero);
+    silu_forward_kernel<T>
+        <<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(y), data_of<T>(x), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+// dx (overwritten), dy, x: same shape
+void silu_backward_cuda(Ctx& ctx, Tensor dx, Tensor dy, Tensor x) {
+  check_like(x, {&dx, &dy}, {"dx", "dy"}, "silu_backward");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  dispatch_storage(x.dtype, "silu_backward", [&](auto zero) {
+    using T = decltype(zero);
+    silu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(dx), data_of<T>(dy), data_of<T>(x), n);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+namespace moe {
+MOE_REGISTER_CUDA_OP(swiglu_forward, &cuda_detail::swiglu_forward_cuda);
+MOE_REGISTER_CUDA_OP(swiglu_backward, &cuda_detail::swiglu_backward_cuda);
+MOE_REGISTER_CUDA_OP(silu_forward, &cuda_detail::silu_forward_cuda);
+MOE_REGISTER_CUDA_OP(silu_backward, &cuda_detail::silu_backward_cuda);
+}  // namespace moe

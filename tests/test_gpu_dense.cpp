@@ -1,0 +1,541 @@
+// GPU tests of the dense CUDA ops (kernels/cuda/{elementwise,embedding,norm,rope,swiglu,linear}.cu)
+// against the CPU reference ops. For every op and every storage dtype (f32, bf16, f16, f64) the
+// inputs are seeded uniform values (never zero), rounded to the dtype (round_to: exactly what the
+// GPU sees); the reference is the CPU op run in f64 on those rounded inputs; outputs are poisoned
+// (NaN) before each GPU run, so an element left unwritten fails. Accumulating outputs start from
+// random values instead.
+//
+// Tolerances: |got - want| <= atol + rtol |want| per element, with ulp(dt) the relative spacing of
+// the dtype (bf16 2^-7, f16 2^-10, f32 2^-23, f64 2^-52) and acc the error of the fp32 arithmetic
+// the kernels use for 16/32-bit data (1e-6; 1e-13 for f64, whose device exp/pow/cos differ from
+// glibc by an ulp or two):
+// - copies and gathers (copy, fill, embedding forward): exact.
+// - exactly rounded elementwise ops (add, axpy, scale): rtol = atol = 2 ulp (one rounding of the
+//   result, plus fp32 intermediates for axpy).
+// - pointwise nonlinear ops (SwiGLU, SiLU, RoPE rotations): rtol = 2 ulp + 4 acc, atol = 4 acc.
+// - sums of K terms (RMSNorm, dw / dx / y of the linears, embedding dtable): rtol = 2 ulp +
+//   acc sqrt(K), atol = 4 acc sqrt(K) (fp32 accumulation of O(1) terms, then one rounding).
+// - sum_squares: rtol 1e-12 (squares of rounded values are exact in double; only the order of the
+//   double sum differs) and bitwise repeatable.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "catch.hpp"
+#include "gpu_test_util.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/embedding.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/norm.hpp"
+#include "moe/ops/rope.hpp"
+#include "moe/ops/swiglu.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+const DType kDtypes[] = {DType::f32, DType::bf16, DType::f16, DType::f64};
+
+double ulp(DType dt) {
+  switch (dt) {
+    case DType::bf16:
+      return std::ldexp(1.0, -7);
+    case DType::f16:
+      return std::ldexp(1.0, -10);
+    case DType::f32:
+      return std::ldexp(1.0, -23);
+    default:
+      return std::ldexp(1.0, -52);
+  }
+}
+double acc_eps(DType dt) {
+  return dt == DType::f64 ? 1e-13 : 1e-6;
+}
+
+struct Tol {
+  double rtol, atol;
+};
+Tol elementwise_tol(DType dt) {
+  return {2 * ulp(dt), 2 * ulp(dt)};
+}
+Tol pointwise_tol(DType dt) {
+  return {2 * ulp(dt) + 4 * acc_eps(dt), 4 * acc_eps(dt)};
+}
+Tol sum_tol(DType dt, int64_t k) {
+  const double s = std::sqrt(static_cast<double>(std::max<int64_t>(k, 1)));
+  return {2 * ulp(dt) + acc_eps(dt) * s, 4 * acc_eps(dt) * s};
+}
+
+// Seeded uniform values in [lo, hi), none closer to zero than 1e-3, rounded to dt.
+std::vector<double> random_values(DType dt, size_t n, uint64_t seed, double lo = -1.0,
+                                  double hi = 1.0) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (double& x : v) {
+    do x = u(rng);
+    while (std::fabs(x) < 1e-3);
+  }
+  return round_to(dt, v);
+}
+
+// An f64 host tensor holding v.
+Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
+  Buf<double> b(dims);
+  REQUIRE(b.v.size() == v.size());
+  b.v = v;
+  b.t.data = b.v.data();
+  return b;
+}
+
+Buf<int32_t> host_i32(const std::vector<int32_t>& v) {
+  Buf<int32_t> b({static_cast<int64_t>(v.size())});
+  b.v = v;
+  b.t.data = b.v.data();
+  return b;
+}
+
+// A device tensor holding v (already rounded to dt).
+DeviceTensor on_device(DType dt, std::initializer_list<int64_t> dims,
+                       const std::vector<double>& v) {
+  DeviceTensor t(dt, dims);
+  upload(t, v);
+  return t;
+}
+
+// A poisoned device tensor (an output the op must write completely).
+DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
+  DeviceTensor t(dt, dims);
+  poison(t);
+  return t;
+}
+
+DeviceTensor ids_on_device(const std::vector<int32_t>& v) {
+  DeviceTensor t(DType::i32, {static_cast<int64_t>(v.size())});
+  upload_i32(t, v);
+  return t;
+}
+
+void check_close(const std::string& what, DType dt, const std::vector<double>& got,
+                 const std::vector<double>& want, Tol tol) {
+  const double r = worst_ratio(got, want, tol.rtol, tol.atol);
+  INFO(what << " [" << dtype_name(dt) << "]: worst |got - want| / (atol + rtol |want|) = " << r
+            << " (rtol " << tol.rtol << ", atol " << tol.atol << ", " << got.size() << " vs "
+            << want.size() << " elements)");
+  CHECK(r <= 1.0);
+}
+
+void check_exact(const std::string& what, DType dt, const std::vector<double>& got,
+                 const std::vector<double>& want) {
+  INFO(what << " [" << dtype_name(dt) << "]");
+  CHECK(got == want);
+}
+
+// The bit patterns of a device tensor (for bitwise comparisons, NaN included).
+std::vector<uint8_t> bytes_of(Tensor t) {
+  std::vector<uint8_t> b(t.nbytes());
+  copy_to_host(b.data(), t);
+  return b;
+}
+
+}  // namespace
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+TEST_CASE("gpu elementwise: fill, copy, add, axpy, scale", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t rows = 25, cols = 41;
+  const int64_t n = rows * cols;
+  for (DType dt : kDtypes) {
+    const auto a = random_values(dt, n, 1), b = random_values(dt, n, 2);
+
+    DeviceTensor x = poisoned(dt, {rows, cols});
+    fill(gpu, x, 0.3);
+    check_exact("fill", dt, download(x), round_to(dt, std::vector<double>(n, 0.3)));
+
+    DeviceTensor src = on_device(dt, {rows, cols}, a), dst = poisoned(dt, {n});
+    copy(gpu, dst, src);
+    check_exact("copy", dt, download(dst), a);
+
+    Buf<double> ha = host({n}, a), hb = host({n}, b), hout({n});
+    cpu::add(cpu, hout, ha, hb);
+    DeviceTensor da = on_device(dt, {n}, a), db = on_device(dt, {n}, b), out = poisoned(dt, {n});
+    add(gpu, out, da, db);
+    check_close("add", dt, download(out), hout.v, elementwise_tol(dt));
+    add(gpu, da, da, db);  // out aliasing a
+    check_close("add in place", dt, download(da), hout.v, elementwise_tol(dt));
+
+    Buf<double> hy = host({n}, a);
+    cpu::axpy(cpu, hy, hb, -0.37);
+    DeviceTensor y = on_device(dt, {n}, a);
+    axpy(gpu, y, db, -0.37);
+    check_close("axpy", dt, download(y), hy.v, elementwise_tol(dt));
+
+    Buf<double> hs = host({n}, b);
+    cpu::scale(cpu, hs, 1.7);
+    scale(gpu, db, 1.7);
+    check_close("scale", dt, download(db), hs.v, elementwise_tol(dt));
+  }
+}
+
+TEST_CASE("gpu elementwise: shape and dtype mismatches throw", "[gpu]") {
+  Ctx gpu = gpu_ctx();
+  DeviceTensor a(DType::f32, {4, 3}), b(DType::f32, {5}), c(DType::bf16, {12});
+  CHECK_THROWS(add(gpu, a, a, b));
+  CHECK_THROWS(copy(gpu, a, c));
+  CHECK_THROWS(axpy(gpu, a, c, 1.0));
+  CHECK_THROWS(sum_squares(gpu, a, a));  // out must be f64 [1]
+}
+
+TEST_CASE("gpu sum_squares: accumulates in double, deterministically", "[gpu]") {
+  Ctx gpu = gpu_ctx();
+  for (DType dt : kDtypes) {
+    for (int64_t n : {int64_t{1}, int64_t{77 * 40}, int64_t{300001}}) {
+      const auto v = random_values(dt, static_cast<size_t>(n), 3 + n);
+      long double sum = 0;  // reference in extended precision
+      for (double x : v) sum += static_cast<long double>(x) * x;
+      const double want = 2.5 + static_cast<double>(sum);  // 2.5: the pre-set value it adds to
+      DeviceTensor x = on_device(dt, {n}, v);
+      DeviceTensor out = on_device(DType::f64, {1}, {2.5});
+      sum_squares(gpu, out, x);
+      const double got = download(out)[0];
+      INFO("sum_squares [" << dtype_name(dt) << "] n = " << n << ": got " << got << " want "
+                           << want);
+      CHECK(std::fabs(got - want) <= 1e-12 * want);
+      upload(out, {2.5});
+      sum_squares(gpu, out, x);
+      CHECK(download(out)[0] == got);  // bitwise repeatable
+      sum_squares(gpu, out, x);        // accumulates
+      CHECK(std::fabs(download(out)[0] - (2 * want - 2.5)) <= 2e-12 * want);
+    }
+  }
+}
+
+// ---- embedding ----------------------------------------------------------------------------------
+
+TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t vocab = 50, n = 77;
+  std::mt19937 rng(11);
+  std::vector<int32_t> ids(n);
+  for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
+  ids[5] = ids[6] = ids[40] = ids[76] = 7;  // a token repeated, adjacent and far apart
+  ids[0] = 0;
+  ids[1] = static_cast<int32_t>(vocab - 1);
+  int max_repeat = 0;
+  for (int32_t v = 0; v < vocab; ++v)
+    max_repeat = std::max<int>(max_repeat, static_cast<int>(std::count(ids.begin(), ids.end(), v)));
+  for (int64_t d : {int64_t{40}, int64_t{136}}) {
+    for (DType dt : kDtypes) {
+      const auto table = random_values(dt, vocab * d, 20 + d);
+      const auto dout = random_values(dt, n * d, 21 + d);
+      const auto dtable0 = random_values(dt, vocab * d, 22 + d);
+      Buf<int32_t> hids = host_i32(ids);
+      DeviceTensor dids = ids_on_device(ids);
+
+      Buf<double> htable = host({vocab, d}, table), hout({n, d});
+      cpu::embedding_forward(cpu, hout, hids, htable);
+      DeviceTensor dtab = on_device(dt, {vocab, d}, table), out = poisoned(dt, {n, d});
+      embedding_forward(gpu, out, dids, dtab);
+      check_exact("embedding_forward d=" + std::to_string(d), dt, download(out), hout.v);
+
+      Buf<double> hdtable = host({vocab, d}, dtable0), hdout = host({n, d}, dout);
+      cpu::embedding_backward(cpu, hdtable, hdout, hids);
+      DeviceTensor ddtable = on_device(dt, {vocab, d}, dtable0),
+                   ddout = on_device(dt, {n, d}, dout);
+      embedding_backward(gpu, ddtable, ddout, dids);
+      // Each add rounds once: up to max_repeat roundings per element.
+      const Tol tol{(max_repeat + 1) * ulp(dt) + acc_eps(dt), (max_repeat + 1) * ulp(dt)};
+      check_close("embedding_backward d=" + std::to_string(d), dt, download(ddtable), hdtable.v,
+                  tol);
+      // Bitwise repeatable.
+      const auto first = bytes_of(ddtable);
+      upload(ddtable, dtable0);
+      embedding_backward(gpu, ddtable, ddout, dids);
+      CHECK(bytes_of(ddtable) == first);
+    }
+  }
+}
+
+TEST_CASE("gpu embedding: an out-of-range id gives a NaN row, never a stray access", "[gpu]") {
+  Ctx gpu = gpu_ctx();
+  const int64_t vocab = 10, d = 8;
+  const auto table = random_values(DType::f32, vocab * d, 5);
+  DeviceTensor dtab = on_device(DType::f32, {vocab, d}, table), out = poisoned(DType::f32, {3, d});
+  DeviceTensor dids = ids_on_device({2, static_cast<int32_t>(vocab), 4});
+  embedding_forward(gpu, out, dids, dtab);
+  const auto got = download(out);
+  for (int64_t j = 0; j < d; ++j) {
+    CHECK(got[j] == table[2 * d + j]);
+    CHECK(std::isnan(got[d + j]));
+    CHECK(got[2 * d + j] == table[4 * d + j]);
+  }
+  DeviceTensor dtable = on_device(DType::f32, {vocab, d}, table);
+  embedding_backward(gpu, dtable, out.t, dids);  // row 1 skipped; rows 2 and 4 get finite adds
+  for (double v : download(dtable)) CHECK(!std::isnan(v));
+}
+
+// ---- RMSNorm ------------------------------------------------------------------------------------
+
+TEST_CASE("gpu rmsnorm: forward and backward", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t n = 77;
+  const double eps = 1e-5;
+  for (int64_t d : {int64_t{48}, int64_t{1000}}) {
+    for (DType dt : kDtypes) {
+      const auto x = random_values(dt, n * d, 30 + d), w = random_values(dt, d, 31 + d);
+      const auto dy = random_values(dt, n * d, 32 + d), dw0 = random_values(dt, d, 33 + d);
+      const std::string tag = " d=" + std::to_string(d);
+
+      Buf<double> hx = host({n, d}, x), hw = host({d}, w), hy({n, d}), hr({n});
+      cpu::rmsnorm_forward(cpu, hy, hr, hx, hw, eps);
+      DeviceTensor dx_in = on_device(dt, {n, d}, x), dw_in = on_device(dt, {d}, w);
+      DeviceTensor y = poisoned(dt, {n, d}), rstd = poisoned(dt, {n});
+      rmsnorm_forward(gpu, y, rstd, dx_in, dw_in, eps);
+      check_close("rmsnorm_forward y" + tag, dt, download(y), hy.v, sum_tol(dt, d));
+      check_close("rmsnorm_forward rstd" + tag, dt, download(rstd), hr.v, sum_tol(dt, d));
+
+      // Backward from the rstd the forward saves (the reference rounded to the dtype).
+      const auto r = round_to(dt, hr.v);
+      Buf<double> hdy = host({n, d}, dy), hrr = host({n}, r), hdx({n, d}), hdw = host({d}, dw0);
+      cpu::rmsnorm_backward(cpu, hdx, hdw, hdy, hx, hw, hrr);
+      DeviceTensor ddy = on_device(dt, {n, d}, dy), drr = on_device(dt, {n}, r);
+      DeviceTensor ddx = poisoned(dt, {n, d}), ddw = on_device(dt, {d}, dw0);
+      rmsnorm_backward(gpu, ddx, ddw, ddy, dx_in, dw_in, drr);
+      check_close("rmsnorm_backward dx" + tag, dt, download(ddx), hdx.v, sum_tol(dt, d));
+      check_close("rmsnorm_backward dw" + tag, dt, download(ddw), hdw.v, sum_tol(dt, n));
+    }
+  }
+}
+
+// ---- RoPE ---------------------------------------------------------------------------------------
+
+TEST_CASE("gpu rope: table, forward and backward at non-contiguous positions", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t max_pos = 40, heads = 3, hd = 16, half = hd / 2;
+  const std::vector<int32_t> pos = {5, 0, 39, 17, 17, 3, 22, 38, 1, 30, 12, 9, 26};
+  const int64_t n = static_cast<int64_t>(pos.size());
+  const double theta = 10000.0;
+  Buf<double> hcos({max_pos, half}), hsin({max_pos, half});
+  cpu::rope_table(cpu, hcos, hsin, theta);
+  for (DType dt : kDtypes) {
+    // The table: angles in double on both sides, rounded once to the dtype.
+    DeviceTensor gcos = poisoned(dt, {max_pos, half}), gsin = poisoned(dt, {max_pos, half});
+    rope_table(gpu, gcos, gsin, theta);
+    const double tab_atol = dt == DType::f64 ? 1e-13 : dt == DType::f32 ? 1e-9 : 1e-7;
+    const Tol tab_tol{dt == DType::f64 ? 1e-13 : ulp(dt), tab_atol};
+    check_close("rope_table cos", dt, download(gcos), round_to(dt, hcos.v), tab_tol);
+    check_close("rope_table sin", dt, download(gsin), round_to(dt, hsin.v), tab_tol);
+
+    // Rotations use the rounded table on both sides.
+    const auto c = round_to(dt, hcos.v), s = round_to(dt, hsin.v);
+    const auto x = random_values(dt, n * heads * hd, 40);
+    Buf<double> hc = host({max_pos, half}, c), hs = host({max_pos, half}, s);
+    Buf<int32_t> hpos = host_i32(pos);
+    DeviceTensor dc = on_device(dt, {max_pos, half}, c), ds = on_device(dt, {max_pos, half}, s);
+    DeviceTensor dpos = ids_on_device(pos);
+
+    Buf<double> hf = host({n, heads, hd}, x);
+    cpu::rope_forward(cpu, hf, hpos, hc, hs);
+    DeviceTensor v = on_device(dt, {n, heads, hd}, x);
+    rope_forward(gpu, v, dpos, dc, ds);
+    const auto rotated = download(v);
+    check_close("rope_forward", dt, rotated, hf.v, pointwise_tol(dt));
+
+    Buf<double> hb = host({n, heads, hd}, x);
+    cpu::rope_backward(cpu, hb, hpos, hc, hs);
+    DeviceTensor g = on_device(dt, {n, heads, hd}, x);
+    rope_backward(gpu, g, dpos, dc, ds);
+    check_close("rope_backward", dt, download(g), hb.v, pointwise_tol(dt));
+
+    // backward(forward(x)) == x up to the table's and the two outputs' rounding.
+    rope_backward(gpu, v, dpos, dc, ds);
+    const double rt = 8 * ulp(dt) + 4 * acc_eps(dt);
+    check_close("rope round trip", dt, download(v), x, Tol{rt, rt});
+  }
+}
+
+// ---- SwiGLU / SiLU ------------------------------------------------------------------------------
+
+TEST_CASE("gpu swiglu and silu: forward and backward", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t r = 77, f = 40, n = r * f;
+  for (DType dt : kDtypes) {
+    const auto gate = random_values(dt, n, 50, -6.0, 6.0), up = random_values(dt, n, 51);
+    const auto dh = random_values(dt, n, 52);
+    Buf<double> hg = host({r, f}, gate), hu = host({r, f}, up), hdh = host({r, f}, dh);
+    DeviceTensor dg = on_device(dt, {r, f}, gate), du = on_device(dt, {r, f}, up);
+    DeviceTensor ddh = on_device(dt, {r, f}, dh);
+
+    Buf<double> hh({r, f});
+    cpu::swiglu_forward(cpu, hh, hg, hu);
+    DeviceTensor h = poisoned(dt, {r, f});
+    swiglu_forward(gpu, h, dg, du);
+    check_close("swiglu_forward", dt, download(h), hh.v, pointwise_tol(dt));
+
+    Buf<double> hdg({r, f}), hdu({r, f});
+    cpu::swiglu_backward(cpu, hdg, hdu, hdh, hg, hu);
+    DeviceTensor dgate = poisoned(dt, {r, f}), dup = poisoned(dt, {r, f});
+    swiglu_backward(gpu, dgate, dup, ddh, dg, du);
+    check_close("swiglu_backward dgate", dt, download(dgate), hdg.v, pointwise_tol(dt));
+    check_close("swiglu_backward dup", dt, download(dup), hdu.v, pointwise_tol(dt));
+
+    Buf<double> hy({r, f});
+    cpu::silu_forward(cpu, hy, hg);
+    DeviceTensor y = poisoned(dt, {r, f});
+    silu_forward(gpu, y, dg);
+    check_close("silu_forward", dt, download(y), hy.v, pointwise_tol(dt));
+
+    Buf<double> hdx({r, f});
+    cpu::silu_backward(cpu, hdx, hdh, hg);
+    DeviceTensor dx = poisoned(dt, {r, f});
+    silu_backward(gpu, dx, ddh, dg);
+    check_close("silu_backward", dt, download(dx), hdx.v, pointwise_tol(dt));
+
+    // dgate written over dh (outputs may alias inputs elementwise).
+    swiglu_backward(gpu, ddh, dup, ddh, dg, du);
+    check_close("swiglu_backward dgate over dh", dt, download(ddh), hdg.v, pointwise_tol(dt));
+  }
+}
+
+// ---- linear -------------------------------------------------------------------------------------
+
+namespace {
+struct LinearShape {
+  int64_t n, in, out;
+};
+const LinearShape kLinearShapes[] = {{77, 48, 40}, {150, 80, 136}};
+}  // namespace
+
+TEST_CASE("gpu linear: forward, overwrite and accumulate", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  for (const LinearShape& sh : kLinearShapes) {
+    const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->" +
+                            std::to_string(sh.out) + "]";
+    for (DType dt : kDtypes) {
+      const auto x = random_values(dt, sh.n * sh.in, 60), w = random_values(dt, sh.out * sh.in, 61);
+      const auto y0 = random_values(dt, sh.n * sh.out, 62);
+      Buf<double> hx = host({sh.n, sh.in}, x), hw = host({sh.out, sh.in}, w);
+      DeviceTensor dx = on_device(dt, {sh.n, sh.in}, x), dw = on_device(dt, {sh.out, sh.in}, w);
+      for (bool accumulate : {false, true}) {
+        Buf<double> hy = host({sh.n, sh.out}, y0);
+        cpu::linear_forward(cpu, hy, hx, hw, accumulate);
+        DeviceTensor y =
+            accumulate ? on_device(dt, {sh.n, sh.out}, y0) : poisoned(dt, {sh.n, sh.out});
+        linear_forward(gpu, y, dx, dw, accumulate);
+        check_close(std::string("linear_forward") + (accumulate ? " +=" : " =") + tag, dt,
+                    download(y), hy.v, sum_tol(dt, sh.in));
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  for (const LinearShape& sh : kLinearShapes) {
+    const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->" +
+                            std::to_string(sh.out) + "]";
+    for (DType dt : kDtypes) {
+      const auto x = random_values(dt, sh.n * sh.in, 70), w = random_values(dt, sh.out * sh.in, 71);
+      const auto dy = random_values(dt, sh.n * sh.out, 72);
+      const auto dx0 = random_values(dt, sh.n * sh.in, 73);
+      const auto dw0 = random_values(dt, sh.out * sh.in, 74);
+      Buf<double> hx = host({sh.n, sh.in}, x), hw = host({sh.out, sh.in}, w);
+      Buf<double> hdy = host({sh.n, sh.out}, dy);
+      DeviceTensor gx = on_device(dt, {sh.n, sh.in}, x), gw = on_device(dt, {sh.out, sh.in}, w);
+      DeviceTensor gdy = on_device(dt, {sh.n, sh.out}, dy);
+      for (int mode = 0; mode < 3; ++mode) {  // dx =, dx +=, no dx
+        const bool acc = mode == 1, skip = mode == 2;
+        Buf<double> hdx = host({sh.n, sh.in}, dx0), hdw = host({sh.out, sh.in}, dw0);
+        cpu::linear_backward(cpu, skip ? Tensor{} : hdx.t, hdw, hdy, hx, hw, acc);
+        DeviceTensor gdx = acc ? on_device(dt, {sh.n, sh.in}, dx0) : poisoned(dt, {sh.n, sh.in});
+        DeviceTensor gdw = on_device(dt, {sh.out, sh.in}, dw0);
+        linear_backward(gpu, skip ? Tensor{} : gdx.t, gdw, gdy, gx, gw, acc);
+        const std::string m = mode == 0 ? " (dx =)" : mode == 1 ? " (dx +=)" : " (no dx)";
+        if (!skip)
+          check_close("linear_backward dx" + m + tag, dt, download(gdx), hdx.v,
+                      sum_tol(dt, sh.out));
+        check_close("linear_backward dw" + m + tag, dt, download(gdw), hdw.v, sum_tol(dt, sh.n));
+      }
+    }
+  }
+}
+
+// ---- grouped linear -----------------------------------------------------------------------------
+
+namespace {
+struct GroupedCase {
+  int64_t rows, in, out;
+  std::vector<int32_t> offsets;  // [E+1]
+};
+// An empty expert in the middle and one taking most rows; empty first and last experts with a
+// single expert taking every row over several tiles; a single expert.
+const GroupedCase kGroupedCases[] = {
+    {77, 48, 40, {0, 3, 3, 73, 77}},
+    {150, 80, 136, {0, 0, 150, 150}},
+    {77, 48, 40, {0, 77}},
+    {150, 80, 136, {0, 64, 65, 129, 130, 150}},
+};
+}  // namespace
+
+TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the device", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  int case_index = 0;
+  for (const GroupedCase& gc : kGroupedCases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, in = gc.in, out = gc.out;
+    int64_t max_rows = 0;
+    for (int64_t i = 0; i < e; ++i)
+      max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
+    const std::string tag = " [case " + std::to_string(case_index++) + "]";
+    for (DType dt : kDtypes) {
+      const auto x = random_values(dt, r * in, 80), w = random_values(dt, e * out * in, 81);
+      const auto dy = random_values(dt, r * out, 82), dw0 = random_values(dt, e * out * in, 83);
+      Buf<double> hx = host({r, in}, x), hw = host({e, out, in}, w), hdy = host({r, out}, dy);
+      Buf<int32_t> hoff = host_i32(gc.offsets);
+      DeviceTensor gx = on_device(dt, {r, in}, x), gw = on_device(dt, {e, out, in}, w);
+      DeviceTensor gdy = on_device(dt, {r, out}, dy), goff = ids_on_device(gc.offsets);
+
+      Buf<double> hy({r, out});
+      cpu::grouped_linear_forward(cpu, hy, hx, hw, hoff);
+      DeviceTensor gy = poisoned(dt, {r, out});
+      grouped_linear_forward(gpu, gy, gx, gw, goff);
+      check_close("grouped_linear_forward y" + tag, dt, download(gy), hy.v, sum_tol(dt, in));
+
+      Buf<double> hdx({r, in}), hdw = host({e, out, in}, dw0);
+      cpu::grouped_linear_backward(cpu, hdx, hdw, hdy, hx, hw, hoff);
+      DeviceTensor gdx = poisoned(dt, {r, in}), gdw = on_device(dt, {e, out, in}, dw0);
+      const auto dw_before = bytes_of(gdw);
+      grouped_linear_backward(gpu, gdx, gdw, gdy, gx, gw, goff);
+      check_close("grouped_linear_backward dx" + tag, dt, download(gdx), hdx.v, sum_tol(dt, out));
+      check_close("grouped_linear_backward dw" + tag, dt, download(gdw), hdw.v,
+                  sum_tol(dt, max_rows));
+      // An expert with no rows keeps its dw bit for bit.
+      const auto dw_after = bytes_of(gdw);
+      const size_t per_expert = static_cast<size_t>(out * in) * dtype_size(dt);
+      for (int64_t i = 0; i < e; ++i) {
+        if (gc.offsets[i + 1] != gc.offsets[i]) continue;
+        INFO("empty expert " << i << tag << " [" << dtype_name(dt) << "]");
+        CHECK(std::equal(dw_before.begin() + i * per_expert,
+                         dw_before.begin() + (i + 1) * per_expert,
+                         dw_after.begin() + i * per_expert));
+      }
+      // The offsets are never modified.
+      CHECK(download_i32(goff) == gc.offsets);
+    }
+  }
+}
+
+TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
+  Ctx gpu = gpu_ctx();
+  DeviceTensor x(DType::f32, {10, 8}), w(DType::f32, {2, 6, 8}), y(DType::f32, {10, 6});
+  DeviceTensor off_bad_len(DType::i32, {2}), off_f32(DType::f32, {3}), y_bad(DType::f32, {10, 5});
+  DeviceTensor off(DType::i32, {3});
+  CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_bad_len));
+  CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_f32));
+  CHECK_THROWS(grouped_linear_forward(gpu, y_bad, x, w, off));
+}
