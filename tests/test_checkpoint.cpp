@@ -4,8 +4,6 @@
 // everything bitwise (and resuming identically), retention, failures partway through a save
 // (the previous checkpoint stays loadable; leftovers are never picked), corrupt state files,
 // loading into another model shape, and export -> init_from_hf.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
@@ -23,27 +21,13 @@
 #include "checkpoint/float_convert.hpp"
 #include "moe/checkpoint.hpp"
 #include "moe/error.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("moe_checkpoint_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string sub(const std::string& name) const { return (path / name).string(); }
-};
 
 // 4 layers: dense, MoE (+ shared expert), MoD over dense, MoE; GQA 2:1; router biases on.
 Config tiny_config(const std::vector<std::string>& overrides = {}) {
@@ -186,15 +170,6 @@ const NamedTensor& by_name(const std::vector<NamedTensor>& ts, const std::string
   return *it;
 }
 
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
 }  // namespace
 
 // ---- named tensors and config.json --------------------------------------------------------------
@@ -249,7 +224,7 @@ TEST_CASE("named tensors load into a fresh model bitwise, in memory and through 
   load_named_tensors(b.model, model_to_named_tensors(a.model), "memory");
   CHECK(host_bytes(b.model.params()) == host_bytes(a.model.params()));
 
-  const std::string path = dir.sub("w.safetensors");
+  const std::string path = dir.file("w.safetensors");
   write_safetensors(path, model_to_named_tensors(a.model));
   load_named_tensors(c.model, read_safetensors(path), path);
   CHECK(host_bytes(c.model.params()) == host_bytes(a.model.params()));
@@ -354,7 +329,7 @@ TEST_CASE("load_named_tensors rejects missing, misshaped and unknown tensors", "
 
 TEST_CASE("config.json round trip and Mixtral defaults", "[checkpoint]") {
   TempDir dir;
-  const std::string path = dir.sub("config.json");
+  const std::string path = dir.file("config.json");
   const Config cfg = tiny_config({"model.norm_topk_prob=false", "model.router_z_loss_coef=0.25"});
   const std::string text = hf_config_json(cfg.model);
   const nlohmann::json j = nlohmann::json::parse(text);
@@ -395,7 +370,7 @@ TEST_CASE("config.json round trip and Mixtral defaults", "[checkpoint]") {
   require_input_error([&] { model_config_from_hf_json(path); }, {path, "llama"});
   write_text(path, R"({"hidden_size": 10, "num_attention_heads": 3})");
   require_input_error([&] { model_config_from_hf_json(path); }, {path, "num_attention_heads"});
-  require_input_error([&] { model_config_from_hf_json(dir.sub("absent.json")); }, {"absent.json"});
+  require_input_error([&] { model_config_from_hf_json(dir.file("absent.json")); }, {"absent.json"});
 }
 
 // ---- save and load ------------------------------------------------------------------------------
@@ -408,8 +383,8 @@ TEST_CASE("save -> load restores params, moments, step, router biases and state 
   a.step(11);
   const Snapshot saved = snapshot(a);
   REQUIRE(any_nonzero(saved.biases));  // the aux-loss-free biases moved: the test can see them
-  const std::string step_dir = save(a, save_options(dir.sub("run")), 2);
-  CHECK(step_dir == dir.sub("run/" + step_name(2)));
+  const std::string step_dir = save(a, save_options(dir.file("run")), 2);
+  CHECK(step_dir == dir.file("run/" + step_name(2)));
   for (const char* f :
        {"model.safetensors", "config.json", "trainer_config.json", "rank_00000.state", "DONE"})
     CHECK(fs::is_regular_file(fs::path(step_dir) / f));
@@ -448,7 +423,7 @@ TEST_CASE("keep_last keeps the newest complete checkpoints and the one just writ
           "[checkpoint]") {
   TempDir dir;
   Trainee a(tiny_config());
-  const std::string run = dir.sub("run");
+  const std::string run = dir.file("run");
   auto listing = [&] {
     std::vector<std::string> names;
     for (const auto& e : fs::directory_iterator(run)) names.push_back(e.path().filename().string());
@@ -474,7 +449,7 @@ TEST_CASE("keep_last keeps the newest complete checkpoints and the one just writ
 
 TEST_CASE("a save that fails partway leaves the previous checkpoint loadable", "[checkpoint]") {
   TempDir dir;
-  const std::string run = dir.sub("run");
+  const std::string run = dir.file("run");
   Trainee a(tiny_config());
   a.step(1);
   const Snapshot first = snapshot(a);
@@ -543,7 +518,7 @@ TEST_CASE("a save that fails partway leaves the previous checkpoint loadable", "
 
 TEST_CASE("find_latest_checkpoint: run dirs, step dirs and incomplete ones", "[checkpoint]") {
   TempDir dir;
-  const std::string run = dir.sub("run");
+  const std::string run = dir.file("run");
   CHECK(find_latest_checkpoint(run, nullptr).empty());  // nothing there yet
   Trainee a(tiny_config());
   const std::string s5 = save(a, save_options(run), 5);
@@ -565,7 +540,7 @@ TEST_CASE("a truncated or corrupted state file is an InputError naming it", "[ch
   TempDir dir;
   Trainee a(tiny_config());
   a.step(1);
-  const std::string step_dir = save(a, save_options(dir.sub("run")), 1);
+  const std::string step_dir = save(a, save_options(dir.file("run")), 1);
   const std::string state = step_dir + "/rank_00000.state";
   const uintmax_t size = fs::file_size(state);
   auto flip_byte = [&](uintmax_t at) {
@@ -615,7 +590,7 @@ TEST_CASE("a truncated or corrupted state file is an InputError naming it", "[ch
 TEST_CASE("loading a checkpoint into a different model shape is an InputError", "[checkpoint]") {
   TempDir dir;
   Trainee a(tiny_config());
-  const std::string step_dir = save(a, save_options(dir.sub("run")), 1);
+  const std::string step_dir = save(a, save_options(dir.file("run")), 1);
   for (const std::string over : {"model.intermediate_size=7", "model.num_local_experts=3",
                                  "model.tie_word_embeddings=true", "model.moe_layer_freq=1"}) {
     INFO(over);
@@ -633,19 +608,19 @@ TEST_CASE("loading a checkpoint into a different model shape is an InputError", 
 
 TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[checkpoint]") {
   TempDir dir;
-  const std::string tok = dir.sub("tok");
+  const std::string tok = dir.file("tok");
   fs::create_directories(tok);
   write_text(tok + "/moe_tokenizer.json", R"({"type": "spm", "model": "tokenizer.model"})");
   write_text(tok + "/tokenizer.model", std::string("\x01\x02spm-bytes", 11));
   Trainee a(tiny_config());
   a.step(3);
-  SaveOptions o = save_options(dir.sub("run"));
+  SaveOptions o = save_options(dir.file("run"));
   o.tokenizer_dir = tok;
   const std::string step_dir = save(a, o, 4);
   CHECK(read_text(step_dir + "/tokenizer.model") == read_text(tok + "/tokenizer.model"));
 
-  const std::string out = dir.sub("hf");
-  export_hf(dir.sub("run"), out);  // a run directory: its newest checkpoint
+  const std::string out = dir.file("hf");
+  export_hf(dir.file("run"), out);  // a run directory: its newest checkpoint
   for (const char* f : {"model.safetensors", "config.json", "generation_config.json",
                         "moe_tokenizer.json", "tokenizer.model"})
     CHECK(fs::is_regular_file(fs::path(out) / f));
@@ -665,13 +640,13 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
     CHECK(host_bytes(b.model.params()) == params);
   }
   SECTION("from the single file, exported from a step directory") {
-    export_hf(step_dir, dir.sub("hf2"));
+    export_hf(step_dir, dir.file("hf2"));
     Trainee b(tiny_config(), 8);
-    init_from_hf(b.model, dir.sub("hf2") + "/model.safetensors");
+    init_from_hf(b.model, dir.file("hf2") + "/model.safetensors");
     CHECK(host_bytes(b.model.params()) == params);
   }
   SECTION("from shards with an index") {
-    const std::string sharded = dir.sub("sharded");
+    const std::string sharded = dir.file("sharded");
     fs::create_directories(sharded);
     const auto tensors = model_to_named_tensors(a.model);
     std::vector<NamedTensor> first(tensors.begin(), tensors.begin() + tensors.size() / 2);
@@ -702,6 +677,6 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
     require_input_error([&] { init_from_hf(a.model, tok); }, {tok, "model.safetensors"});
   }
   SECTION("export of a directory without checkpoints") {
-    require_input_error([&] { export_hf(tok, dir.sub("hf3")); }, {tok, "no complete checkpoint"});
+    require_input_error([&] { export_hf(tok, dir.file("hf3")); }, {tok, "no complete checkpoint"});
   }
 }

@@ -2,8 +2,6 @@
 // gives bitwise the losses of an uninterrupted run (synthetic source and token shards), resume
 // skips an incomplete newer checkpoint, metrics.jsonl holds each step once, and export ->
 // init_from gives the identical model.
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -16,26 +14,13 @@
 #include "moe/rng.hpp"
 #include "moe/shards.hpp"
 #include "moe/trainer.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           ("moe_e2e_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
-};
 
 Config small_run(const fs::path& out_dir, const std::vector<std::string>& extra = {}) {
   std::vector<std::string> o = {
@@ -116,7 +101,8 @@ void check_resume_is_bitwise(const std::vector<std::string>& extra) {
     CHECK(resumed.losses[i] == whole.losses[i + 3]);  // bitwise
     CHECK(first.losses[i] == whole.losses[i]);
   }
-  for (int step = 1; step <= 6; ++step) CHECK(count_train_lines(c.path / "metrics.jsonl", step) == 1);
+  for (int step = 1; step <= 6; ++step)
+    CHECK(count_train_lines(c.path / "metrics.jsonl", step) == 1);
 }
 
 }  // namespace
@@ -171,8 +157,8 @@ TEST_CASE("export -> init_from gives the identical model and eval loss", "[e2e][
   std::ostringstream log;
   // Mixtral-compatible: every layer MoE, no shared experts, no MoD
   std::vector<std::string> mixtral = {"model.moe_layer_freq=1", "model.num_shared_experts=0",
-                                      "model.mod.enabled=false",
-                                      "model.router_bias_update_rate=0", "train.max_steps=3"};
+                                      "model.mod.enabled=false", "model.router_bias_update_rate=0",
+                                      "train.max_steps=3"};
   Config cfg = small_run(run.path, mixtral);
   train(cfg, log);
   export_hf(run.path.string(), hf.path.string());
@@ -191,7 +177,8 @@ TEST_CASE("export -> init_from gives the identical model and eval loss", "[e2e][
   CHECK(same);
   Rng rng(3);
   std::vector<int32_t> ids(32), tg(32);
-  for (int i = 0; i < 32; ++i) ids[i] = static_cast<int32_t>(rng.below(40)), tg[i] = static_cast<int32_t>(rng.below(40));
+  for (int i = 0; i < 32; ++i)
+    ids[i] = static_cast<int32_t>(rng.below(40)), tg[i] = static_cast<int32_t>(rng.below(40));
   Ctx ctx;
   CHECK(a.forward(ctx, ids.data(), tg.data()).lm == b.forward(ctx, ids.data(), tg.data()).lm);
 }

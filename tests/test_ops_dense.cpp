@@ -26,31 +26,6 @@ using namespace moe::test;
 
 namespace {
 
-// An f32 copy of an f64 buffer (same shape).
-Buf<float> to_f32(const Buf<double>& b) {
-  Buf<float> f;
-  f.v.assign(b.v.begin(), b.v.end());
-  f.t = b.t;
-  f.t.dtype = DType::f32;
-  f.t.data = f.v.data();
-  return f;
-}
-
-// max_i |a_i - b_i| / (1 + |b_i|): relative for large values, absolute near zero.
-double max_rel_diff(const std::vector<float>& a, const std::vector<double>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(a[i] - b[i]) / (1.0 + std::fabs(b[i])));
-  return worst;
-}
-
-Buf<double> random_buf(std::initializer_list<int64_t> dims, uint64_t seed) {
-  Buf<double> b(dims);
-  fill_uniform(b, seed);
-  return b;
-}
-
 std::vector<double> minus(const std::vector<double>& a, const std::vector<double>& b) {
   std::vector<double> r(a.size());
   for (size_t i = 0; i < a.size(); ++i) r[i] = a[i] - b[i];

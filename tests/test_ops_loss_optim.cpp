@@ -20,38 +20,6 @@ using namespace moe::test;
 
 namespace {
 
-template <class T>
-Buf<T> make(std::initializer_list<int64_t> dims, const std::vector<T>& vals) {
-  Buf<T> b(dims);
-  REQUIRE(b.size() == vals.size());
-  std::copy(vals.begin(), vals.end(), b.v.begin());
-  return b;
-}
-
-Buf<double> random_buf(std::initializer_list<int64_t> dims, uint64_t seed, double lo = -1,
-                       double hi = 1) {
-  Buf<double> b(dims);
-  fill_uniform(b, seed, lo, hi);
-  return b;
-}
-
-Buf<float> to_f32(const Buf<double>& b) {
-  Buf<float> f;
-  f.v.assign(b.v.begin(), b.v.end());
-  f.t = b.t;
-  f.t.dtype = DType::f32;
-  f.t.data = f.v.data();
-  return f;
-}
-
-double max_rel_diff(const std::vector<float>& a, const std::vector<double>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(a[i] - b[i]) / (1.0 + std::fabs(b[i])));
-  return worst;
-}
-
 // -log softmax(l)[t], written out without any shift (fine for the small logits it is used on).
 double naive_ce(const std::vector<double>& l, int t) {
   double s = 0;

@@ -25,40 +25,6 @@ using namespace moe::test;
 
 namespace {
 
-// A buffer of the given shape holding `vals` (sizes must agree).
-template <class T>
-Buf<T> make(std::initializer_list<int64_t> dims, const std::vector<T>& vals) {
-  Buf<T> b(dims);
-  REQUIRE(b.size() == vals.size());
-  std::copy(vals.begin(), vals.end(), b.v.begin());
-  return b;
-}
-
-Buf<double> random_buf(std::initializer_list<int64_t> dims, uint64_t seed) {
-  Buf<double> b(dims);
-  fill_uniform(b, seed);
-  return b;
-}
-
-// An f32 copy of an f64 buffer (same shape).
-Buf<float> to_f32(const Buf<double>& b) {
-  Buf<float> f;
-  f.v.assign(b.v.begin(), b.v.end());
-  f.t = b.t;
-  f.t.dtype = DType::f32;
-  f.t.data = f.v.data();
-  return f;
-}
-
-// max_i |a_i - b_i| / (1 + |b_i|).
-double max_rel_diff(const std::vector<float>& a, const std::vector<double>& b) {
-  REQUIRE(a.size() == b.size());
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i)
-    worst = std::max(worst, std::fabs(a[i] - b[i]) / (1.0 + std::fabs(b[i])));
-  return worst;
-}
-
 // Logits whose row entries are a random permutation of {0, 0.7, 1.4, ...} plus noise in
 // [-0.05, 0.05): every pair of scores differs by >= 0.6, so a 1e-6 perturbation cannot change the
 // top-K set or its order.

@@ -1,8 +1,6 @@
 // `prepare`: text files become train/val shards that hold exactly the encoded documents (each
 // followed by EOS) in order, split at the val fraction, with the tokenizer saved beside them.
 // The fortunes case (hidden: run with "[fortunes]") times the README's default corpus.
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -18,46 +16,13 @@
 #include "moe/rng.hpp"
 #include "moe/shards.hpp"
 #include "moe/tokenizer.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("moe_test_prepare_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-template <class F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  FAIL("expected an InputError");
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
-}
 
 // English-like lines from small word lists (as in test_tokenizer.cpp).
 std::string generated_corpus(int lines, uint64_t seed) {

@@ -3,8 +3,6 @@
 // description (so we read what others write, not only what we write), and one case per kind of
 // corruption, each of which must be an InputError that names the file. A real full disk
 // (/dev/full) must surface as an InputError with strerror too.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -19,44 +17,19 @@
 #include "catch.hpp"
 #include "moe/checkpoint.hpp"
 #include "moe/error.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A scratch directory, removed afterwards.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("moe_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
 
 template <class T>
 std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
   std::vector<uint8_t> b(v.size() * sizeof(T));
   std::memcpy(b.data(), v.data(), b.size());
   return b;
-}
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
-
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
 // A file in the format from its parts: length prefix `n` (default: the header's size).
@@ -127,7 +100,7 @@ TEST_CASE("safetensors layout: length prefix, space padding, contiguous sorted o
   const std::string path = dir.file("t.safetensors");
   const std::vector<NamedTensor> in = sample_tensors();
   write_safetensors(path, in, {{"format", "pt"}});
-  const std::string bytes = read_file(path);
+  const std::string bytes = read_text(path);
   REQUIRE(bytes.size() >= 8);
   uint64_t n = 0;
   std::memcpy(&n, bytes.data(), 8);
@@ -171,7 +144,7 @@ TEST_CASE("safetensors written by hand from the format description is read", "[s
   std::memcpy(data.data(), ints.data(), 16);
   const uint16_t halfs[2] = {0x3C00, 0xC000};  // 1.0, -2.0
   std::memcpy(data.data() + 16, halfs, 4);
-  write_file(path, raw_safetensors(header, data));
+  write_text(path, raw_safetensors(header, data));
   const std::vector<NamedTensor> t = read_safetensors(path);
   REQUIRE(t.size() == 2);
   CHECK(t[0].name == "b");  // file order
@@ -193,19 +166,19 @@ TEST_CASE("corrupt safetensors files are InputErrors naming the file", "[safeten
     require_input_error(read, path, "No such file");
   }
   SECTION("shorter than the length prefix") {
-    write_file(path, "abc");
+    write_text(path, "abc");
     require_input_error(read, path, "less than the 8-byte header");
   }
   SECTION("header length beyond the file size") {
-    write_file(path, raw_safetensors(one, eight, 1000));
+    write_text(path, raw_safetensors(one, eight, 1000));
     require_input_error(read, path, "exceeds the file size");
   }
   SECTION("header is not JSON") {
-    write_file(path, raw_safetensors("{not json", eight));
+    write_text(path, raw_safetensors("{not json", eight));
     require_input_error(read, path, "header is not JSON");
   }
   SECTION("truncated data") {
-    write_file(path, raw_safetensors(one, eight.substr(0, 5)));
+    write_text(path, raw_safetensors(one, eight.substr(0, 5)));
     require_input_error(read, path, "outside the 5-byte data section");
   }
   SECTION("truncated copy of a real file") {
@@ -214,33 +187,33 @@ TEST_CASE("corrupt safetensors files are InputErrors naming the file", "[safeten
     require_input_error(read, path, "outside");
   }
   SECTION("offsets out of range") {
-    write_file(
+    write_text(
         path, raw_safetensors(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,80]}})", eight));
     require_input_error(read, path, "outside");
   }
   SECTION("offsets disagree with dtype x shape") {
-    write_file(path,
+    write_text(path,
                raw_safetensors(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight));
     require_input_error(read, path, "needs 12 bytes");
   }
   SECTION("a gap between tensors") {
-    write_file(path, raw_safetensors(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+    write_text(path, raw_safetensors(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                                      R"("y":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
                                      std::string(12, 'd')));
     require_input_error(read, path, "contiguous");
   }
   SECTION("unknown dtype") {
-    write_file(path,
+    write_text(path,
                raw_safetensors(R"({"x":{"dtype":"F33","shape":[2],"data_offsets":[0,8]}})", eight));
     require_input_error(read, path, "unknown dtype \"F33\"");
   }
   SECTION("negative shape") {
-    write_file(
+    write_text(
         path, raw_safetensors(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight));
     require_input_error(read, path, "shape");
   }
   SECTION("metadata that is not string -> string") {
-    write_file(path, raw_safetensors(R"({"__metadata__":{"n":3}})", ""));
+    write_text(path, raw_safetensors(R"({"__metadata__":{"n":3}})", ""));
     require_input_error(read, path, "__metadata__");
   }
 }

@@ -1,8 +1,6 @@
 // Token shards and their readers: the llm.c file layout (both widths) and its validation, glob
 // expansion, the shuffled rank-partitioned training loader (coverage, ordering, exact resume)
 // and the sequential evaluation reader.
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
@@ -15,44 +13,13 @@
 #include "catch.hpp"
 #include "moe/error.hpp"
 #include "moe/shards.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A fresh directory under the system temp dir, removed with everything in it at scope exit.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("moe_test_shards_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-// The message of the InputError that `f` throws (the test fails if it throws nothing).
-template <class F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  FAIL("expected an InputError");
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // A file with a hand-made header (magic, version, count) and `payload` bytes after it.
 void write_raw(const std::string& path, int32_t magic, int32_t version, int32_t count,

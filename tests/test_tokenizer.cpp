@@ -1,8 +1,6 @@
 // Tokenizers: the byte tokenizer round-trips any bytes; a SentencePiece BPE model trained on a
 // small generated corpus round-trips text exactly (including characters it never saw) and
 // survives save/load; tokenizer directories that are missing or corrupt fail with the file named.
-#include <unistd.h>
-
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -12,43 +10,14 @@
 #include "moe/error.hpp"
 #include "moe/rng.hpp"
 #include "moe/tokenizer.hpp"
+#include "test_util.hpp"
 
 using namespace moe;
+using namespace moe::test;
 using namespace std::string_literals;
 namespace fs = std::filesystem;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int counter = 0;
-    path = fs::temp_directory_path() /
-           ("moe_test_tokenizer_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-  std::string file(const std::string& name) const { return (path / name).string(); }
-};
-
-template <class F>
-std::string input_error_of(F&& f) {
-  try {
-    f();
-  } catch (const InputError& e) {
-    return e.what();
-  }
-  FAIL("expected an InputError");
-  return "";
-}
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // English-like lines from small word lists: enough distinct text for a few hundred BPE pieces.
 std::string generated_corpus(int lines, uint64_t seed) {
@@ -79,10 +48,6 @@ std::string generated_corpus(int lines, uint64_t seed) {
     text += line + "\n";
   }
   return text;
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary) << text;
 }
 
 }  // namespace
@@ -182,12 +147,14 @@ TEST_CASE("missing or corrupt tokenizers throw InputError naming the file", "[to
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
   }
   SECTION("spm model file missing") {
-    write_text(dir.file("moe_tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
+    write_text(dir.file("moe_tokenizer.json"),
+               "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
     named = dir.file("tokenizer.model");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });
   }
   SECTION("spm model file corrupt") {
-    write_text(dir.file("moe_tokenizer.json"), "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
+    write_text(dir.file("moe_tokenizer.json"),
+               "{\"type\": \"spm\", \"model\": \"tokenizer.model\"}");
     named = dir.file("tokenizer.model");
     write_text(named, "this is not a protobuf");
     msg = input_error_of([&] { load_tokenizer(dir.path.string()); });

@@ -55,13 +55,6 @@ int64_t attention_work(const AttnDims& s) {
   return s.batch * s.heads * s.seq * s.seq * s.hd;
 }
 
-template <class T>
-double dot_acc(const T* a, const T* b, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
-
 // One (batch, head): out rows and lse for every query position.
 template <class T>
 void forward_head(const AttnDims& s, int64_t b, int64_t h, const T* q, const T* k, const T* v,

@@ -1,8 +1,12 @@
-// Shared helpers of the CPU reference ops: float-type dispatch, the OpenMP work threshold, and BLAS
-// matmuls in float or double, split over OpenMP threads with BLAS itself single-threaded.
+// Shared helpers of the CPU reference ops: float-type dispatch, the OpenMP work threshold, BLAS
+// matmuls in float or double (split over OpenMP threads with BLAS itself single-threaded), the
+// double-accumulated dot product, the thread-count independent sum and the max-shifted
+// log-sum-exp of a row.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "moe/ops/common.hpp"
 
@@ -54,6 +58,45 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double al
 template <class T>
 inline T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
+}
+
+// sum_i a[i] * b[i] over n elements, accumulated in double (attention and decode share it so that
+// decode reproduces the training forward term for term).
+template <class T>
+double dot_acc(const T* a, const T* b, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
+  return s;
+}
+
+constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic sums
+
+// sum_{i < n} f(i) in double, in a blocking that does not depend on the thread count (partials are
+// added in block order), so the result is bitwise the same for any thread count; f(i) costs about
+// item_work scalar operations.
+template <class F>
+double deterministic_sum(int64_t n, int64_t item_work, F&& f) {
+  double partial[kSumBlocks];
+#pragma omp parallel for schedule(static) if (parallel_worth(n * item_work))
+  for (int b = 0; b < kSumBlocks; ++b) {
+    const int64_t begin = n * b / kSumBlocks, end = n * (b + 1) / kSumBlocks;
+    double s = 0;
+    for (int64_t i = begin; i < end; ++i) s += f(i);
+    partial[b] = s;
+  }
+  double total = 0;
+  for (double s : partial) total += s;
+  return total;
+}
+
+// log(sum_j exp(l_j)), max-shifted, in double.  l: [n]
+template <class T>
+double logsumexp_row(const T* l, int64_t n) {
+  double mx = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < n; ++j) mx = std::max(mx, static_cast<double>(l[j]));
+  double s = 0;
+  for (int64_t j = 0; j < n; ++j) s += std::exp(static_cast<double>(l[j]) - mx);
+  return mx + std::log(s);
 }
 
 }  // namespace moe::cpu

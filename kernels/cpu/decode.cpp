@@ -56,13 +56,6 @@ DecodeDims decode_dims(const Tensor& out, const Tensor& q, const Tensor& k, cons
   return s;
 }
 
-template <class T>
-double dot_acc(const T* a, const T* b, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * static_cast<double>(b[i]);
-  return s;
-}
-
 // One (batch, head): the new token's output row. score, acc: scratch of [S_max] and [hd].
 template <class T>
 void decode_head(const DecodeDims& s, int64_t b, int64_t h, int64_t len, const T* q, const T* k,

@@ -10,7 +10,6 @@
 // fixed blocking, so the value is bitwise the same for any thread count.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <string>
 
 #include "cpu/cpu_common.hpp"
@@ -18,35 +17,6 @@
 
 namespace moe::cpu {
 namespace {
-
-constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic sums
-
-// sum_{i < n} f(i) in double, in a blocking that does not depend on the thread count; f(i) costs
-// about item_work scalar operations.
-template <class F>
-double deterministic_sum(int64_t n, int64_t item_work, F&& f) {
-  double partial[kSumBlocks];
-#pragma omp parallel for schedule(static) if (parallel_worth(n * item_work))
-  for (int b = 0; b < kSumBlocks; ++b) {
-    const int64_t begin = n * b / kSumBlocks, end = n * (b + 1) / kSumBlocks;
-    double s = 0;
-    for (int64_t i = begin; i < end; ++i) s += f(i);
-    partial[b] = s;
-  }
-  double total = 0;
-  for (double s : partial) total += s;
-  return total;
-}
-
-// log(sum_v exp(l_v)), max-shifted, in double.  l: [V]
-template <class T>
-double logsumexp_row(const T* l, int64_t v) {
-  double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j < v; ++j) mx = std::max(mx, static_cast<double>(l[j]));
-  double s = 0;
-  for (int64_t j = 0; j < v; ++j) s += std::exp(static_cast<double>(l[j]) - mx);
-  return mx + std::log(s);
-}
 
 // BCE(sigmoid(x), t) without overflow for any x.
 inline double bce_with_logits(double x, double t) {

@@ -9,13 +9,12 @@
 //   monotone, so with no bias this is "top-K by p"; the weights always use the unbiased p;
 // - the K picks are found by K scans over E ("the best expert ranked after the previous pick"),
 //   which needs no scratch and lists them in descending score order;
-// - rows are independent and split over OpenMP threads; sums over rows (the loss values) use a
-// fixed
-//   blocking whose partials are added in block order, so results are bitwise the same for any
-//   thread count. Index checks run serially before the parallel loops (nothing throws inside them).
+// - rows are independent and split over OpenMP threads; sums over rows (the loss values) use
+//   deterministic_sum's fixed blocking, whose partials are added in block order, so results are
+//   bitwise the same for any thread count. Index checks run serially before the parallel loops
+//   (nothing throws inside them).
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <string>
 
 #include "cpu/cpu_common.hpp"
@@ -23,35 +22,6 @@
 
 namespace moe::cpu {
 namespace {
-
-constexpr int kSumBlocks = 64;  // fixed blocking of the deterministic row sums
-
-// sum_{n < rows} f(n) in double, in a blocking that does not depend on the thread count; f(n)
-// costs about row_work scalar operations.
-template <class F>
-double deterministic_row_sum(int64_t rows, int64_t row_work, F&& f) {
-  double partial[kSumBlocks];
-#pragma omp parallel for schedule(static) if (parallel_worth(rows * row_work))
-  for (int b = 0; b < kSumBlocks; ++b) {
-    const int64_t begin = rows * b / kSumBlocks, end = rows * (b + 1) / kSumBlocks;
-    double s = 0;
-    for (int64_t n = begin; n < end; ++n) s += f(n);
-    partial[b] = s;
-  }
-  double total = 0;
-  for (double s : partial) total += s;
-  return total;
-}
-
-// log(sum_e exp(l_e)), max-shifted, in double.  l: [E]
-template <class T>
-double logsumexp_row(const T* l, int64_t num_experts) {
-  double mx = -std::numeric_limits<double>::infinity();
-  for (int64_t e = 0; e < num_experts; ++e) mx = std::max(mx, static_cast<double>(l[e]));
-  double s = 0;
-  for (int64_t e = 0; e < num_experts; ++e) s += std::exp(static_cast<double>(l[e]) - mx);
-  return mx + std::log(s);
-}
 
 // Selection order: a ranks before b when its score is higher, or equal with a lower index.
 inline bool ranks_before(double score_a, int64_t a, double score_b, int64_t b) {
@@ -180,13 +150,13 @@ void aux_forward_impl(Tensor losses, Tensor logits, Tensor probs, Tensor counts,
     return;
   }
   // aux = sum_n sum_e (d aux / d p_ne) p_ne, since aux is linear in p with f held constant.
-  const double aux = deterministic_row_sum(n_tok, 8 * n_exp, [&](int64_t n) {
+  const double aux = deterministic_sum(n_tok, 8 * n_exp, [&](int64_t n) {
     double s = 0;
     for (int64_t e = 0; e < n_exp; ++e)
       s += aux_grad_factor(aux_coef, n_exp, c[e], n_tok, k) * p[n * n_exp + e];
     return s;
   });
-  const double sum_lse2 = deterministic_row_sum(n_tok, n_exp * kExpWork, [&](int64_t n) {
+  const double sum_lse2 = deterministic_sum(n_tok, n_exp * kExpWork, [&](int64_t n) {
     const double lse = logsumexp_row(l + n * n_exp, n_exp);
     return lse * lse;
   });

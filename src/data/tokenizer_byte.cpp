@@ -6,11 +6,6 @@
 //
 // A tokenizer directory holds moe_tokenizer.json ({"type": "byte"} or {"type": "spm", "model": ...,
 // "vocab_size": N}); load_tokenizer reads it and dispatches to the right implementation.
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -18,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "data/tokenizer_files.hpp"
 #include "moe/error.hpp"
 #include "moe/tokenizer.hpp"
 
@@ -26,33 +22,10 @@ namespace moe {
 namespace {
 
 namespace fs = std::filesystem;
+using tokenizer_files::kTokenizerJson;
 
 constexpr int64_t kByteVocab = 257;
 constexpr int64_t kByteEos = 256;
-constexpr const char* kTokenizerJson = "moe_tokenizer.json";
-
-// Writes `text` to a temporary name, syncs it and renames it into place: a checkpoint that copies
-// the tokenizer relies on the file being durable once save() returns.
-void write_file_durably(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw InputError(path + ": cannot write: " + std::strerror(errno));
-  const char* why = nullptr;
-  for (size_t done = 0; done < text.size() && !why;) {
-    const ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n >= 0)
-      done += static_cast<size_t>(n);
-    else if (errno != EINTR)
-      why = std::strerror(errno);
-  }
-  if (!why && ::fsync(fd) != 0) why = std::strerror(errno);
-  if (::close(fd) != 0 && !why) why = std::strerror(errno);
-  if (!why && ::rename(tmp.c_str(), path.c_str()) != 0) why = std::strerror(errno);
-  if (why) {
-    ::unlink(tmp.c_str());
-    throw InputError(path + ": cannot write: " + why);
-  }
-}
 
 class ByteTokenizer : public Tokenizer {
  public:
@@ -78,11 +51,9 @@ class ByteTokenizer : public Tokenizer {
   int64_t eos_id() const override { return kByteEos; }
   std::string type() const override { return "byte"; }
   void save(const std::string& dir) const override {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw InputError(dir + ": cannot create the tokenizer directory: " + ec.message());
-    const nlohmann::json j = {{"type", "byte"}, {"vocab_size", kByteVocab}, {"eos_id", kByteEos}};
-    write_file_durably((fs::path(dir) / kTokenizerJson).string(), j.dump(2) + "\n");
+    tokenizer_files::create_tokenizer_dir(dir);
+    tokenizer_files::write_tokenizer_json(
+        dir, {{"type", "byte"}, {"vocab_size", kByteVocab}, {"eos_id", kByteEos}});
   }
 };
 

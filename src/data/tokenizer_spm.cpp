@@ -12,13 +12,9 @@
 // - at most kMaxTrainingLines lines, sampled uniformly, which bounds training time on big corpora.
 // Training leaves tokenizer.model and tokenizer.vocab in its work directory; the model is then
 // kept in memory as its serialized proto, which is what save() writes.
-#include <fcntl.h>
 #include <sentencepiece_processor.h>
 #include <sentencepiece_trainer.h>
-#include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -27,6 +23,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "data/tokenizer_files.hpp"
 #include "moe/error.hpp"
 #include "moe/tokenizer.hpp"
 
@@ -44,28 +41,6 @@ constexpr const char* kModelPrefix = "tokenizer";
 constexpr const char* kModelFile = "tokenizer.model";
 // SentencePiece's own log level while training: 2 keeps errors, drops its INFO/WARNING chatter.
 constexpr const char* kQuietLogLevel = "2";
-
-// Same contract as in tokenizer_byte.cpp: temporary name, fsync, rename.
-void write_file_durably(const std::string& path, const std::string& data) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw InputError(path + ": cannot write: " + std::strerror(errno));
-  const char* why = nullptr;
-  for (size_t done = 0; done < data.size() && !why;) {
-    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
-    if (n >= 0)
-      done += static_cast<size_t>(n);
-    else if (errno != EINTR)
-      why = std::strerror(errno);
-  }
-  if (!why && ::fsync(fd) != 0) why = std::strerror(errno);
-  if (::close(fd) != 0 && !why) why = std::strerror(errno);
-  if (!why && ::rename(tmp.c_str(), path.c_str()) != 0) why = std::strerror(errno);
-  if (why) {
-    ::unlink(tmp.c_str());
-    throw InputError(path + ": cannot write: " + why);
-  }
-}
 
 class SpmTokenizer : public Tokenizer {
  public:
@@ -99,12 +74,10 @@ class SpmTokenizer : public Tokenizer {
   int64_t eos_id() const override { return sp_.eos_id(); }  // -1 when the model has none
   std::string type() const override { return "spm"; }
   void save(const std::string& dir) const override {
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    if (ec) throw InputError(dir + ": cannot create the tokenizer directory: " + ec.message());
-    write_file_durably((fs::path(dir) / kModelFile).string(), serialized_);
-    const nlohmann::json j = {{"type", "spm"}, {"model", kModelFile}, {"vocab_size", vocab_size()}};
-    write_file_durably((fs::path(dir) / "moe_tokenizer.json").string(), j.dump(2) + "\n");
+    tokenizer_files::create_tokenizer_dir(dir);
+    tokenizer_files::write_file_durably((fs::path(dir) / kModelFile).string(), serialized_);
+    tokenizer_files::write_tokenizer_json(
+        dir, {{"type", "spm"}, {"model", kModelFile}, {"vocab_size", vocab_size()}});
   }
 
  private:
