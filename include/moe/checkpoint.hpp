@@ -90,7 +90,7 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
                      TrainerState& state);
 // The trainer config stored in a step directory (for eval / sample / export).
 Config load_checkpoint_config(const std::string& step_dir);
-// Only the weights (eval, sample, export).
+// The weights, and the aux-loss-free router biases when the model uses them (eval, sample).
 void load_checkpoint_weights(const std::string& step_dir, Model& model);
 
 // `moe-train export`: a Hugging Face directory (model.safetensors, config.json, tokenizer files,

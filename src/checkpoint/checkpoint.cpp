@@ -536,10 +536,25 @@ Config load_checkpoint_config(const std::string& step_dir) {
   return parse_config(read_text_file(path), {}, path);
 }
 
+// The aux-loss-free router biases steer top-K selection, so eval and sampling need them as much
+// as the weights; they are training state (not a Hugging Face weight) and live in rank 0's file.
+void load_router_biases(const std::string& step_dir, Model& model) {
+  if (model.config().router_bias_update_rate <= 0 || model.router_biases().empty()) return;
+  const std::string path = (fs::path(step_dir) / state_file_name(0)).string();
+  InputFile f(path);
+  const StateHeader h = verified_state_header(f);
+  check_same_model(h, model, 0, path);
+  StateReader r(f);
+  r.bytes(kHeaderBytes);
+  r.bytes(kTrainerBlockBytes);
+  for (const Tensor& b : model.router_biases()) r.tensor(b);
+}
+
 void load_checkpoint_weights(const std::string& step_dir, Model& model) {
   require_complete(step_dir);
   const std::string path = (fs::path(step_dir) / "model.safetensors").string();
   load_named_tensors(model, read_safetensors(path), path);
+  load_router_biases(step_dir, model);
 }
 
 }  // namespace moe
