@@ -18,7 +18,9 @@ if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
   PATH=$PATH:/usr/local/cuda/bin
   cmake -S . -B build-cuda -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON -DMOE_CUDA_ARCHS="75;90" \
     $(command -v ninja >/dev/null && echo -G Ninja)
-  cmake --build build-cuda -j "$(nproc)"
+  # the binary and the GPU tests: every CUDA source, and the CPU sources linked with it
+  gpu_tests=$(ls tests/test_gpu_*.cpp | xargs -n1 basename | sed 's/\.cpp$//')
+  cmake --build build-cuda -j "$(nproc)" --target moe-train $gpu_tests
   ctest --test-dir build-cuda --output-on-failure -L gpu
 fi
 BUILD_DIR=build-asan scripts/build.sh --asan

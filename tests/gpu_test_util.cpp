@@ -1,12 +1,17 @@
 // Implementation of tests/gpu_test_util.hpp, and the main of the GPU test executables.
+// Catch2 2.x: this file supplies main, so the runner configuration must precede the first
+// Catch include, which gpu_test_util.hpp makes.
+#ifndef MOE_CATCH_V3
+#define CATCH_CONFIG_RUNNER
+#endif
 #include "gpu_test_util.hpp"
 
 #include <cstdio>
+#include <random>
 
 #ifdef MOE_CATCH_V3
 #include <catch2/catch_session.hpp>
 #else
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 #endif
 
@@ -124,6 +129,47 @@ void poison(Tensor t) {
     return;
   }
   upload(t, std::vector<double>(static_cast<size_t>(t.numel()), std::nan("")));
+}
+
+std::vector<double> random_values(size_t n, uint64_t seed, double lo, double hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (double& x : v) {
+    do x = u(rng);
+    while (std::fabs(x) < 1e-3);
+  }
+  return v;
+}
+
+std::vector<double> rounded_random_values(DType dt, size_t n, uint64_t seed, double lo, double hi) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (double& x : v) {
+    do x = u(rng);
+    while (std::fabs(x) < 1e-3);
+  }
+  return round_to(dt, v);
+}
+
+std::vector<double> uniform_values(size_t n, uint64_t seed, double lo, double hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(n);
+  for (auto& x : v) {
+    x = u(rng);
+    if (x == 0) x = 0.375;
+  }
+  return v;
+}
+
+std::vector<double> tied_values(size_t n, uint64_t seed, std::initializer_list<double> set) {
+  const std::vector<double> values(set);
+  std::mt19937_64 rng(seed);
+  std::vector<double> v(n);
+  for (auto& x : v) x = values[rng() % values.size()];
+  return v;
 }
 
 std::vector<double> round_to(DType dt, const std::vector<double>& v) {

@@ -3,14 +3,18 @@
 // unwritten fails. GPU test files (tests/test_gpu_*.cpp) get a main that exits 77 — reported by
 // ctest as skipped — when no GPU is present.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <vector>
 
+#include "catch.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/common.hpp"
+#include "test_util.hpp"
 
 namespace moe::test {
 
@@ -63,6 +67,101 @@ double worst_ratio(const std::vector<double>& a, const std::vector<double>& b, d
 // Tolerances per dtype for results computed with fp32 accumulation from rounded inputs.
 inline double rtol_for(DType dt) {
   return dt == DType::bf16 ? 2e-2 : dt == DType::f16 ? 4e-3 : dt == DType::f32 ? 2e-5 : 1e-11;
+}
+
+// ---- seeded inputs (each generator keeps the exact stream the tests were written against) ----
+
+// Uniform in [lo, hi) with |x| >= 1e-3 (never zero), seeded (mt19937_64).
+std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0);
+// Seeded uniform values in [lo, hi), none closer to zero than 1e-3, rounded to dt (mt19937 seeded
+// with the low 32 bits of seed: a different stream from random_values).
+std::vector<double> rounded_random_values(DType dt, size_t n, uint64_t seed, double lo = -1.0,
+                                          double hi = 1.0);
+// Uniform in [lo, hi) (mt19937_64), an exact zero replaced by 0.375: never exactly zero.
+std::vector<double> uniform_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0);
+// Values drawn (mt19937_64) from `set`, a few exactly representable numbers: many exact ties.
+std::vector<double> tied_values(size_t n, uint64_t seed, std::initializer_list<double> set);
+
+// ---- host and device tensors ----
+
+// An f64 host tensor holding a copy of values (zeros when none are given).
+struct Host {
+  std::vector<double> v;
+  Tensor t;
+  Host(std::initializer_list<int64_t> dims, std::vector<double> values) : v(std::move(values)) {
+    t = Tensor(v.data(), DType::f64, Device{}, dims);
+    REQUIRE(static_cast<int64_t>(v.size()) == t.numel());
+  }
+  Host(std::initializer_list<int64_t> dims) : Host(dims, std::vector<double>(count(dims), 0.0)) {}
+  static size_t count(std::initializer_list<int64_t> dims) {
+    int64_t n = 1;
+    for (int64_t d : dims) n *= d;
+    return static_cast<size_t>(n);
+  }
+  Host(const Host&) = delete;
+  operator Tensor() const { return t; }
+};
+
+// An f64 host buffer holding v.
+inline Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
+  Buf<double> b(dims);
+  REQUIRE(b.v.size() == v.size());
+  b.v = v;
+  b.t.data = b.v.data();
+  return b;
+}
+
+inline Buf<int32_t> host_i32(const std::vector<int32_t>& v) {
+  Buf<int32_t> b({static_cast<int64_t>(v.size())});
+  b.v = v;
+  b.t.data = b.v.data();
+  return b;
+}
+
+// A device tensor holding v (already rounded to dt).
+inline DeviceTensor on_device(DType dt, std::initializer_list<int64_t> dims,
+                              const std::vector<double>& v) {
+  DeviceTensor t(dt, dims);
+  upload(t, v);
+  return t;
+}
+
+// A poisoned device tensor (an output the op must write completely).
+inline DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
+  DeviceTensor t(dt, dims);
+  poison(t);
+  return t;
+}
+
+// ---- comparisons ----
+
+inline double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// |gpu - ref| <= rtol (|ref| + max|ref|) everywhere.
+inline void expect_close(const std::vector<double>& gpu, const std::vector<double>& ref,
+                         double rtol, const char* what) {
+  const double scale = max_abs(ref);
+  const double ratio = worst_ratio(gpu, ref, rtol, rtol * scale);
+  INFO(what << ": worst |gpu - ref| / tolerance = " << ratio << " (rtol " << rtol << ", max|ref| "
+            << scale << ")");
+  CHECK(ratio <= 1.0);
+}
+
+// |got - want| <= atol + rtol_for(dt) |want| everywhere.
+inline void check_close(const std::vector<double>& got, const std::vector<double>& want, DType dt,
+                        double atol, const char* what) {
+  const double r = worst_ratio(got, want, rtol_for(dt), atol);
+  INFO(what << " (" << dtype_name(dt) << "): worst |error| / tolerance = " << r);
+  CHECK(r <= 1.0);
+}
+// Tolerance of gradient-like outputs: relative, plus rtol of the output's scale.
+inline void check_grad(const std::vector<double>& got, const std::vector<double>& want, DType dt,
+                       const char* what) {
+  check_close(got, want, dt, rtol_for(dt) * std::max(max_abs(want), 1e-30), what);
 }
 
 }  // namespace moe::test

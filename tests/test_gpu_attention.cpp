@@ -25,60 +25,6 @@ using namespace moe::test;
 
 namespace {
 
-// Uniform in [lo, hi) with |x| >= 1e-3 (never zero), seeded.
-std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (double& x : v) {
-    do x = u(rng);
-    while (std::fabs(x) < 1e-3);
-  }
-  return v;
-}
-
-// An f64 host tensor holding a copy of values.
-struct Host {
-  std::vector<double> v;
-  Tensor t;
-  Host(std::initializer_list<int64_t> dims, std::vector<double> values) : v(std::move(values)) {
-    t = Tensor(v.data(), DType::f64, Device{}, dims);
-    REQUIRE(static_cast<int64_t>(v.size()) == t.numel());
-  }
-  Host(std::initializer_list<int64_t> dims) : Host(dims, std::vector<double>(count(dims), 0.0)) {}
-  static size_t count(std::initializer_list<int64_t> dims) {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    return static_cast<size_t>(n);
-  }
-  Host(const Host&) = delete;
-  operator Tensor() const { return t; }
-};
-
-DeviceTensor device_with(DType dt, std::initializer_list<int64_t> dims,
-                         const std::vector<double>& values) {
-  DeviceTensor d(dt, dims);
-  upload(d, values);
-  return d;
-}
-
-DeviceTensor device_poisoned(DType dt, std::initializer_list<int64_t> dims) {
-  DeviceTensor d(dt, dims);
-  poison(d);
-  return d;
-}
-
-// |gpu - ref| <= rtol (|ref| + max|ref|) everywhere.
-void expect_close(const std::vector<double>& gpu, const std::vector<double>& ref, double rtol,
-                  const char* what) {
-  double scale = 0;
-  for (double x : ref) scale = std::max(scale, std::fabs(x));
-  const double ratio = worst_ratio(gpu, ref, rtol, rtol * scale);
-  INFO(what << ": worst |gpu - ref| / tolerance = " << ratio << " (rtol " << rtol << ", max|ref| "
-            << scale << ")");
-  CHECK(ratio <= 1.0);
-}
-
 const char* name_of(DType dt) {
   return dtype_name(dt);
 }
@@ -101,11 +47,11 @@ void check_attention(DType dt, int64_t hd) {
   attention_forward(cpu, c_out, clse, cq, ck, cv);
 
   Ctx ctx = gpu_ctx();
-  DeviceTensor gq = device_with(dt, {B, T, nh, hd}, q);
-  DeviceTensor gk = device_with(dt, {B, T, nkv, hd}, k);
-  DeviceTensor gv = device_with(dt, {B, T, nkv, hd}, v);
-  DeviceTensor gout = device_poisoned(dt, {B, T, nh, hd});
-  DeviceTensor glse = device_poisoned(dt, {B, nh, T});
+  DeviceTensor gq = on_device(dt, {B, T, nh, hd}, q);
+  DeviceTensor gk = on_device(dt, {B, T, nkv, hd}, k);
+  DeviceTensor gv = on_device(dt, {B, T, nkv, hd}, v);
+  DeviceTensor gout = poisoned(dt, {B, T, nh, hd});
+  DeviceTensor glse = poisoned(dt, {B, nh, T});
   gpu::synchronize();
   attention_forward(ctx, gout, glse, gq, gk, gv);
   gpu::synchronize();
@@ -120,10 +66,10 @@ void check_attention(DType dt, int64_t hd) {
 
   upload(gout, out_r);
   upload(glse, lse_r);
-  DeviceTensor gdo = device_with(dt, {B, T, nh, hd}, dout);
-  DeviceTensor gdq = device_poisoned(dt, {B, T, nh, hd});
-  DeviceTensor gdk = device_poisoned(dt, {B, T, nkv, hd});
-  DeviceTensor gdv = device_poisoned(dt, {B, T, nkv, hd});
+  DeviceTensor gdo = on_device(dt, {B, T, nh, hd}, dout);
+  DeviceTensor gdq = poisoned(dt, {B, T, nh, hd});
+  DeviceTensor gdk = poisoned(dt, {B, T, nkv, hd});
+  DeviceTensor gdv = poisoned(dt, {B, T, nkv, hd});
   gpu::synchronize();
   attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
   gpu::synchronize();
@@ -168,12 +114,12 @@ void check_decode(DType dt, int64_t hd) {
   attention_decode_forward(cpu, c_out, cq, ck, cv, clen);
 
   Ctx ctx = gpu_ctx();
-  DeviceTensor gq = device_with(dt, {B, nh, hd}, q);
-  DeviceTensor gk = device_with(dt, {B, S, nkv, hd}, k);
-  DeviceTensor gv = device_with(dt, {B, S, nkv, hd}, v);
+  DeviceTensor gq = on_device(dt, {B, nh, hd}, q);
+  DeviceTensor gk = on_device(dt, {B, S, nkv, hd}, k);
+  DeviceTensor gv = on_device(dt, {B, S, nkv, hd}, v);
   DeviceTensor glen(DType::i32, {B});
   upload_i32(glen, lengths);
-  DeviceTensor gout = device_poisoned(dt, {B, nh, hd});
+  DeviceTensor gout = poisoned(dt, {B, nh, hd});
   gpu::synchronize();
   attention_decode_forward(ctx, gout, gq, gk, gv, glen);
   gpu::synchronize();
@@ -205,16 +151,16 @@ TEST_CASE("gpu decode equals the last row of the training forward", "[gpu][decod
   const std::vector<double> k = random_values(static_cast<size_t>(T * nkv * hd), 32);
   const std::vector<double> v = random_values(static_cast<size_t>(T * nkv * hd), 33);
   Ctx ctx = gpu_ctx();
-  DeviceTensor gq = device_with(DType::f32, {1, T, nh, hd}, q);
-  DeviceTensor gk = device_with(DType::f32, {1, T, nkv, hd}, k);
-  DeviceTensor gv = device_with(DType::f32, {1, T, nkv, hd}, v);
-  DeviceTensor gout = device_poisoned(DType::f32, {1, T, nh, hd});
-  DeviceTensor glse = device_poisoned(DType::f32, {1, nh, T});
+  DeviceTensor gq = on_device(DType::f32, {1, T, nh, hd}, q);
+  DeviceTensor gk = on_device(DType::f32, {1, T, nkv, hd}, k);
+  DeviceTensor gv = on_device(DType::f32, {1, T, nkv, hd}, v);
+  DeviceTensor gout = poisoned(DType::f32, {1, T, nh, hd});
+  DeviceTensor glse = poisoned(DType::f32, {1, nh, T});
   const std::vector<double> q_last(q.end() - nh * hd, q.end());
-  DeviceTensor dq = device_with(DType::f32, {1, nh, hd}, q_last);
+  DeviceTensor dq = on_device(DType::f32, {1, nh, hd}, q_last);
   DeviceTensor dlen(DType::i32, {1});
   upload_i32(dlen, {static_cast<int32_t>(T)});
-  DeviceTensor dout = device_poisoned(DType::f32, {1, nh, hd});
+  DeviceTensor dout = poisoned(DType::f32, {1, nh, hd});
   gpu::synchronize();
   attention_forward(ctx, gout, glse, gq, gk, gv);
   attention_decode_forward(ctx, dout, dq, gk, gv, dlen);

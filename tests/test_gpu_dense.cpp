@@ -70,50 +70,6 @@ Tol sum_tol(DType dt, int64_t k) {
   return {2 * ulp(dt) + acc_eps(dt) * s, 4 * acc_eps(dt) * s};
 }
 
-// Seeded uniform values in [lo, hi), none closer to zero than 1e-3, rounded to dt.
-std::vector<double> random_values(DType dt, size_t n, uint64_t seed, double lo = -1.0,
-                                  double hi = 1.0) {
-  std::mt19937 rng(static_cast<uint32_t>(seed));
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (double& x : v) {
-    do x = u(rng);
-    while (std::fabs(x) < 1e-3);
-  }
-  return round_to(dt, v);
-}
-
-// An f64 host tensor holding v.
-Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
-  Buf<double> b(dims);
-  REQUIRE(b.v.size() == v.size());
-  b.v = v;
-  b.t.data = b.v.data();
-  return b;
-}
-
-Buf<int32_t> host_i32(const std::vector<int32_t>& v) {
-  Buf<int32_t> b({static_cast<int64_t>(v.size())});
-  b.v = v;
-  b.t.data = b.v.data();
-  return b;
-}
-
-// A device tensor holding v (already rounded to dt).
-DeviceTensor on_device(DType dt, std::initializer_list<int64_t> dims,
-                       const std::vector<double>& v) {
-  DeviceTensor t(dt, dims);
-  upload(t, v);
-  return t;
-}
-
-// A poisoned device tensor (an output the op must write completely).
-DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
-  DeviceTensor t(dt, dims);
-  poison(t);
-  return t;
-}
-
 DeviceTensor ids_on_device(const std::vector<int32_t>& v) {
   DeviceTensor t(DType::i32, {static_cast<int64_t>(v.size())});
   upload_i32(t, v);
@@ -168,7 +124,7 @@ TEST_CASE("gpu elementwise: fill, copy, add, axpy, scale", "[gpu]") {
   const int64_t rows = 25, cols = 41;
   const int64_t n = rows * cols;
   for (DType dt : kDtypes) {
-    const auto a = random_values(dt, n, 1), b = random_values(dt, n, 2);
+    const auto a = rounded_random_values(dt, n, 1), b = rounded_random_values(dt, n, 2);
 
     DeviceTensor x = poisoned(dt, {rows, cols});
     fill(gpu, x, 0.3);
@@ -212,7 +168,7 @@ TEST_CASE("gpu sum_squares: accumulates in double, deterministically", "[gpu]") 
   Ctx gpu = gpu_ctx();
   for (DType dt : kDtypes) {
     for (int64_t n : {int64_t{1}, int64_t{77 * 40}, int64_t{300001}}) {
-      const auto v = random_values(dt, static_cast<size_t>(n), 3 + n);
+      const auto v = rounded_random_values(dt, static_cast<size_t>(n), 3 + n);
       long double sum = 0;  // reference in extended precision
       for (double x : v) sum += static_cast<long double>(x) * x;
       const double want = 2.5 + static_cast<double>(sum);  // 2.5: the pre-set value it adds to
@@ -248,9 +204,9 @@ TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[
     max_repeat = std::max<int>(max_repeat, static_cast<int>(std::count(ids.begin(), ids.end(), v)));
   for (int64_t d : {int64_t{40}, int64_t{136}}) {
     for (DType dt : kDtypes) {
-      const auto table = random_values(dt, vocab * d, 20 + d);
-      const auto dout = random_values(dt, n * d, 21 + d);
-      const auto dtable0 = random_values(dt, vocab * d, 22 + d);
+      const auto table = rounded_random_values(dt, vocab * d, 20 + d);
+      const auto dout = rounded_random_values(dt, n * d, 21 + d);
+      const auto dtable0 = rounded_random_values(dt, vocab * d, 22 + d);
       Buf<int32_t> hids = host_i32(ids);
       DeviceTensor dids = ids_on_device(ids);
 
@@ -281,7 +237,7 @@ TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[
 TEST_CASE("gpu embedding: an out-of-range id gives a NaN row, never a stray access", "[gpu]") {
   Ctx gpu = gpu_ctx();
   const int64_t vocab = 10, d = 8;
-  const auto table = random_values(DType::f32, vocab * d, 5);
+  const auto table = rounded_random_values(DType::f32, vocab * d, 5);
   DeviceTensor dtab = on_device(DType::f32, {vocab, d}, table), out = poisoned(DType::f32, {3, d});
   DeviceTensor dids = ids_on_device({2, static_cast<int32_t>(vocab), 4});
   embedding_forward(gpu, out, dids, dtab);
@@ -304,8 +260,10 @@ TEST_CASE("gpu rmsnorm: forward and backward", "[gpu]") {
   const double eps = 1e-5;
   for (int64_t d : {int64_t{48}, int64_t{1000}}) {
     for (DType dt : kDtypes) {
-      const auto x = random_values(dt, n * d, 30 + d), w = random_values(dt, d, 31 + d);
-      const auto dy = random_values(dt, n * d, 32 + d), dw0 = random_values(dt, d, 33 + d);
+      const auto x = rounded_random_values(dt, n * d, 30 + d),
+                 w = rounded_random_values(dt, d, 31 + d);
+      const auto dy = rounded_random_values(dt, n * d, 32 + d),
+                 dw0 = rounded_random_values(dt, d, 33 + d);
       const std::string tag = " d=" + std::to_string(d);
 
       Buf<double> hx = host({n, d}, x), hw = host({d}, w), hy({n, d}), hr({n});
@@ -350,7 +308,7 @@ TEST_CASE("gpu rope: table, forward and backward at non-contiguous positions", "
 
     // Rotations use the rounded table on both sides.
     const auto c = round_to(dt, hcos.v), s = round_to(dt, hsin.v);
-    const auto x = random_values(dt, n * heads * hd, 40);
+    const auto x = rounded_random_values(dt, n * heads * hd, 40);
     Buf<double> hc = host({max_pos, half}, c), hs = host({max_pos, half}, s);
     Buf<int32_t> hpos = host_i32(pos);
     DeviceTensor dc = on_device(dt, {max_pos, half}, c), ds = on_device(dt, {max_pos, half}, s);
@@ -382,8 +340,9 @@ TEST_CASE("gpu swiglu and silu: forward and backward", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const int64_t r = 77, f = 40, n = r * f;
   for (DType dt : kDtypes) {
-    const auto gate = random_values(dt, n, 50, -6.0, 6.0), up = random_values(dt, n, 51);
-    const auto dh = random_values(dt, n, 52);
+    const auto gate = rounded_random_values(dt, n, 50, -6.0, 6.0),
+               up = rounded_random_values(dt, n, 51);
+    const auto dh = rounded_random_values(dt, n, 52);
     Buf<double> hg = host({r, f}, gate), hu = host({r, f}, up), hdh = host({r, f}, dh);
     DeviceTensor dg = on_device(dt, {r, f}, gate), du = on_device(dt, {r, f}, up);
     DeviceTensor ddh = on_device(dt, {r, f}, dh);
@@ -434,8 +393,9 @@ TEST_CASE("gpu linear: forward, overwrite and accumulate", "[gpu]") {
     const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->" +
                             std::to_string(sh.out) + "]";
     for (DType dt : kDtypes) {
-      const auto x = random_values(dt, sh.n * sh.in, 60), w = random_values(dt, sh.out * sh.in, 61);
-      const auto y0 = random_values(dt, sh.n * sh.out, 62);
+      const auto x = rounded_random_values(dt, sh.n * sh.in, 60),
+                 w = rounded_random_values(dt, sh.out * sh.in, 61);
+      const auto y0 = rounded_random_values(dt, sh.n * sh.out, 62);
       Buf<double> hx = host({sh.n, sh.in}, x), hw = host({sh.out, sh.in}, w);
       DeviceTensor dx = on_device(dt, {sh.n, sh.in}, x), dw = on_device(dt, {sh.out, sh.in}, w);
       for (bool accumulate : {false, true}) {
@@ -460,10 +420,11 @@ TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
     const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->" +
                             std::to_string(sh.out) + "]";
     for (DType dt : kDtypes) {
-      const auto x = random_values(dt, sh.n * sh.in, 70), w = random_values(dt, sh.out * sh.in, 71);
-      const auto dy = random_values(dt, sh.n * sh.out, 72);
-      const auto dx0 = random_values(dt, sh.n * sh.in, 73);
-      const auto dw0 = random_values(dt, sh.out * sh.in, 74);
+      const auto x = rounded_random_values(dt, sh.n * sh.in, 70),
+                 w = rounded_random_values(dt, sh.out * sh.in, 71);
+      const auto dy = rounded_random_values(dt, sh.n * sh.out, 72);
+      const auto dx0 = rounded_random_values(dt, sh.n * sh.in, 73);
+      const auto dw0 = rounded_random_values(dt, sh.out * sh.in, 74);
       Buf<double> hx = host({sh.n, sh.in}, x), hw = host({sh.out, sh.in}, w);
       Buf<double> hdy = host({sh.n, sh.out}, dy);
       DeviceTensor gx = on_device(dt, {sh.n, sh.in}, x), gw = on_device(dt, {sh.out, sh.in}, w);
@@ -517,8 +478,10 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
       max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
     const std::string tag = " [case " + std::to_string(case_index++) + "]";
     for (DType dt : kDtypes) {
-      const auto x = random_values(dt, r * in, 80), w = random_values(dt, e * out * in, 81);
-      const auto dy = random_values(dt, r * out, 82), dw0 = random_values(dt, e * out * in, 83);
+      const auto x = rounded_random_values(dt, r * in, 80),
+                 w = rounded_random_values(dt, e * out * in, 81);
+      const auto dy = rounded_random_values(dt, r * out, 82),
+                 dw0 = rounded_random_values(dt, e * out * in, 83);
       Buf<double> hx = host({r, in}, x), hw = host({e, out, in}, w), hdy = host({r, out}, dy);
       Buf<int32_t> hoff = host_i32(gc.offsets);
       DeviceTensor gx = on_device(dt, {r, in}, x), gw = on_device(dt, {e, out, in}, w);

@@ -26,60 +26,6 @@ using namespace moe::test;
 
 namespace {
 
-// Uniform in [lo, hi) with |x| >= 1e-3 (never zero), seeded.
-std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (double& x : v) {
-    do x = u(rng);
-    while (std::fabs(x) < 1e-3);
-  }
-  return v;
-}
-
-// An f64 host tensor holding a copy of values.
-struct Host {
-  std::vector<double> v;
-  Tensor t;
-  Host(std::initializer_list<int64_t> dims, std::vector<double> values) : v(std::move(values)) {
-    t = Tensor(v.data(), DType::f64, Device{}, dims);
-    REQUIRE(static_cast<int64_t>(v.size()) == t.numel());
-  }
-  Host(std::initializer_list<int64_t> dims) : Host(dims, std::vector<double>(count(dims), 0.0)) {}
-  static size_t count(std::initializer_list<int64_t> dims) {
-    int64_t n = 1;
-    for (int64_t d : dims) n *= d;
-    return static_cast<size_t>(n);
-  }
-  Host(const Host&) = delete;
-  operator Tensor() const { return t; }
-};
-
-DeviceTensor device_with(DType dt, std::initializer_list<int64_t> dims,
-                         const std::vector<double>& values) {
-  DeviceTensor d(dt, dims);
-  upload(d, values);
-  return d;
-}
-
-DeviceTensor device_poisoned(DType dt, std::initializer_list<int64_t> dims) {
-  DeviceTensor d(dt, dims);
-  poison(d);
-  return d;
-}
-
-// |gpu - ref| <= rtol (|ref| + max|ref|) everywhere.
-void expect_close(const std::vector<double>& gpu, const std::vector<double>& ref, double rtol,
-                  const char* what) {
-  double scale = 0;
-  for (double x : ref) scale = std::max(scale, std::fabs(x));
-  const double ratio = worst_ratio(gpu, ref, rtol, rtol * scale);
-  INFO(what << ": worst |gpu - ref| / tolerance = " << ratio << " (rtol " << rtol << ", max|ref| "
-            << scale << ")");
-  CHECK(ratio <= 1.0);
-}
-
 const DType kAllFloat[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
 
 }  // namespace
@@ -99,10 +45,10 @@ TEST_CASE("gpu cross-entropy forward/backward match the CPU, in place too", "[gp
     cross_entropy_forward(cpu, closs, clse, cl, ctgt);
 
     Ctx ctx = gpu_ctx();
-    DeviceTensor gl = device_with(dt, {N, V}, logits);
+    DeviceTensor gl = on_device(dt, {N, V}, logits);
     DeviceTensor gtgt(DType::i32, {N});
     upload_i32(gtgt, targets);
-    DeviceTensor gloss = device_poisoned(dt, {N}), glse = device_poisoned(dt, {N});
+    DeviceTensor gloss = poisoned(dt, {N}), glse = poisoned(dt, {N});
     gpu::synchronize();
     cross_entropy_forward(ctx, gloss, glse, gl, gtgt);
     gpu::synchronize();
@@ -117,7 +63,7 @@ TEST_CASE("gpu cross-entropy forward/backward match the CPU, in place too", "[gp
     Host clse_r({N}, lse_r), cdl({N, V});
     cross_entropy_backward(cpu, cdl, cl, clse_r, ctgt, grad_scale);
     upload(glse, lse_r);
-    DeviceTensor gdl = device_poisoned(dt, {N, V});
+    DeviceTensor gdl = poisoned(dt, {N, V});
     gpu::synchronize();
     cross_entropy_backward(ctx, gdl, gl, glse, gtgt, grad_scale);
     gpu::synchronize();
@@ -157,8 +103,8 @@ TEST_CASE("gpu BCE with logits matches the CPU for large |x|", "[gpu][loss]") {
     bce_with_logits_backward(cpu, cdx, cx, ct, grad_scale);
 
     Ctx ctx = gpu_ctx();
-    DeviceTensor gx = device_with(dt, {N}, xr), gt = device_with(dt, {N}, tr);
-    DeviceTensor gloss = device_poisoned(dt, {1}), gdx = device_poisoned(dt, {N});
+    DeviceTensor gx = on_device(dt, {N}, xr), gt = on_device(dt, {N}, tr);
+    DeviceTensor gloss = poisoned(dt, {1}), gdx = poisoned(dt, {N});
     gpu::synchronize();
     bce_with_logits_forward(ctx, gloss, gx, gt);
     bce_with_logits_backward(ctx, gdx, gx, gt, grad_scale);
@@ -195,8 +141,8 @@ TEST_CASE("gpu AdamW two steps match the CPU (weight decay, grad_scale)", "[gpu]
     Ctx cpu{};
     Host cp({n}, p0), cg({n}, g1), cm({n}, zeros), cv({n}, zeros);
     Ctx ctx = gpu_ctx();
-    DeviceTensor gp = device_with(dt, {n}, p0), gg = device_with(dt, {n}, g1);
-    DeviceTensor gm = device_with(dt, {n}, zeros), gv = device_with(dt, {n}, zeros);
+    DeviceTensor gp = on_device(dt, {n}, p0), gg = on_device(dt, {n}, g1);
+    DeviceTensor gm = on_device(dt, {n}, zeros), gv = on_device(dt, {n}, zeros);
     for (long step = 1; step <= 2; ++step) {
       INFO("step " << step);
       a.step = step;

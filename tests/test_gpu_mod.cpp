@@ -21,57 +21,9 @@ namespace {
 
 const DType kFloatTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
 
-std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (auto& x : v) {
-    x = u(rng);
-    if (x == 0) x = 0.375;
-  }
-  return v;
-}
-
 // Scores from a small set of exactly representable non-zero values: many exact ties.
-std::vector<double> tied_values(size_t n, uint64_t seed) {
-  static const double kSet[] = {-1.0, 0.5, 1.0, 1.5, 2.0};
-  std::mt19937_64 rng(seed);
-  std::vector<double> v(n);
-  for (auto& x : v) x = kSet[rng() % 5];
-  return v;
-}
-
-Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
-  Buf<double> b(dims);
-  REQUIRE(b.size() == v.size());
-  b.v = v;
-  return b;
-}
-
-DeviceTensor device(DType dt, std::initializer_list<int64_t> dims, const std::vector<double>& v) {
-  DeviceTensor t(dt, dims);
-  upload(t, v);
-  return t;
-}
-
-DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
-  DeviceTensor t(dt, dims);
-  poison(t);
-  return t;
-}
-
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v) m = std::max(m, std::fabs(x));
-  return m;
-}
-
-void check_grad(const std::vector<double>& got, const std::vector<double>& want, DType dt,
-                const char* what) {
-  const double r =
-      worst_ratio(got, want, rtol_for(dt), rtol_for(dt) * std::max(max_abs(want), 1e-30));
-  INFO(what << " (" << dtype_name(dt) << "): worst |error| / tolerance = " << r);
-  CHECK(r <= 1.0);
+std::vector<double> tied(size_t n, uint64_t seed) {
+  return tied_values(n, seed, {-1.0, 0.5, 1.0, 1.5, 2.0});
 }
 
 // All MoD ops for B sequences of length T keeping C, width d.
@@ -83,12 +35,12 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
 
   // ---- select
   const std::vector<double> sc =
-      round_to(dt, ties ? tied_values(static_cast<size_t>(rows), seed)
-                        : random_values(static_cast<size_t>(rows), seed, -3.0, 3.0));
+      round_to(dt, ties ? tied(static_cast<size_t>(rows), seed)
+                        : uniform_values(static_cast<size_t>(rows), seed, -3.0, 3.0));
   Buf<double> hs = host({b, t}, sc), hmask({b, t});
   Buf<int32_t> hsel({b, c});
   cpu::mod_select(cctx, hsel, hmask, hs);
-  DeviceTensor gs = device(dt, {b, t}, sc), gmask = poisoned(dt, {b, t});
+  DeviceTensor gs = on_device(dt, {b, t}, sc), gmask = poisoned(dt, {b, t});
   DeviceTensor gsel = poisoned(DType::i32, {b, c});
   mod_select(gctx, gsel, gmask, gs);
   CHECK(download_i32(gsel) == hsel.v);
@@ -96,43 +48,43 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
 
   // ---- gather forward (exact copy) and backward (accumulates)
   const std::vector<double> x =
-      round_to(dt, random_values(static_cast<size_t>(rows * d), seed + 1));
+      round_to(dt, uniform_values(static_cast<size_t>(rows * d), seed + 1));
   Buf<double> hx = host({rows, d}, x), hxs({kept, d});
   cpu::mod_gather_forward(cctx, hxs, hx, hsel);
-  DeviceTensor gx = device(dt, {rows, d}, x), gxs = poisoned(dt, {kept, d});
+  DeviceTensor gx = on_device(dt, {rows, d}, x), gxs = poisoned(dt, {kept, d});
   mod_gather_forward(gctx, gxs, gx, gsel);
   CHECK(download(gxs) == hxs.v);
 
   const std::vector<double> dx0 =
-      round_to(dt, random_values(static_cast<size_t>(rows * d), seed + 2));
+      round_to(dt, uniform_values(static_cast<size_t>(rows * d), seed + 2));
   const std::vector<double> dxs =
-      round_to(dt, random_values(static_cast<size_t>(kept * d), seed + 3));
+      round_to(dt, uniform_values(static_cast<size_t>(kept * d), seed + 3));
   Buf<double> hdx = host({rows, d}, dx0), hdxs = host({kept, d}, dxs);
   cpu::mod_gather_backward(cctx, hdx, hdxs, hsel);
-  DeviceTensor gdx = device(dt, {rows, d}, dx0), gdxs = device(dt, {kept, d}, dxs);
+  DeviceTensor gdx = on_device(dt, {rows, d}, dx0), gdxs = on_device(dt, {kept, d}, dxs);
   mod_gather_backward(gctx, gdx, gdxs, gsel);
   check_grad(download(gdx), hdx.v, dt, "mod_gather_backward");
 
   // ---- scatter forward, into a fresh out and in place (out = x)
   const std::vector<double> ys =
-      round_to(dt, random_values(static_cast<size_t>(kept * d), seed + 4));
+      round_to(dt, uniform_values(static_cast<size_t>(kept * d), seed + 4));
   Buf<double> hys = host({kept, d}, ys), hout({rows, d});
   cpu::mod_scatter_forward(cctx, hout, hx, hys, hs, hsel);
-  DeviceTensor gys = device(dt, {kept, d}, ys), gout = poisoned(dt, {rows, d});
+  DeviceTensor gys = on_device(dt, {kept, d}, ys), gout = poisoned(dt, {rows, d});
   mod_scatter_forward(gctx, gout, gx, gys, gs, gsel);
   check_grad(download(gout), hout.v, dt, "mod_scatter_forward");
   {
-    DeviceTensor inplace = device(dt, {rows, d}, x);
+    DeviceTensor inplace = on_device(dt, {rows, d}, x);
     mod_scatter_forward(gctx, inplace, inplace, gys, gs, gsel);
     check_grad(download(inplace), hout.v, dt, "mod_scatter_forward in place");
   }
 
   // ---- scatter backward, into a fresh dx and in place (dx = dout)
   const std::vector<double> dout =
-      round_to(dt, random_values(static_cast<size_t>(rows * d), seed + 5));
+      round_to(dt, uniform_values(static_cast<size_t>(rows * d), seed + 5));
   Buf<double> hdout = host({rows, d}, dout), hdx2({rows, d}), hdys({kept, d}), hds({b, t});
   cpu::mod_scatter_backward(cctx, hdx2, hdys, hds, hdout, hx, hys, hs, hsel);
-  DeviceTensor gdout = device(dt, {rows, d}, dout);
+  DeviceTensor gdout = on_device(dt, {rows, d}, dout);
   DeviceTensor gdx2 = poisoned(dt, {rows, d}), gdys = poisoned(dt, {kept, d});
   DeviceTensor gds = poisoned(dt, {b, t});
   mod_scatter_backward(gctx, gdx2, gdys, gds, gdout, gx, gys, gs, gsel);
@@ -140,7 +92,7 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
   check_grad(download(gdys), hdys.v, dt, "mod_scatter_backward dys");
   check_grad(download(gds), hds.v, dt, "mod_scatter_backward dscores");
   {
-    DeviceTensor inplace = device(dt, {rows, d}, dout);
+    DeviceTensor inplace = on_device(dt, {rows, d}, dout);
     poison(gdys);
     poison(gds);
     mod_scatter_backward(gctx, inplace, gdys, gds, inplace, gx, gys, gs, gsel);
@@ -168,7 +120,7 @@ TEST_CASE("gpu MoD: tied scores resolve to the lower position", "[gpu][mod]") {
     Ctx gctx = gpu_ctx();
     const int64_t b = 2, t = 100, c = 13;
     const std::vector<double> sc(static_cast<size_t>(b * t), 0.5);
-    DeviceTensor gs = device(dt, {b, t}, sc), gmask = poisoned(dt, {b, t});
+    DeviceTensor gs = on_device(dt, {b, t}, sc), gmask = poisoned(dt, {b, t});
     DeviceTensor gsel = poisoned(DType::i32, {b, c});
     mod_select(gctx, gsel, gmask, gs);
     std::vector<int32_t> want;

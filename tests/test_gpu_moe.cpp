@@ -23,62 +23,9 @@ namespace {
 
 const DType kFloatTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
 
-// Uniform in [lo, hi), never exactly zero.
-std::vector<double> random_values(size_t n, uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(n);
-  for (auto& x : v) {
-    x = u(rng);
-    if (x == 0) x = 0.375;
-  }
-  return v;
-}
-
 // Values drawn from a small set of exactly representable non-zero numbers: many exact ties.
-std::vector<double> tied_values(size_t n, uint64_t seed) {
-  static const double kSet[] = {-1.0, 0.5, 1.0, 1.5};
-  std::mt19937_64 rng(seed);
-  std::vector<double> v(n);
-  for (auto& x : v) x = kSet[rng() % 4];
-  return v;
-}
-
-Buf<double> host(std::initializer_list<int64_t> dims, const std::vector<double>& v) {
-  Buf<double> b(dims);
-  REQUIRE(b.size() == v.size());
-  b.v = v;
-  return b;
-}
-
-DeviceTensor device(DType dt, std::initializer_list<int64_t> dims, const std::vector<double>& v) {
-  DeviceTensor t(dt, dims);
-  upload(t, v);
-  return t;
-}
-
-DeviceTensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
-  DeviceTensor t(dt, dims);
-  poison(t);
-  return t;
-}
-
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v) m = std::max(m, std::fabs(x));
-  return m;
-}
-
-void check_close(const std::vector<double>& got, const std::vector<double>& want, DType dt,
-                 double atol, const char* what) {
-  const double r = worst_ratio(got, want, rtol_for(dt), atol);
-  INFO(what << " (" << dtype_name(dt) << "): worst |error| / tolerance = " << r);
-  CHECK(r <= 1.0);
-}
-// Tolerance of gradient-like outputs: relative, plus rtol of the output's scale.
-void check_grad(const std::vector<double>& got, const std::vector<double>& want, DType dt,
-                const char* what) {
-  check_close(got, want, dt, rtol_for(dt) * std::max(max_abs(want), 1e-30), what);
+std::vector<double> tied(size_t n, uint64_t seed) {
+  return tied_values(n, seed, {-1.0, 0.5, 1.0, 1.5});
 }
 
 struct RouteCase {
@@ -93,8 +40,8 @@ struct RouteCase {
 RouteCase make_case(int64_t n, int64_t e, int64_t k, bool with_bias, bool skew, bool ties,
                     uint64_t seed, const char* name) {
   RouteCase c{n, e, k, {}, {}, name};
-  c.logits = ties ? tied_values(static_cast<size_t>(n * e), seed)
-                  : random_values(static_cast<size_t>(n * e), seed, -2.0, 2.0);
+  c.logits = ties ? tied(static_cast<size_t>(n * e), seed)
+                  : uniform_values(static_cast<size_t>(n * e), seed, -2.0, 2.0);
   if (skew)
     for (int64_t t = 0; t < n; ++t) {
       c.logits[t * e + 1] += 6.0;
@@ -102,8 +49,8 @@ RouteCase make_case(int64_t n, int64_t e, int64_t k, bool with_bias, bool skew, 
       c.logits[t * e + e - 2] -= 8.0;
     }
   if (with_bias) {
-    c.bias = ties ? tied_values(static_cast<size_t>(e), seed + 1)
-                  : random_values(static_cast<size_t>(e), seed + 1, -0.5, 0.5);
+    c.bias = ties ? tied(static_cast<size_t>(e), seed + 1)
+                  : uniform_values(static_cast<size_t>(e), seed + 1, -0.5, 0.5);
     if (skew) c.bias[2] += 3.0;  // steers selection only
   }
   return c;
@@ -125,7 +72,7 @@ void check_routing(const RouteCase& rc, bool norm, DType dt) {
   Buf<int32_t> idx({n, k}), cnt({e});
   cpu::router_topk_forward(cctx, p, idx, w, cnt, l, rc.bias.empty() ? Tensor() : b.t, norm);
 
-  DeviceTensor gl = device(dt, {n, e}, lr);
+  DeviceTensor gl = on_device(dt, {n, e}, lr);
   DeviceTensor gp = poisoned(dt, {n, e}), gw = poisoned(dt, {n, k});
   DeviceTensor gidx = poisoned(DType::i32, {n, k}), gcnt = poisoned(DType::i32, {e});
   Tensor gbias;
@@ -143,11 +90,11 @@ void check_routing(const RouteCase& rc, bool norm, DType dt) {
   // ---- backward (both sides from the same rounded probs)
   const std::vector<double> pr = round_to(dt, p.v);
   const std::vector<double> dwr =
-      round_to(dt, random_values(static_cast<size_t>(n * k), 77 + static_cast<uint64_t>(n)));
+      round_to(dt, uniform_values(static_cast<size_t>(n * k), 77 + static_cast<uint64_t>(n)));
   {
     Buf<double> hp = host({n, e}, pr), hdw = host({n, k}, dwr), hdl({n, e});
     cpu::router_topk_backward(cctx, hdl, hdw, hp, idx, norm);
-    DeviceTensor dp = device(dt, {n, e}, pr), ddw = device(dt, {n, k}, dwr);
+    DeviceTensor dp = on_device(dt, {n, e}, pr), ddw = on_device(dt, {n, k}, dwr);
     DeviceTensor ddl = poisoned(dt, {n, e});
     router_topk_backward(gctx, ddl, ddw, dp, gidx, norm);
     check_grad(download(ddl), hdl.v, dt, "router_topk_backward dlogits");
@@ -158,7 +105,7 @@ void check_routing(const RouteCase& rc, bool norm, DType dt) {
   {
     Buf<double> hp = host({n, e}, pr), hloss({2});
     cpu::router_aux_loss_forward(cctx, hloss, l, hp, cnt, static_cast<int>(k), aux_coef, z_coef);
-    DeviceTensor dp = device(dt, {n, e}, pr), dloss = poisoned(dt, {2});
+    DeviceTensor dp = on_device(dt, {n, e}, pr), dloss = poisoned(dt, {2});
     router_aux_loss_forward(gctx, dloss, gl, dp, gcnt, static_cast<int>(k), aux_coef, z_coef);
     const std::vector<double> first = download(dloss);
     check_close(first, hloss.v, dt, 1e-30, "router_aux_loss_forward");
@@ -168,11 +115,11 @@ void check_routing(const RouteCase& rc, bool norm, DType dt) {
 
     // Accumulates into a small random dlogits.
     const std::vector<double> dl0 =
-        round_to(dt, random_values(static_cast<size_t>(n * e), 99, -1e-3, 1e-3));
+        round_to(dt, uniform_values(static_cast<size_t>(n * e), 99, -1e-3, 1e-3));
     Buf<double> hdl = host({n, e}, dl0);
     cpu::router_aux_loss_backward(cctx, hdl, l, hp, cnt, static_cast<int>(k), aux_coef, z_coef,
                                   grad_scale);
-    DeviceTensor ddl = device(dt, {n, e}, dl0);
+    DeviceTensor ddl = on_device(dt, {n, e}, dl0);
     router_aux_loss_backward(gctx, ddl, gl, dp, gcnt, static_cast<int>(k), aux_coef, z_coef,
                              grad_scale);
     check_grad(download(ddl), hdl.v, dt, "router_aux_loss_backward dlogits");
@@ -244,11 +191,11 @@ TEST_CASE("gpu router: bias update", "[gpu][moe]") {
       for (auto& x : load) x = static_cast<double>(rng() % 9);  // integer loads: exact mean
       if (e == 8) load = {4, 4, 1, 8, 2, 6, 4, 3};              // mean 4: three with sign 0
       const std::vector<double> b0 =
-          round_to(dt, random_values(static_cast<size_t>(e), 5 + static_cast<uint64_t>(e)));
+          round_to(dt, uniform_values(static_cast<size_t>(e), 5 + static_cast<uint64_t>(e)));
       const std::vector<double> lr = round_to(dt, load);
       Buf<double> hb = host({e}, b0), hl = host({e}, lr);
       cpu::router_bias_update(cctx, hb, hl, 0.25);
-      DeviceTensor db = device(dt, {e}, b0), dl = device(dt, {e}, lr);
+      DeviceTensor db = on_device(dt, {e}, b0), dl = on_device(dt, {e}, lr);
       router_bias_update(gctx, db, dl, 0.25);
       check_close(download(db), hb.v, dt, 1e-30, "router_bias_update");
     }
@@ -273,38 +220,38 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   upload_i32(gsr, sr.v);
 
   // permute_forward: an exact copy
-  const std::vector<double> x = round_to(dt, random_values(static_cast<size_t>(n * d), seed + 1));
+  const std::vector<double> x = round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 1));
   Buf<double> hx = host({n, d}, x), hxp({slots, d});
   cpu::permute_forward(cctx, hxp, hx, rt);
-  DeviceTensor gx = device(dt, {n, d}, x), gxp = poisoned(dt, {slots, d});
+  DeviceTensor gx = on_device(dt, {n, d}, x), gxp = poisoned(dt, {slots, d});
   permute_forward(gctx, gxp, gx, grt);
   CHECK(download(gxp) == hxp.v);
 
   // permute_backward: sum of a token's K rows
   const std::vector<double> dxp =
-      round_to(dt, random_values(static_cast<size_t>(slots * d), seed + 2));
+      round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 2));
   Buf<double> hdxp = host({slots, d}, dxp), hdx({n, d});
   cpu::permute_backward(cctx, hdx, hdxp, sr);
-  DeviceTensor gdxp = device(dt, {slots, d}, dxp), gdx = poisoned(dt, {n, d});
+  DeviceTensor gdxp = on_device(dt, {slots, d}, dxp), gdx = poisoned(dt, {n, d});
   permute_backward(gctx, gdx, gdxp, gsr);
   check_grad(download(gdx), hdx.v, dt, "permute_backward");
 
   // combine_forward
   const std::vector<double> yp =
-      round_to(dt, random_values(static_cast<size_t>(slots * d), seed + 3));
+      round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 3));
   const std::vector<double> wr = round_to(dt, w.v);
   Buf<double> hyp = host({slots, d}, yp), hw = host({n, k}, wr), hy({n, d});
   cpu::combine_forward(cctx, hy, hyp, hw, sr);
-  DeviceTensor gyp = device(dt, {slots, d}, yp), gw = device(dt, {n, k}, wr);
+  DeviceTensor gyp = on_device(dt, {slots, d}, yp), gw = on_device(dt, {n, k}, wr);
   DeviceTensor gy = poisoned(dt, {n, d});
   combine_forward(gctx, gy, gyp, gw, gsr);
   check_grad(download(gy), hy.v, dt, "combine_forward");
 
   // combine_backward
-  const std::vector<double> dy = round_to(dt, random_values(static_cast<size_t>(n * d), seed + 4));
+  const std::vector<double> dy = round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 4));
   Buf<double> hdy = host({n, d}, dy), hdyp({slots, d}), hdw({n, k});
   cpu::combine_backward(cctx, hdyp, hdw, hdy, hyp, hw, sr);
-  DeviceTensor gdy = device(dt, {n, d}, dy);
+  DeviceTensor gdy = on_device(dt, {n, d}, dy);
   DeviceTensor gdyp = poisoned(dt, {slots, d}), gdw = poisoned(dt, {n, k});
   combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
   check_grad(download(gdyp), hdyp.v, dt, "combine_backward dyp");

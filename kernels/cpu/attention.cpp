@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/attention_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/attention.hpp"
 
@@ -35,17 +36,9 @@ struct AttnDims {
 };
 
 AttnDims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
-  const std::string name(op);
-  MOE_CHECK(q.ndim == 4, name + ": q must be [B, T, nh, hd], got " + q.shape_str());
-  MOE_CHECK(k.ndim == 4, name + ": k must be [B, T, nkv, hd], got " + k.shape_str());
-  AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
-  check_shape(k, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": k").c_str());
-  check_shape(v, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": v").c_str());
-  MOE_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-            name + ": num_key_value_heads " + std::to_string(s.kv_heads) +
-                " must divide num_attention_heads " + std::to_string(s.heads));
-  check_same_dtype(k, q, (name + ": k, q").c_str());
-  check_same_dtype(v, q, (name + ": v, q").c_str());
+  check_attention_qkv_shapes(q, k, v, op);
+  const AttnDims s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  check_attention_qkv_dtypes(q, k, v, op);
   return s;
 }
 
@@ -125,10 +118,7 @@ void backward_head(const AttnDims& s, int64_t b, int64_t h, const T* dout, const
 // out: [B, T, nh, hd], lse: [B, nh, T], q: [B, T, nh, hd], k, v: [B, T, nkv, hd]
 void attention_forward(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   const AttnDims s = attention_dims(q, k, v, "attention_forward");
-  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_forward: out");
-  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_forward: lse");
-  check_same_dtype(out, q, "attention_forward: out, q");
-  check_same_dtype(lse, q, "attention_forward: lse, q");
+  check_attention_forward_outputs(out, lse, q);
   dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     const T *pq = q.ptr<T>(), *pk = k.ptr<T>(), *pv = v.ptr<T>();
@@ -145,14 +135,7 @@ void attention_forward(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Ten
 void attention_backward(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
                         Tensor v, Tensor out, Tensor lse) {
   const AttnDims s = attention_dims(q, k, v, "attention_backward");
-  check_shape(dq, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dq");
-  check_shape(dk, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dk");
-  check_shape(dv, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dv");
-  check_shape(dout, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dout");
-  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: out");
-  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_backward: lse");
-  for (const Tensor* t : {&dq, &dk, &dv, &dout, &out, &lse})
-    check_same_dtype(*t, q, "attention_backward");
+  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse);
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     const T *pdo = dout.ptr<T>(), *pq = q.ptr<T>(), *pk = k.ptr<T>(), *pv = v.ptr<T>();

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/decode_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/decode.hpp"
 
@@ -32,21 +33,9 @@ struct DecodeDims {
 DecodeDims decode_dims(const Tensor& out, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& lengths) {
   const std::string op = "attention_decode_forward";
-  MOE_CHECK(q.ndim == 3, op + ": q must be [B, nh, hd], got " + q.shape_str());
-  MOE_CHECK(k.ndim == 4, op + ": k_cache must be [B, S_max, nkv, hd], got " + k.shape_str());
+  check_decode_shapes(out, q, k, v);
   const DecodeDims s{q.size(0), k.size(1), q.size(1), k.size(2), q.size(2)};
-  check_shape(k, {s.batch, s.max_len, s.kv_heads, s.hd}, (op + ": k_cache").c_str());
-  check_shape(v, {s.batch, s.max_len, s.kv_heads, s.hd}, (op + ": v_cache").c_str());
-  check_shape(out, {s.batch, s.heads, s.hd}, (op + ": out").c_str());
-  MOE_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-            op + ": num_key_value_heads " + std::to_string(s.kv_heads) +
-                " must divide num_attention_heads " + std::to_string(s.heads));
-  check_same_dtype(k, q, (op + ": k_cache, q").c_str());
-  check_same_dtype(v, q, (op + ": v_cache, q").c_str());
-  check_same_dtype(out, q, (op + ": out, q").c_str());
-  MOE_CHECK(lengths.dtype == DType::i32,
-            op + ": lengths must be i32, got " + dtype_name(lengths.dtype));
-  check_shape(lengths, {s.batch}, (op + ": lengths").c_str());
+  check_decode_dtypes(out, q, k, v, lengths);
   // Checked serially here so nothing throws inside the parallel loop.
   const int32_t* len = lengths.ptr<int32_t>();
   for (int64_t b = 0; b < s.batch; ++b)

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/elementwise_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/elementwise.hpp"
 
@@ -15,12 +16,6 @@ namespace moe::cpu {
 namespace {
 
 constexpr int64_t kReduceChunk = 1 << 14;  // fixed chunk of the deterministic reduction
-
-void check_numel(const Tensor& a, const Tensor& b, const char* what) {
-  MOE_CHECK(a.numel() == b.numel(), std::string(what) + ": " + a.shape_str() + " vs " +
-                                        b.shape_str() + " (element counts differ)");
-  check_same_dtype(a, b, what);
-}
 
 // sum(x^2) over x[begin, end), accumulated in double.
 template <class T>
@@ -90,9 +85,7 @@ void scale(Ctx& ctx, Tensor x, double alpha) {
 
 // out: [1] f64 (+=), x: any float tensor.
 void sum_squares(Ctx& ctx, Tensor out, Tensor x) {
-  MOE_CHECK(out.dtype == DType::f64 && out.numel() == 1,
-            "sum_squares: out must be a 1-element f64 tensor, got " +
-                std::string(dtype_name(out.dtype)) + " " + out.shape_str());
+  check_sum_squares_args(out);
   dispatch_float(x.dtype, "sum_squares", [&](auto zero) {
     using T = decltype(zero);
     const T* p = x.ptr<T>();

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "common/embedding_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/embedding.hpp"
 
@@ -18,9 +19,7 @@ constexpr int64_t kColumnBlock = 64;  // columns per backward task (a few cache 
 
 // ids: [N] i32, every id in [0, vocab); throws InputError on the first one outside.
 void check_ids(const Tensor& ids, int64_t n, int64_t vocab, const char* op) {
-  MOE_CHECK(ids.dtype == DType::i32,
-            std::string(op) + ": ids must be i32, got " + dtype_name(ids.dtype));
-  check_shape(ids, {n}, (std::string(op) + ": ids").c_str());
+  check_embedding_ids_args(ids, n, op);
   const int32_t* p = ids.ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
     if (p[i] < 0 || p[i] >= vocab)
@@ -34,10 +33,8 @@ void check_ids(const Tensor& ids, int64_t n, int64_t vocab, const char* op) {
 
 // out: [N, d], ids: [N], table: [V, d]
 void embedding_forward(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
-  MOE_CHECK(table.ndim == 2, "embedding_forward: table must be [V, d], got " + table.shape_str());
+  check_embedding_forward_args(out, ids, table);
   const int64_t vocab = table.size(0), d = table.size(1), n = ids.numel();
-  check_shape(out, {n, d}, "embedding_forward: out");
-  check_same_dtype(out, table, "embedding_forward: out, table");
   check_ids(ids, n, vocab, "embedding_forward");
   dispatch_float(table.dtype, "embedding_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -51,11 +48,8 @@ void embedding_forward(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
 
 // dtable: [V, d] (+=), dout: [N, d], ids: [N]
 void embedding_backward(Ctx& ctx, Tensor dtable, Tensor dout, Tensor ids) {
-  MOE_CHECK(dtable.ndim == 2,
-            "embedding_backward: dtable must be [V, d], got " + dtable.shape_str());
+  check_embedding_backward_args(dtable, dout, ids);
   const int64_t vocab = dtable.size(0), d = dtable.size(1), n = ids.numel();
-  check_shape(dout, {n, d}, "embedding_backward: dout");
-  check_same_dtype(dout, dtable, "embedding_backward: dout, dtable");
   check_ids(ids, n, vocab, "embedding_backward");
   dispatch_float(dtable.dtype, "embedding_backward", [&](auto zero) {
     using T = decltype(zero);

@@ -5,31 +5,17 @@
 // rows is skipped, which is exactly "+= 0" for its weight gradient and writes no rows.
 #include <string>
 
+#include "common/linear_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/linear.hpp"
 
 namespace moe::cpu {
 namespace {
 
-// The [N, in] / [N, out] / [out, in] shapes shared by linear_forward and linear_backward.
-struct LinearDims {
-  int64_t n, in, out;
-};
-
-LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
-  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [N, in], got " + x.shape_str());
-  MOE_CHECK(w.ndim == 2, std::string(op) + ": w must be [out, in], got " + w.shape_str());
-  MOE_CHECK(w.size(1) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
-                                        w.shape_str() + " disagree on in_features");
-  return {x.size(0), x.size(1), w.size(0)};
-}
-
 // offsets: [E+1] i32, 0 = offsets[0] <= ... <= offsets[E] = rows. Returns the host pointer.
 const int32_t* checked_offsets(const Tensor& offsets, int64_t experts, int64_t rows,
                                const char* op) {
-  MOE_CHECK(offsets.dtype == DType::i32,
-            std::string(op) + ": offsets must be i32, got " + dtype_name(offsets.dtype));
-  check_shape(offsets, {experts + 1}, (std::string(op) + ": offsets").c_str());
+  check_grouped_offsets_args(offsets, experts, op);
   const int32_t* o = offsets.ptr<int32_t>();
   MOE_CHECK(o[0] == 0 && o[experts] == rows,
             std::string(op) + ": offsets must run from 0 to the row count " + std::to_string(rows) +
@@ -40,27 +26,11 @@ const int32_t* checked_offsets(const Tensor& offsets, int64_t experts, int64_t r
   return o;
 }
 
-// The [E, out, in] weight and [R, in] rows of a grouped linear.
-struct GroupedDims {
-  int64_t rows, in, out, experts;
-};
-
-GroupedDims grouped_dims(const Tensor& x, const Tensor& w, const char* op) {
-  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [R, in], got " + x.shape_str());
-  MOE_CHECK(w.ndim == 3, std::string(op) + ": w must be [E, out, in], got " + w.shape_str());
-  MOE_CHECK(w.size(2) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
-                                        w.shape_str() + " disagree on in_features");
-  return {x.size(0), x.size(1), w.size(1), w.size(0)};
-}
-
 }  // namespace
 
 // y: [N, out] (= or +=), x: [N, in], w: [out, in]
 void linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate) {
-  const LinearDims s = linear_dims(x, w, "linear_forward");
-  check_shape(y, {s.n, s.out}, "linear_forward: y");
-  check_same_dtype(x, w, "linear_forward: x, w");
-  check_same_dtype(y, x, "linear_forward: y, x");
+  const LinearDims s = check_linear_forward_args(y, x, w);
   dispatch_float(x.dtype, "linear_forward", [&](auto zero) {
     using T = decltype(zero);
     // y = x w^T
@@ -72,12 +42,7 @@ void linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate) {
 // dx: [N, in] (= or +=; skipped when empty), dw: [out, in] (+=), dy: [N, out]
 void linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                      bool accumulate_dx) {
-  const LinearDims s = linear_dims(x, w, "linear_backward");
-  check_shape(dy, {s.n, s.out}, "linear_backward: dy");
-  check_shape(dw, {s.out, s.in}, "linear_backward: dw");
-  if (!dx.empty()) check_shape(dx, {s.n, s.in}, "linear_backward: dx");
-  for (const Tensor* t : {&dw, &dy, &w}) check_same_dtype(*t, x, "linear_backward");
-  if (!dx.empty()) check_same_dtype(dx, x, "linear_backward: dx, x");
+  const LinearDims s = check_linear_backward_args(dx, dw, dy, x, w);
   dispatch_float(x.dtype, "linear_backward", [&](auto zero) {
     using T = decltype(zero);
     // dx = dy w
@@ -93,10 +58,8 @@ void linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor
 
 // y: [R, out], x: [R, in], w: [E, out, in], offsets: [E+1]
 void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets) {
-  const GroupedDims s = grouped_dims(x, w, "grouped_linear_forward");
-  check_shape(y, {s.rows, s.out}, "grouped_linear_forward: y");
-  check_same_dtype(x, w, "grouped_linear_forward: x, w");
-  check_same_dtype(y, x, "grouped_linear_forward: y, x");
+  const GroupedDims s = linear_grouped_dims(x, w, "grouped_linear_forward");
+  check_grouped_linear_forward_args(s, y, x, w);
   const int32_t* off = checked_offsets(offsets, s.experts, s.rows, "grouped_linear_forward");
   dispatch_float(x.dtype, "grouped_linear_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -113,11 +76,8 @@ void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offse
 // dx: [R, in] (overwritten), dw: [E, out, in] (+=), dy: [R, out]
 void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                              Tensor offsets) {
-  const GroupedDims s = grouped_dims(x, w, "grouped_linear_backward");
-  check_shape(dx, {s.rows, s.in}, "grouped_linear_backward: dx");
-  check_shape(dy, {s.rows, s.out}, "grouped_linear_backward: dy");
-  check_shape(dw, {s.experts, s.out, s.in}, "grouped_linear_backward: dw");
-  for (const Tensor* t : {&dx, &dw, &dy, &w}) check_same_dtype(*t, x, "grouped_linear_backward");
+  const GroupedDims s = linear_grouped_dims(x, w, "grouped_linear_backward");
+  check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
   const int32_t* off = checked_offsets(offsets, s.experts, s.rows, "grouped_linear_backward");
   dispatch_float(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/loss_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/loss.hpp"
 
@@ -82,8 +83,7 @@ void bce_backward_impl(Tensor dlogits, Tensor logits, Tensor targets, double gra
 
 // Throws unless targets is i32 [N] with every entry < V (negative entries are ignored rows).
 void check_targets(const Tensor& targets, int64_t n, int64_t v, const char* op) {
-  check_shape(targets, {n}, (std::string(op) + ": targets").c_str());
-  MOE_CHECK(targets.dtype == DType::i32, std::string(op) + ": targets must be i32");
+  check_loss_targets_args(targets, n, op);
   const int32_t* t = targets.ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i)
     MOE_CHECK(t[i] < v, std::string(op) + ": targets[" + std::to_string(i) +
@@ -96,13 +96,8 @@ void check_targets(const Tensor& targets, int64_t n, int64_t v, const char* op) 
 // ---- softmax cross-entropy ----------------------------------------------------------------------
 
 void cross_entropy_forward(Ctx& ctx, Tensor losses, Tensor lse, Tensor logits, Tensor targets) {
-  MOE_CHECK(logits.ndim == 2,
-            "cross_entropy_forward: logits must be [N, V], got " + logits.shape_str());
+  check_cross_entropy_forward_args(losses, lse, logits);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_shape(losses, {n}, "cross_entropy_forward: losses");
-  check_shape(lse, {n}, "cross_entropy_forward: lse");
-  check_same_dtype(losses, logits, "cross_entropy_forward: losses, logits");
-  check_same_dtype(lse, logits, "cross_entropy_forward: lse, logits");
   check_targets(targets, n, v, "cross_entropy_forward");
   dispatch_float(logits.dtype, "cross_entropy_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -112,13 +107,8 @@ void cross_entropy_forward(Ctx& ctx, Tensor losses, Tensor lse, Tensor logits, T
 
 void cross_entropy_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor lse, Tensor targets,
                             double grad_scale) {
-  MOE_CHECK(logits.ndim == 2,
-            "cross_entropy_backward: logits must be [N, V], got " + logits.shape_str());
+  check_cross_entropy_backward_args(dlogits, logits, lse);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_shape(dlogits, {n, v}, "cross_entropy_backward: dlogits");
-  check_shape(lse, {n}, "cross_entropy_backward: lse");
-  check_same_dtype(dlogits, logits, "cross_entropy_backward: dlogits, logits");
-  check_same_dtype(lse, logits, "cross_entropy_backward: lse, logits");
   check_targets(targets, n, v, "cross_entropy_backward");
   dispatch_float(logits.dtype, "cross_entropy_backward", [&](auto zero) {
     using T = decltype(zero);
@@ -129,12 +119,7 @@ void cross_entropy_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor lse,
 // ---- binary cross-entropy with logits -----------------------------------------------------------
 
 void bce_with_logits_forward(Ctx& ctx, Tensor loss, Tensor logits, Tensor targets) {
-  MOE_CHECK(logits.ndim == 1,
-            "bce_with_logits_forward: logits must be [N], got " + logits.shape_str());
-  check_shape(loss, {1}, "bce_with_logits_forward: loss");
-  check_shape(targets, {logits.size(0)}, "bce_with_logits_forward: targets");
-  check_same_dtype(loss, logits, "bce_with_logits_forward: loss, logits");
-  check_same_dtype(targets, logits, "bce_with_logits_forward: targets, logits");
+  check_bce_with_logits_forward_args(loss, logits, targets);
   dispatch_float(logits.dtype, "bce_with_logits_forward", [&](auto zero) {
     using T = decltype(zero);
     bce_forward_impl<T>(loss, logits, targets);
@@ -143,12 +128,7 @@ void bce_with_logits_forward(Ctx& ctx, Tensor loss, Tensor logits, Tensor target
 
 void bce_with_logits_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor targets,
                               double grad_scale) {
-  MOE_CHECK(logits.ndim == 1,
-            "bce_with_logits_backward: logits must be [N], got " + logits.shape_str());
-  check_shape(dlogits, {logits.size(0)}, "bce_with_logits_backward: dlogits");
-  check_shape(targets, {logits.size(0)}, "bce_with_logits_backward: targets");
-  check_same_dtype(dlogits, logits, "bce_with_logits_backward: dlogits, logits");
-  check_same_dtype(targets, logits, "bce_with_logits_backward: targets, logits");
+  check_bce_with_logits_backward_args(dlogits, logits, targets);
   dispatch_float(logits.dtype, "bce_with_logits_backward", [&](auto zero) {
     using T = decltype(zero);
     bce_backward_impl<T>(dlogits, logits, targets, grad_scale);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/mod_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/mod.hpp"
 
@@ -22,24 +23,10 @@ namespace {
 
 constexpr int64_t kSelectWork = 16;  // scalar operations per position of a top-C selection
 
-// The sequence length T of x: [B*T, d] for sel: [B, C], checked.
-int64_t seq_len(const Tensor& x, const Tensor& sel, const char* op) {
-  MOE_CHECK(x.ndim == 2 && sel.ndim == 2, std::string(op) +
-                                              ": x must be [B*T, d] and sel [B, C], "
-                                              "got " +
-                                              x.shape_str() + " and " + sel.shape_str());
-  const int64_t b = sel.size(0);
-  MOE_CHECK(b > 0 && x.size(0) % b == 0, std::string(op) + ": " + std::to_string(x.size(0)) +
-                                             " rows is not B*T for B = " + std::to_string(b));
-  return x.size(0) / b;
-}
-
 // Throws unless sel is i32 and each of its rows is strictly ascending inside [0, T).
 void check_sel(const Tensor& sel, int64_t t, const char* op) {
-  MOE_CHECK(sel.dtype == DType::i32, std::string(op) + ": sel must be i32");
+  check_mod_sel_args(sel, t, op);
   const int64_t b = sel.size(0), c = sel.size(1);
-  MOE_CHECK(c <= t,
-            std::string(op) + ": C = " + std::to_string(c) + " exceeds T = " + std::to_string(t));
   const int32_t* s = sel.ptr<int32_t>();
   for (int64_t i = 0; i < b * c; ++i) {
     const bool first = i % c == 0;
@@ -175,15 +162,7 @@ void scatter_backward_impl(Tensor dx, Tensor dys, Tensor dscores, Tensor dout, T
 // ---- selection ----------------------------------------------------------------------------------
 
 void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
-  MOE_CHECK(scores.ndim == 2 && sel.ndim == 2,
-            "mod_select: scores must be [B, T] and sel [B, C], got " + scores.shape_str() +
-                " and " + sel.shape_str());
-  const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
-  MOE_CHECK(c <= t, "mod_select: C = " + std::to_string(c) + " exceeds T = " + std::to_string(t));
-  check_shape(sel, {b, c}, "mod_select: sel");
-  check_shape(mask, {b, t}, "mod_select: mask");
-  check_same_dtype(mask, scores, "mod_select: mask, scores");
-  MOE_CHECK(sel.dtype == DType::i32, "mod_select: sel must be i32");
+  check_mod_select_args(sel, mask, scores);
   dispatch_float(scores.dtype, "mod_select", [&](auto zero) {
     using T = decltype(zero);
     select_impl<T>(sel, mask, scores);
@@ -193,7 +172,7 @@ void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
 // ---- gather -------------------------------------------------------------------------------------
 
 void mod_gather_forward(Ctx& ctx, Tensor xs, Tensor x, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_gather_forward");
+  const int64_t t = mod_seq_len(x, sel, "mod_gather_forward");
   check_sel(sel, t, "mod_gather_forward");
   check_shape(xs, {sel.size(0) * sel.size(1), x.size(1)}, "mod_gather_forward: xs");
   check_same_dtype(xs, x, "mod_gather_forward: xs, x");
@@ -204,7 +183,7 @@ void mod_gather_forward(Ctx& ctx, Tensor xs, Tensor x, Tensor sel) {
 }
 
 void mod_gather_backward(Ctx& ctx, Tensor dx, Tensor dxs, Tensor sel) {
-  const int64_t t = seq_len(dx, sel, "mod_gather_backward");
+  const int64_t t = mod_seq_len(dx, sel, "mod_gather_backward");
   check_sel(sel, t, "mod_gather_backward");
   check_shape(dxs, {sel.size(0) * sel.size(1), dx.size(1)}, "mod_gather_backward: dxs");
   check_same_dtype(dxs, dx, "mod_gather_backward: dxs, dx");
@@ -217,15 +196,9 @@ void mod_gather_backward(Ctx& ctx, Tensor dx, Tensor dxs, Tensor sel) {
 // ---- gated scatter ------------------------------------------------------------------------------
 
 void mod_scatter_forward(Ctx& ctx, Tensor out, Tensor x, Tensor ys, Tensor scores, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_scatter_forward");
+  const int64_t t = mod_seq_len(x, sel, "mod_scatter_forward");
   check_sel(sel, t, "mod_scatter_forward");
-  const int64_t b = sel.size(0), c = sel.size(1), d = x.size(1);
-  check_shape(out, {b * t, d}, "mod_scatter_forward: out");
-  check_shape(ys, {b * c, d}, "mod_scatter_forward: ys");
-  check_shape(scores, {b, t}, "mod_scatter_forward: scores");
-  check_same_dtype(out, x, "mod_scatter_forward: out, x");
-  check_same_dtype(ys, x, "mod_scatter_forward: ys, x");
-  check_same_dtype(scores, x, "mod_scatter_forward: scores, x");
+  check_mod_scatter_forward_args(out, x, ys, scores, sel, t);
   dispatch_float(x.dtype, "mod_scatter_forward", [&](auto zero) {
     using T = decltype(zero);
     scatter_forward_impl<T>(out, x, ys, scores, sel, t);
@@ -234,17 +207,9 @@ void mod_scatter_forward(Ctx& ctx, Tensor out, Tensor x, Tensor ys, Tensor score
 
 void mod_scatter_backward(Ctx& ctx, Tensor dx, Tensor dys, Tensor dscores, Tensor dout, Tensor x,
                           Tensor ys, Tensor scores, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_scatter_backward");
+  const int64_t t = mod_seq_len(x, sel, "mod_scatter_backward");
   check_sel(sel, t, "mod_scatter_backward");
-  const int64_t b = sel.size(0), c = sel.size(1), d = x.size(1);
-  check_shape(dx, {b * t, d}, "mod_scatter_backward: dx");
-  check_shape(dout, {b * t, d}, "mod_scatter_backward: dout");
-  check_shape(ys, {b * c, d}, "mod_scatter_backward: ys");
-  check_shape(dys, {b * c, d}, "mod_scatter_backward: dys");
-  check_shape(scores, {b, t}, "mod_scatter_backward: scores");
-  check_shape(dscores, {b, t}, "mod_scatter_backward: dscores");
-  for (const Tensor* u : {&dx, &dys, &dscores, &dout, &ys, &scores})
-    check_same_dtype(*u, x, "mod_scatter_backward: float arguments");
+  check_mod_scatter_backward_args(dx, dys, dscores, dout, x, ys, scores, sel, t);
   dispatch_float(x.dtype, "mod_scatter_backward", [&](auto zero) {
     using T = decltype(zero);
     scatter_backward_impl<T>(dx, dys, dscores, dout, x, ys, scores, sel, t);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/norm_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/norm.hpp"
 
@@ -40,14 +41,8 @@ void row_dx(T* dx, const T* dy, const T* x, const T* w, double rstd, int64_t d) 
 
 // y: [N, d], rstd: [N], x: [N, d], w: [d]
 void rmsnorm_forward(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
-  MOE_CHECK(x.ndim == 2, "rmsnorm_forward: x must be [N, d], got " + x.shape_str());
+  check_rmsnorm_forward_args(y, rstd, x, w);
   const int64_t n = x.size(0), d = x.size(1);
-  check_shape(y, {n, d}, "rmsnorm_forward: y");
-  check_shape(rstd, {n}, "rmsnorm_forward: rstd");
-  check_shape(w, {d}, "rmsnorm_forward: w");
-  check_same_dtype(y, x, "rmsnorm_forward: y, x");
-  check_same_dtype(rstd, x, "rmsnorm_forward: rstd, x");
-  check_same_dtype(w, x, "rmsnorm_forward: w, x");
   dispatch_float(x.dtype, "rmsnorm_forward", [&](auto zero) {
     using T = decltype(zero);
     const T* px = x.ptr<T>();
@@ -67,14 +62,8 @@ void rmsnorm_forward(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, double
 
 // dx: [N, d] (overwritten), dw: [d] (+=), dy, x: [N, d], w: [d], rstd: [N]
 void rmsnorm_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor rstd) {
-  MOE_CHECK(x.ndim == 2, "rmsnorm_backward: x must be [N, d], got " + x.shape_str());
+  check_rmsnorm_backward_args(dx, dw, dy, x, w, rstd);
   const int64_t n = x.size(0), d = x.size(1);
-  check_shape(dx, {n, d}, "rmsnorm_backward: dx");
-  check_shape(dy, {n, d}, "rmsnorm_backward: dy");
-  check_shape(dw, {d}, "rmsnorm_backward: dw");
-  check_shape(w, {d}, "rmsnorm_backward: w");
-  check_shape(rstd, {n}, "rmsnorm_backward: rstd");
-  for (const Tensor* t : {&dx, &dw, &dy, &w, &rstd}) check_same_dtype(*t, x, "rmsnorm_backward");
   dispatch_float(x.dtype, "rmsnorm_backward", [&](auto zero) {
     using T = decltype(zero);
     const T* px = x.ptr<T>();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/optim_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/optim.hpp"
 
@@ -40,14 +41,7 @@ void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
 }  // namespace
 
 void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
-  const int64_t n = p.numel();
-  MOE_CHECK(g.numel() == n && m.numel() == n && v.numel() == n,
-            "adamw_step: p " + p.shape_str() + ", g " + g.shape_str() + ", m " + m.shape_str() +
-                ", v " + v.shape_str() + " differ in size");
-  check_same_dtype(g, p, "adamw_step: g, p");
-  check_same_dtype(m, p, "adamw_step: m, p");
-  check_same_dtype(v, p, "adamw_step: v, p");
-  MOE_CHECK(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
+  check_adamw_step_args(p, g, m, v, a);
   dispatch_float(p.dtype, "adamw_step", [&](auto zero) {
     using T = decltype(zero);
     adamw_impl<T>(p, g, m, v, a);

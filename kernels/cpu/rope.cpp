@@ -9,6 +9,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/rope_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/rope.hpp"
 
@@ -18,17 +19,9 @@ namespace {
 // Checks x: [N, H, hd], pos: [N] i32 in [0, P), cos/sin: [P, hd/2]; returns the position pointer.
 const int32_t* check_rope_args(const Tensor& x, const Tensor& pos, const Tensor& cos,
                                const Tensor& sin, const char* op) {
+  check_rope_rotate_args(x, pos, cos, sin, op);
   const std::string name(op);
-  MOE_CHECK(x.ndim == 3, name + ": x must be [N, H, hd], got " + x.shape_str());
-  MOE_CHECK(x.size(2) % 2 == 0, name + ": head_dim must be even, got " + x.shape_str());
-  MOE_CHECK(cos.ndim == 2, name + ": cos must be [P, hd/2], got " + cos.shape_str());
-  const int64_t n = x.size(0), half = x.size(2) / 2, max_pos = cos.size(0);
-  check_shape(cos, {max_pos, half}, (name + ": cos").c_str());
-  check_shape(sin, {max_pos, half}, (name + ": sin").c_str());
-  check_same_dtype(cos, x, (name + ": cos, x").c_str());
-  check_same_dtype(sin, x, (name + ": sin, x").c_str());
-  MOE_CHECK(pos.dtype == DType::i32, name + ": pos must be i32, got " + dtype_name(pos.dtype));
-  check_shape(pos, {n}, (name + ": pos").c_str());
+  const int64_t n = x.size(0), max_pos = cos.size(0);
   const int32_t* p = pos.ptr<int32_t>();
   for (int64_t i = 0; i < n; ++i)
     MOE_CHECK(p[i] >= 0 && p[i] < max_pos,
@@ -63,11 +56,8 @@ void rotate_rows(Tensor x, const int32_t* pos, const Tensor& cos, const Tensor& 
 
 // cos, sin: [P, hd/2]
 void rope_table(Ctx& ctx, Tensor cos, Tensor sin, double theta) {
-  MOE_CHECK(cos.ndim == 2, "rope_table: cos must be [P, hd/2], got " + cos.shape_str());
+  check_rope_table_args(cos, sin, theta);
   const int64_t max_pos = cos.size(0), half = cos.size(1);
-  check_shape(sin, {max_pos, half}, "rope_table: sin");
-  check_same_dtype(cos, sin, "rope_table: cos, sin");
-  MOE_CHECK(theta > 0, "rope_table: theta must be positive, got " + std::to_string(theta));
   dispatch_float(cos.dtype, "rope_table", [&](auto zero) {
     using T = decltype(zero);
     T* pc = cos.ptr<T>();

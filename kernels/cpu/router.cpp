@@ -17,6 +17,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/router_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/router.hpp"
 
@@ -205,45 +206,13 @@ void bias_update_impl(Tensor bias, Tensor load, double rate) {
   }
 }
 
-// Shared shape checks of the aux-loss pair.  logits, probs: [N, E], counts: [E] i32
-void check_aux_args(const Tensor& logits, const Tensor& probs, const Tensor& counts, int k,
-                    const char* op) {
-  MOE_CHECK(logits.ndim == 2,
-            std::string(op) + ": logits must be [N, E], got " + logits.shape_str());
-  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
-  check_shape(probs, {n_tok, n_exp}, (std::string(op) + ": probs").c_str());
-  check_shape(counts, {n_exp}, (std::string(op) + ": counts").c_str());
-  check_same_dtype(probs, logits, (std::string(op) + ": probs, logits").c_str());
-  MOE_CHECK(counts.dtype == DType::i32, std::string(op) + ": counts must be i32");
-  MOE_CHECK(k >= 1 && k <= n_exp, std::string(op) + ": k = " + std::to_string(k) +
-                                      " outside [1, E = " + std::to_string(n_exp) + "]");
-}
-
 }  // namespace
 
 // ---- top-K routing ------------------------------------------------------------------------------
 
 void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts,
                          Tensor logits, Tensor bias, bool norm_topk_prob) {
-  MOE_CHECK(logits.ndim == 2,
-            "router_topk_forward: logits must be [N, E], got " + logits.shape_str());
-  MOE_CHECK(topk_idx.ndim == 2,
-            "router_topk_forward: topk_idx must be [N, K], got " + topk_idx.shape_str());
-  const int64_t n_tok = logits.size(0), n_exp = logits.size(1), k = topk_idx.size(1);
-  MOE_CHECK(k >= 1 && k <= n_exp, "router_topk_forward: K = " + std::to_string(k) +
-                                      " outside [1, E = " + std::to_string(n_exp) + "]");
-  check_shape(probs, {n_tok, n_exp}, "router_topk_forward: probs");
-  check_shape(topk_idx, {n_tok, k}, "router_topk_forward: topk_idx");
-  check_shape(topk_w, {n_tok, k}, "router_topk_forward: topk_w");
-  check_shape(counts, {n_exp}, "router_topk_forward: counts");
-  check_same_dtype(probs, logits, "router_topk_forward: probs, logits");
-  check_same_dtype(topk_w, logits, "router_topk_forward: topk_w, logits");
-  MOE_CHECK(topk_idx.dtype == DType::i32 && counts.dtype == DType::i32,
-            "router_topk_forward: topk_idx and counts must be i32");
-  if (!bias.empty()) {
-    check_shape(bias, {n_exp}, "router_topk_forward: bias");
-    check_same_dtype(bias, logits, "router_topk_forward: bias, logits");
-  }
+  check_router_topk_forward_args(probs, topk_idx, topk_w, counts, logits, bias);
   dispatch_float(logits.dtype, "router_topk_forward", [&](auto zero) {
     using T = decltype(zero);
     topk_forward_impl<T>(probs, topk_idx, topk_w, counts, logits, bias, norm_topk_prob);
@@ -252,16 +221,7 @@ void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w,
 
 void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor topk_idx,
                           bool norm_topk_prob) {
-  MOE_CHECK(probs.ndim == 2 && topk_idx.ndim == 2,
-            "router_topk_backward: probs must be [N, E] and topk_idx [N, K], got " +
-                probs.shape_str() + " and " + topk_idx.shape_str());
-  const int64_t n_tok = probs.size(0), n_exp = probs.size(1), k = topk_idx.size(1);
-  check_shape(dlogits, {n_tok, n_exp}, "router_topk_backward: dlogits");
-  check_shape(dtopk_w, {n_tok, k}, "router_topk_backward: dtopk_w");
-  check_shape(topk_idx, {n_tok, k}, "router_topk_backward: topk_idx");
-  check_same_dtype(dlogits, probs, "router_topk_backward: dlogits, probs");
-  check_same_dtype(dtopk_w, probs, "router_topk_backward: dtopk_w, probs");
-  MOE_CHECK(topk_idx.dtype == DType::i32, "router_topk_backward: topk_idx must be i32");
+  check_router_topk_backward_args(dlogits, dtopk_w, probs, topk_idx);
   dispatch_float(probs.dtype, "router_topk_backward", [&](auto zero) {
     using T = decltype(zero);
     topk_backward_impl<T>(dlogits, dtopk_w, probs, topk_idx, norm_topk_prob);
@@ -272,9 +232,7 @@ void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs
 
 void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor probs, Tensor counts,
                              int k, double aux_coef, double z_coef) {
-  check_aux_args(logits, probs, counts, k, "router_aux_loss_forward");
-  check_shape(losses, {2}, "router_aux_loss_forward: losses");
-  check_same_dtype(losses, logits, "router_aux_loss_forward: losses, logits");
+  check_router_aux_loss_forward_args(losses, logits, probs, counts, k);
   dispatch_float(logits.dtype, "router_aux_loss_forward", [&](auto zero) {
     using T = decltype(zero);
     aux_forward_impl<T>(losses, logits, probs, counts, k, aux_coef, z_coef);
@@ -283,9 +241,7 @@ void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor prob
 
 void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor probs, Tensor counts,
                               int k, double aux_coef, double z_coef, double grad_scale) {
-  check_aux_args(logits, probs, counts, k, "router_aux_loss_backward");
-  check_shape(dlogits, {logits.size(0), logits.size(1)}, "router_aux_loss_backward: dlogits");
-  check_same_dtype(dlogits, logits, "router_aux_loss_backward: dlogits, logits");
+  check_router_aux_loss_backward_args(dlogits, logits, probs, counts, k);
   dispatch_float(logits.dtype, "router_aux_loss_backward", [&](auto zero) {
     using T = decltype(zero);
     aux_backward_impl<T>(dlogits, logits, probs, counts, k, aux_coef, z_coef, grad_scale);
@@ -295,9 +251,7 @@ void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor pr
 // ---- aux-loss-free balancing --------------------------------------------------------------------
 
 void router_bias_update(Ctx& ctx, Tensor bias, Tensor load, double rate) {
-  MOE_CHECK(bias.ndim == 1, "router_bias_update: bias must be [E], got " + bias.shape_str());
-  check_shape(load, {bias.size(0)}, "router_bias_update: load");
-  check_same_dtype(load, bias, "router_bias_update: load, bias");
+  check_router_bias_update_args(bias, load);
   dispatch_float(bias.dtype, "router_bias_update", [&](auto zero) {
     using T = decltype(zero);
     bias_update_impl<T>(bias, load, rate);

@@ -5,6 +5,7 @@
 // 1/inf = 0).
 #include <string>
 
+#include "common/swiglu_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/swiglu.hpp"
 
@@ -20,25 +21,6 @@ template <class T>
 T silu_grad(T a) {
   const T s = sigmoid(a);
   return s * (T(1) + a * (T(1) - s));
-}
-
-bool same_shape(const Tensor& a, const Tensor& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
-  return true;
-}
-
-// Every tensor has the shape and dtype of `like`.
-void check_like(const Tensor& like, std::initializer_list<const Tensor*> others,
-                std::initializer_list<const char*> names, const char* op) {
-  auto name = names.begin();
-  for (const Tensor* t : others) {
-    const std::string what = std::string(op) + ": " + *name++;
-    MOE_CHECK(same_shape(*t, like),
-              what + " has shape " + t->shape_str() + ", expected " + like.shape_str());
-    check_same_dtype(*t, like, what.c_str());
-  }
 }
 
 }  // namespace

@@ -30,7 +30,10 @@
 #include <string>
 #include <type_traits>
 
+#include "common/attention_checks.hpp"
+#include "common/decode_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/warp_reduce.cuh"
 #include "moe/ops/attention.hpp"
 #include "moe/ops/decode.hpp"
 
@@ -42,35 +45,6 @@ constexpr int kRowsPerBlock = 4;  // warps (rows) per block in the training kern
 constexpr int kDecodeWarps = 4;   // warps per (b, h) in decode
 constexpr int kMaxHeadDim = 256;
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
-__device__ __forceinline__ float dev_exp(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double dev_exp(double x) {
-  return exp(x);
-}
-__device__ __forceinline__ float dev_log(float x) {
-  return logf(x);
-}
-__device__ __forceinline__ double dev_log(double x) {
-  return log(x);
-}
-
-template <class A>
-__device__ __forceinline__ A neg_inf() {
-  return -std::numeric_limits<A>::infinity();
-}
-
-template <class A>
-__device__ __forceinline__ A warp_sum(A x) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 template <class A>
 __device__ __forceinline__ void warp_sum2(A& a, A& b) {
 #pragma unroll
@@ -105,30 +79,17 @@ struct Dims {
   __host__ __device__ int group() const { return heads / kv_heads; }
 };
 
-// Same checks, same messages as the CPU op.
+// The CPU op's checks (kernels/common/attention_checks.hpp), plus the kernels' head_dim limit.
 Dims attention_dims(const Tensor& q, const Tensor& k, const Tensor& v, const char* op) {
   const std::string name(op);
-  MOE_CHECK(q.ndim == 4, name + ": q must be [B, T, nh, hd], got " + q.shape_str());
-  MOE_CHECK(k.ndim == 4, name + ": k must be [B, T, nkv, hd], got " + k.shape_str());
+  check_attention_qkv_shapes(q, k, v, op);
   const Dims s{q.size(0), q.size(1), static_cast<int>(q.size(2)), static_cast<int>(k.size(2)),
                static_cast<int>(q.size(3))};
-  check_shape(k, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": k").c_str());
-  check_shape(v, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": v").c_str());
-  MOE_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-            name + ": num_key_value_heads " + std::to_string(s.kv_heads) +
-                " must divide num_attention_heads " + std::to_string(s.heads));
   MOE_CHECK(s.hd >= 1 && s.hd <= kMaxHeadDim, name + ": head_dim " + std::to_string(s.hd) +
                                                   " is outside the CUDA kernels' [1, " +
                                                   std::to_string(kMaxHeadDim) + "]");
-  check_same_dtype(k, q, (name + ": k, q").c_str());
-  check_same_dtype(v, q, (name + ": v, q").c_str());
+  check_attention_qkv_dtypes(q, k, v, op);
   return s;
-}
-
-void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op) {
-  for (const Tensor* t : ts)
-    MOE_CHECK(t->device.type == DeviceType::cuda,
-              std::string(op) + ": tensor on " + t->device.str() + ", expected a CUDA device");
 }
 
 // Calls fn(std::integral_constant<int, NPER>) with NPER = lanes' share of a row of hd elements.
@@ -410,10 +371,7 @@ __global__ void __launch_bounds__(kDecodeWarps* kWarp)
 
 void attention_forward_cuda(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v) {
   const Dims s = attention_dims(q, k, v, "attention_forward");
-  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_forward: out");
-  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_forward: lse");
-  check_same_dtype(out, q, "attention_forward: out, q");
-  check_same_dtype(lse, q, "attention_forward: lse, q");
+  check_attention_forward_outputs(out, lse, q);
   check_on_gpu({&out, &lse, &q, &k, &v}, "attention_forward");
   const int64_t rows = s.batch * s.heads * s.seq;
   if (rows == 0) return;
@@ -434,14 +392,7 @@ void attention_forward_cuda(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k
 void attention_backward_cuda(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
                              Tensor k, Tensor v, Tensor out, Tensor lse) {
   const Dims s = attention_dims(q, k, v, "attention_backward");
-  check_shape(dq, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dq");
-  check_shape(dk, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dk");
-  check_shape(dv, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dv");
-  check_shape(dout, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dout");
-  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: out");
-  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_backward: lse");
-  for (const Tensor* t : {&dq, &dk, &dv, &dout, &out, &lse})
-    check_same_dtype(*t, q, "attention_backward");
+  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse);
   check_on_gpu({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, "attention_backward");
   const int64_t q_rows = s.batch * s.heads * s.seq, kv_rows = s.batch * s.kv_heads * s.seq;
   if (q_rows == 0) return;
@@ -468,26 +419,13 @@ void attention_backward_cuda(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor d
 void attention_decode_forward_cuda(Ctx& ctx, Tensor out, Tensor q, Tensor k_cache, Tensor v_cache,
                                    Tensor lengths) {
   const std::string op = "attention_decode_forward";
-  MOE_CHECK(q.ndim == 3, op + ": q must be [B, nh, hd], got " + q.shape_str());
-  MOE_CHECK(k_cache.ndim == 4,
-            op + ": k_cache must be [B, S_max, nkv, hd], got " + k_cache.shape_str());
+  check_decode_shapes(out, q, k_cache, v_cache);
   const DecodeDims s{q.size(0), k_cache.size(1), static_cast<int>(q.size(1)),
                      static_cast<int>(k_cache.size(2)), static_cast<int>(q.size(2))};
-  check_shape(k_cache, {s.batch, s.max_len, s.kv_heads, s.hd}, (op + ": k_cache").c_str());
-  check_shape(v_cache, {s.batch, s.max_len, s.kv_heads, s.hd}, (op + ": v_cache").c_str());
-  check_shape(out, {s.batch, s.heads, s.hd}, (op + ": out").c_str());
-  MOE_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
-            op + ": num_key_value_heads " + std::to_string(s.kv_heads) +
-                " must divide num_attention_heads " + std::to_string(s.heads));
   MOE_CHECK(s.hd >= 1 && s.hd <= kMaxHeadDim, op + ": head_dim " + std::to_string(s.hd) +
                                                   " is outside the CUDA kernel's [1, " +
                                                   std::to_string(kMaxHeadDim) + "]");
-  check_same_dtype(k_cache, q, (op + ": k_cache, q").c_str());
-  check_same_dtype(v_cache, q, (op + ": v_cache, q").c_str());
-  check_same_dtype(out, q, (op + ": out, q").c_str());
-  MOE_CHECK(lengths.dtype == DType::i32,
-            op + ": lengths must be i32, got " + dtype_name(lengths.dtype));
-  check_shape(lengths, {s.batch}, (op + ": lengths").c_str());
+  check_decode_dtypes(out, q, k_cache, v_cache, lengths);
   check_on_gpu({&out, &q, &k_cache, &v_cache, &lengths}, op.c_str());
   const int64_t rows = s.batch * s.heads;
   if (rows == 0) return;

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <string>
 
 #include "moe/ops/common.hpp"
@@ -67,6 +68,19 @@ void dispatch_storage(DType t, const char* op, Fn&& fn) {
     case DType::bf16: return fn(__nv_bfloat16{});
     default: throw InternalError(std::string(op) + ": unsupported dtype " + dtype_name(t));
   }
+}
+
+// The device pointer of t as T*.
+template <class T>
+T* data_of(const Tensor& t) {
+  return static_cast<T*>(t.data);
+}
+
+// Throws unless every tensor is on a CUDA device.
+inline void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op) {
+  for (const Tensor* t : ts)
+    MOE_CHECK(t->device.type == DeviceType::cuda,
+              std::string(op) + ": tensor on " + t->device.str() + ", expected a CUDA device");
 }
 
 inline unsigned blocks_for(int64_t n, int threads) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/elementwise_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/elementwise.hpp"
 
@@ -99,19 +100,8 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
 
 // ---- host side ----------------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
 unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
-}
-
-void check_numel(const Tensor& a, const Tensor& b, const char* what) {
-  MOE_CHECK(a.numel() == b.numel(), std::string(what) + ": " + a.shape_str() + " vs " +
-                                        b.shape_str() + " (element counts differ)");
-  check_same_dtype(a, b, what);
 }
 
 // The sum_squares scratch of the current device: kMaxPartials doubles, allocated on first use and
@@ -183,9 +173,7 @@ void scale_cuda(Ctx& ctx, Tensor x, double alpha) {
 }
 
 void sum_squares_cuda(Ctx& ctx, Tensor out, Tensor x) {
-  MOE_CHECK(out.dtype == DType::f64 && out.numel() == 1,
-            "sum_squares: out must be a 1-element f64 tensor, got " +
-                std::string(dtype_name(out.dtype)) + " " + out.shape_str());
+  check_sum_squares_args(out);
   const int64_t n = x.numel();
   if (n == 0) return;  // out[0] += 0
   // Grid from numel alone (4 elements per thread before the grid is capped): the summation order,

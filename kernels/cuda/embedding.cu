@@ -16,6 +16,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/embedding_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/embedding.hpp"
 
@@ -67,24 +68,11 @@ __global__ void embedding_backward_kernel(T* dtable, const T* dout, const int32_
 
 // ---- host side ----------------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
-void check_ids(const Tensor& ids, int64_t n, const char* op) {
-  MOE_CHECK(ids.dtype == DType::i32,
-            std::string(op) + ": ids must be i32, got " + dtype_name(ids.dtype));
-  check_shape(ids, {n}, (std::string(op) + ": ids").c_str());
-}
-
 // out: [N, d], ids: [N], table: [V, d]
 void embedding_forward_cuda(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
-  MOE_CHECK(table.ndim == 2, "embedding_forward: table must be [V, d], got " + table.shape_str());
+  check_embedding_forward_args(out, ids, table);
   const int64_t vocab = table.size(0), d = table.size(1), n = ids.numel();
-  check_shape(out, {n, d}, "embedding_forward: out");
-  check_same_dtype(out, table, "embedding_forward: out, table");
-  check_ids(ids, n, "embedding_forward");
+  check_embedding_ids_args(ids, n, "embedding_forward");
   if (n * d == 0) return;
   dispatch_storage(table.dtype, "embedding_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -98,12 +86,9 @@ void embedding_forward_cuda(Ctx& ctx, Tensor out, Tensor ids, Tensor table) {
 
 // dtable: [V, d] (+=), dout: [N, d], ids: [N]
 void embedding_backward_cuda(Ctx& ctx, Tensor dtable, Tensor dout, Tensor ids) {
-  MOE_CHECK(dtable.ndim == 2,
-            "embedding_backward: dtable must be [V, d], got " + dtable.shape_str());
+  check_embedding_backward_args(dtable, dout, ids);
   const int64_t vocab = dtable.size(0), d = dtable.size(1), n = ids.numel();
-  check_shape(dout, {n, d}, "embedding_backward: dout");
-  check_same_dtype(dout, dtable, "embedding_backward: dout, dtable");
-  check_ids(ids, n, "embedding_backward");
+  check_embedding_ids_args(ids, n, "embedding_backward");
   if (n * d == 0 || vocab == 0) return;
   const int64_t column_blocks = blocks_for(d, kColumns);
   MOE_CHECK(column_blocks <= 0x7fffffff, "embedding_backward: d too large");

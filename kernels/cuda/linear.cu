@@ -26,6 +26,7 @@
 #include <climits>
 #include <string>
 
+#include "common/linear_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/linear.hpp"
 
@@ -203,11 +204,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- host side: cuBLAS --------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
 int as_int(int64_t v, const char* op) {
   MOE_CHECK(v <= INT_MAX,
             std::string(op) + ": dimension " + std::to_string(v) + " exceeds the cuBLAS int range");
@@ -276,24 +272,9 @@ void check_float(DType t, const char* op) {
             std::string(op) + ": unsupported dtype " + dtype_name(t));
 }
 
-struct LinearDims {
-  int64_t n, in, out;
-};
-
-LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
-  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [N, in], got " + x.shape_str());
-  MOE_CHECK(w.ndim == 2, std::string(op) + ": w must be [out, in], got " + w.shape_str());
-  MOE_CHECK(w.size(1) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
-                                        w.shape_str() + " disagree on in_features");
-  return {x.size(0), x.size(1), w.size(0)};
-}
-
 // y: [N, out] (= or +=), x: [N, in], w: [out, in]
 void linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate) {
-  const LinearDims s = linear_dims(x, w, "linear_forward");
-  check_shape(y, {s.n, s.out}, "linear_forward: y");
-  check_same_dtype(x, w, "linear_forward: x, w");
-  check_same_dtype(y, x, "linear_forward: y, x");
+  const LinearDims s = check_linear_forward_args(y, x, w);
   check_float(x.dtype, "linear_forward");
   if (s.n == 0 || s.out == 0) return;
   if (s.in == 0) {  // y = 0 (or += 0)
@@ -308,12 +289,7 @@ void linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate
 // dx: [N, in] (= or +=; skipped when empty), dw: [out, in] (+=), dy: [N, out]
 void linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                           bool accumulate_dx) {
-  const LinearDims s = linear_dims(x, w, "linear_backward");
-  check_shape(dy, {s.n, s.out}, "linear_backward: dy");
-  check_shape(dw, {s.out, s.in}, "linear_backward: dw");
-  if (!dx.empty()) check_shape(dx, {s.n, s.in}, "linear_backward: dx");
-  for (const Tensor* t : {&dw, &dy, &w}) check_same_dtype(*t, x, "linear_backward");
-  if (!dx.empty()) check_same_dtype(dx, x, "linear_backward: dx, x");
+  const LinearDims s = check_linear_backward_args(dx, dw, dy, x, w);
   check_float(x.dtype, "linear_backward");
   if (s.n == 0 || s.in == 0) return;  // dx has no elements; dw += 0
   if (!dx.empty()) {
@@ -333,20 +309,10 @@ void linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, T
 
 // ---- host side: grouped -------------------------------------------------------------------------
 
-struct GroupedDims {
-  int64_t rows, in, out, experts;
-};
-
 GroupedDims grouped_dims(const Tensor& x, const Tensor& w, const Tensor& offsets, const char* op) {
   const std::string name(op);
-  MOE_CHECK(x.ndim == 2, name + ": x must be [R, in], got " + x.shape_str());
-  MOE_CHECK(w.ndim == 3, name + ": w must be [E, out, in], got " + w.shape_str());
-  MOE_CHECK(w.size(2) == x.size(1),
-            name + ": x " + x.shape_str() + " and w " + w.shape_str() + " disagree on in_features");
-  const GroupedDims s{x.size(0), x.size(1), w.size(1), w.size(0)};
-  MOE_CHECK(offsets.dtype == DType::i32,
-            name + ": offsets must be i32, got " + dtype_name(offsets.dtype));
-  check_shape(offsets, {s.experts + 1}, (name + ": offsets").c_str());
+  const GroupedDims s = linear_grouped_dims(x, w, op);
+  check_grouped_offsets_args(offsets, s.experts, op);
   MOE_CHECK(offsets.device == x.device,
             name + ": offsets must be on " + x.device.str() + ", got " + offsets.device.str());
   MOE_CHECK(s.experts <= 65535, name + ": at most 65535 experts, got " + std::to_string(s.experts));
@@ -358,9 +324,7 @@ GroupedDims grouped_dims(const Tensor& x, const Tensor& w, const Tensor& offsets
 // y: [R, out], x: [R, in], w: [E, out, in], offsets: [E+1] (device)
 void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets) {
   const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_forward");
-  check_shape(y, {s.rows, s.out}, "grouped_linear_forward: y");
-  check_same_dtype(x, w, "grouped_linear_forward: x, w");
-  check_same_dtype(y, x, "grouped_linear_forward: y, x");
+  check_grouped_linear_forward_args(s, y, x, w);
   if (s.rows == 0 || s.out == 0 || s.experts == 0) return;
   dispatch_storage(x.dtype, "grouped_linear_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -377,10 +341,7 @@ void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor 
 void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                                   Tensor offsets) {
   const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_backward");
-  check_shape(dx, {s.rows, s.in}, "grouped_linear_backward: dx");
-  check_shape(dy, {s.rows, s.out}, "grouped_linear_backward: dy");
-  check_shape(dw, {s.experts, s.out, s.in}, "grouped_linear_backward: dw");
-  for (const Tensor* t : {&dx, &dw, &dy, &w}) check_same_dtype(*t, x, "grouped_linear_backward");
+  check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
   if (s.rows == 0 || s.experts == 0 || s.in == 0) return;  // nothing to write; dw += 0
   dispatch_storage(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);

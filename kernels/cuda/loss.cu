@@ -22,7 +22,9 @@
 #include <limits>
 #include <string>
 
+#include "common/loss_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/warp_reduce.cuh"
 #include "moe/ops/loss.hpp"
 
 namespace moe::cuda_detail::loss_impl {
@@ -33,23 +35,6 @@ constexpr int kRowThreads = 256;  // threads per cross-entropy row
 constexpr int kBceSumThreads = 1024;
 constexpr int kElementwiseThreads = 256;
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
-__device__ __forceinline__ float dev_exp(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double dev_exp(double x) {
-  return exp(x);
-}
-__device__ __forceinline__ float dev_log(float x) {
-  return logf(x);
-}
-__device__ __forceinline__ double dev_log(double x) {
-  return log(x);
-}
 __device__ __forceinline__ float dev_log1p(float x) {
   return log1pf(x);
 }
@@ -61,11 +46,6 @@ __device__ __forceinline__ float dev_abs(float x) {
 }
 __device__ __forceinline__ double dev_abs(double x) {
   return fabs(x);
-}
-
-template <class A>
-__device__ __forceinline__ A neg_inf() {
-  return -std::numeric_limits<A>::infinity();
 }
 
 // Merges the log-sum-exp state (m2, s2) into (m, s): sum exp(x - m) over both sets. A state that
@@ -205,18 +185,7 @@ __global__ void bce_backward_kernel(T* dlogits, const T* logits, const T* __rest
   }
 }
 
-void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op) {
-  for (const Tensor* t : ts)
-    MOE_CHECK(t->device.type == DeviceType::cuda,
-              std::string(op) + ": tensor on " + t->device.str() + ", expected a CUDA device");
-}
-
 // Host-side part of the CPU op's target check: shape and dtype (values are on the device).
-void check_targets(const Tensor& targets, int64_t n, const char* op) {
-  check_shape(targets, {n}, (std::string(op) + ": targets").c_str());
-  MOE_CHECK(targets.dtype == DType::i32, std::string(op) + ": targets must be i32");
-}
-
 unsigned elementwise_blocks(int64_t n) {
   const int64_t cap = int64_t{1} << 16;  // grid-stride beyond this
   const int64_t b = (n + kElementwiseThreads - 1) / kElementwiseThreads;
@@ -227,14 +196,9 @@ unsigned elementwise_blocks(int64_t n) {
 
 void cross_entropy_forward_cuda(Ctx& ctx, Tensor losses, Tensor lse, Tensor logits,
                                 Tensor targets) {
-  MOE_CHECK(logits.ndim == 2,
-            "cross_entropy_forward: logits must be [N, V], got " + logits.shape_str());
+  check_cross_entropy_forward_args(losses, lse, logits);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_shape(losses, {n}, "cross_entropy_forward: losses");
-  check_shape(lse, {n}, "cross_entropy_forward: lse");
-  check_same_dtype(losses, logits, "cross_entropy_forward: losses, logits");
-  check_same_dtype(lse, logits, "cross_entropy_forward: lse, logits");
-  check_targets(targets, n, "cross_entropy_forward");
+  check_loss_targets_args(targets, n, "cross_entropy_forward");
   check_on_gpu({&losses, &lse, &logits, &targets}, "cross_entropy_forward");
   if (n == 0) return;
   MOE_CHECK(n <= std::numeric_limits<int32_t>::max(), "cross_entropy_forward: too many rows");
@@ -249,14 +213,9 @@ void cross_entropy_forward_cuda(Ctx& ctx, Tensor losses, Tensor lse, Tensor logi
 
 void cross_entropy_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor lse,
                                  Tensor targets, double grad_scale) {
-  MOE_CHECK(logits.ndim == 2,
-            "cross_entropy_backward: logits must be [N, V], got " + logits.shape_str());
+  check_cross_entropy_backward_args(dlogits, logits, lse);
   const int64_t n = logits.size(0), v = logits.size(1);
-  check_shape(dlogits, {n, v}, "cross_entropy_backward: dlogits");
-  check_shape(lse, {n}, "cross_entropy_backward: lse");
-  check_same_dtype(dlogits, logits, "cross_entropy_backward: dlogits, logits");
-  check_same_dtype(lse, logits, "cross_entropy_backward: lse, logits");
-  check_targets(targets, n, "cross_entropy_backward");
+  check_loss_targets_args(targets, n, "cross_entropy_backward");
   check_on_gpu({&dlogits, &logits, &lse, &targets}, "cross_entropy_backward");
   if (n == 0) return;
   MOE_CHECK(n <= std::numeric_limits<int32_t>::max(), "cross_entropy_backward: too many rows");
@@ -270,12 +229,7 @@ void cross_entropy_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor
 }
 
 void bce_with_logits_forward_cuda(Ctx& ctx, Tensor loss, Tensor logits, Tensor targets) {
-  MOE_CHECK(logits.ndim == 1,
-            "bce_with_logits_forward: logits must be [N], got " + logits.shape_str());
-  check_shape(loss, {1}, "bce_with_logits_forward: loss");
-  check_shape(targets, {logits.size(0)}, "bce_with_logits_forward: targets");
-  check_same_dtype(loss, logits, "bce_with_logits_forward: loss, logits");
-  check_same_dtype(targets, logits, "bce_with_logits_forward: targets, logits");
+  check_bce_with_logits_forward_args(loss, logits, targets);
   check_on_gpu({&loss, &logits, &targets}, "bce_with_logits_forward");
   dispatch_storage(logits.dtype, "bce_with_logits_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -287,12 +241,7 @@ void bce_with_logits_forward_cuda(Ctx& ctx, Tensor loss, Tensor logits, Tensor t
 
 void bce_with_logits_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor targets,
                                    double grad_scale) {
-  MOE_CHECK(logits.ndim == 1,
-            "bce_with_logits_backward: logits must be [N], got " + logits.shape_str());
-  check_shape(dlogits, {logits.size(0)}, "bce_with_logits_backward: dlogits");
-  check_shape(targets, {logits.size(0)}, "bce_with_logits_backward: targets");
-  check_same_dtype(dlogits, logits, "bce_with_logits_backward: dlogits, logits");
-  check_same_dtype(targets, logits, "bce_with_logits_backward: targets, logits");
+  check_bce_with_logits_backward_args(dlogits, logits, targets);
   check_on_gpu({&dlogits, &logits, &targets}, "bce_with_logits_backward");
   const int64_t n = logits.size(0);
   if (n == 0) return;

@@ -16,7 +16,9 @@
 #include <cstdint>
 #include <string>
 
+#include "common/mod_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/warp_reduce.cuh"
 #include "moe/ops/mod.hpp"
 
 namespace moe::cuda_detail {
@@ -27,12 +29,6 @@ constexpr int kWarp = 32;
 constexpr int kSelectThreads = 512;
 constexpr int kRowThreads = 256;
 
-__device__ __forceinline__ float dev_exp(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double dev_exp(double x) {
-  return exp(x);
-}
 template <class A>
 __device__ __forceinline__ A sigmoid(A x) {
   return A(1) / (A(1) + dev_exp(-x));
@@ -180,34 +176,10 @@ __global__ void __launch_bounds__(kRowThreads)
 // ---- host side ----------------------------------------------------------------------------------
 
 // The sequence length T of x: [B*T, d] for sel: [B, C], checked.
-int64_t seq_len(const Tensor& x, const Tensor& sel, const char* op) {
-  MOE_CHECK(x.ndim == 2 && sel.ndim == 2, std::string(op) +
-                                              ": x must be [B*T, d] and sel [B, C], "
-                                              "got " +
-                                              x.shape_str() + " and " + sel.shape_str());
-  const int64_t b = sel.size(0);
-  MOE_CHECK(b > 0 && x.size(0) % b == 0, std::string(op) + ": " + std::to_string(x.size(0)) +
-                                             " rows is not B*T for B = " + std::to_string(b));
-  return x.size(0) / b;
-}
-
 // Host-side part of the CPU's sel check (the values live on the device).
-void check_sel(const Tensor& sel, int64_t t, const char* op) {
-  MOE_CHECK(sel.dtype == DType::i32, std::string(op) + ": sel must be i32");
-  MOE_CHECK(sel.size(1) <= t, std::string(op) + ": C = " + std::to_string(sel.size(1)) +
-                                  " exceeds T = " + std::to_string(t));
-}
-
 void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
-  MOE_CHECK(scores.ndim == 2 && sel.ndim == 2,
-            "mod_select: scores must be [B, T] and sel [B, C], got " + scores.shape_str() +
-                " and " + sel.shape_str());
+  check_mod_select_args(sel, mask, scores);
   const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
-  MOE_CHECK(c <= t, "mod_select: C = " + std::to_string(c) + " exceeds T = " + std::to_string(t));
-  check_shape(sel, {b, c}, "mod_select: sel");
-  check_shape(mask, {b, t}, "mod_select: mask");
-  check_same_dtype(mask, scores, "mod_select: mask, scores");
-  MOE_CHECK(sel.dtype == DType::i32, "mod_select: sel must be i32");
   if (b == 0 || t == 0) return;
   dispatch_storage(scores.dtype, "mod_select", [&](auto zero) {
     using T = decltype(zero);
@@ -219,8 +191,8 @@ void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
 }
 
 void mod_gather_forward(Ctx& ctx, Tensor xs, Tensor x, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_gather_forward");
-  check_sel(sel, t, "mod_gather_forward");
+  const int64_t t = mod_seq_len(x, sel, "mod_gather_forward");
+  check_mod_sel_args(sel, t, "mod_gather_forward");
   const int64_t rows = sel.size(0) * sel.size(1), d = x.size(1);
   check_shape(xs, {rows, d}, "mod_gather_forward: xs");
   check_same_dtype(xs, x, "mod_gather_forward: xs, x");
@@ -235,8 +207,8 @@ void mod_gather_forward(Ctx& ctx, Tensor xs, Tensor x, Tensor sel) {
 }
 
 void mod_gather_backward(Ctx& ctx, Tensor dx, Tensor dxs, Tensor sel) {
-  const int64_t t = seq_len(dx, sel, "mod_gather_backward");
-  check_sel(sel, t, "mod_gather_backward");
+  const int64_t t = mod_seq_len(dx, sel, "mod_gather_backward");
+  check_mod_sel_args(sel, t, "mod_gather_backward");
   const int64_t rows = sel.size(0) * sel.size(1), d = dx.size(1);
   check_shape(dxs, {rows, d}, "mod_gather_backward: dxs");
   check_same_dtype(dxs, dx, "mod_gather_backward: dxs, dx");
@@ -251,15 +223,10 @@ void mod_gather_backward(Ctx& ctx, Tensor dx, Tensor dxs, Tensor sel) {
 }
 
 void mod_scatter_forward(Ctx& ctx, Tensor out, Tensor x, Tensor ys, Tensor scores, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_scatter_forward");
-  check_sel(sel, t, "mod_scatter_forward");
+  const int64_t t = mod_seq_len(x, sel, "mod_scatter_forward");
+  check_mod_sel_args(sel, t, "mod_scatter_forward");
+  check_mod_scatter_forward_args(out, x, ys, scores, sel, t);
   const int64_t b = sel.size(0), c = sel.size(1), d = x.size(1);
-  check_shape(out, {b * t, d}, "mod_scatter_forward: out");
-  check_shape(ys, {b * c, d}, "mod_scatter_forward: ys");
-  check_shape(scores, {b, t}, "mod_scatter_forward: scores");
-  check_same_dtype(out, x, "mod_scatter_forward: out, x");
-  check_same_dtype(ys, x, "mod_scatter_forward: ys, x");
-  check_same_dtype(scores, x, "mod_scatter_forward: scores, x");
   cudaStream_t stream = stream_of(ctx);
   if (out.data != x.data && x.nbytes() > 0)  // skipped rows: out = x
     MOE_CUDA_CHECK(cudaMemcpyAsync(out.data, x.data, x.nbytes(), cudaMemcpyDeviceToDevice, stream));
@@ -275,17 +242,10 @@ void mod_scatter_forward(Ctx& ctx, Tensor out, Tensor x, Tensor ys, Tensor score
 
 void mod_scatter_backward(Ctx& ctx, Tensor dx, Tensor dys, Tensor dscores, Tensor dout, Tensor x,
                           Tensor ys, Tensor scores, Tensor sel) {
-  const int64_t t = seq_len(x, sel, "mod_scatter_backward");
-  check_sel(sel, t, "mod_scatter_backward");
+  const int64_t t = mod_seq_len(x, sel, "mod_scatter_backward");
+  check_mod_sel_args(sel, t, "mod_scatter_backward");
+  check_mod_scatter_backward_args(dx, dys, dscores, dout, x, ys, scores, sel, t);
   const int64_t b = sel.size(0), c = sel.size(1), d = x.size(1);
-  check_shape(dx, {b * t, d}, "mod_scatter_backward: dx");
-  check_shape(dout, {b * t, d}, "mod_scatter_backward: dout");
-  check_shape(ys, {b * c, d}, "mod_scatter_backward: ys");
-  check_shape(dys, {b * c, d}, "mod_scatter_backward: dys");
-  check_shape(scores, {b, t}, "mod_scatter_backward: scores");
-  check_shape(dscores, {b, t}, "mod_scatter_backward: dscores");
-  for (const Tensor* u : {&dx, &dys, &dscores, &dout, &ys, &scores})
-    check_same_dtype(*u, x, "mod_scatter_backward: float arguments");
   cudaStream_t stream = stream_of(ctx);
   if (dx.data != dout.data && dout.nbytes() > 0)  // skipped rows: dx = dout
     MOE_CUDA_CHECK(

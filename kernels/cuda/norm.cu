@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/norm_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/norm.hpp"
 
@@ -106,11 +107,6 @@ __global__ void rmsnorm_dw_kernel(T* dw, const T* dy, const T* x, const T* rstd,
 
 // ---- host side ----------------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
 // Threads of a per-row block: a multiple of 32, no more than the row needs, at most 256.
 int row_threads(int64_t d) {
   return static_cast<int>(
@@ -123,14 +119,8 @@ void check_rows(int64_t n) {
 
 // y: [N, d], rstd: [N], x: [N, d], w: [d]
 void rmsnorm_forward_cuda(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, double eps) {
-  MOE_CHECK(x.ndim == 2, "rmsnorm_forward: x must be [N, d], got " + x.shape_str());
+  check_rmsnorm_forward_args(y, rstd, x, w);
   const int64_t n = x.size(0), d = x.size(1);
-  check_shape(y, {n, d}, "rmsnorm_forward: y");
-  check_shape(rstd, {n}, "rmsnorm_forward: rstd");
-  check_shape(w, {d}, "rmsnorm_forward: w");
-  check_same_dtype(y, x, "rmsnorm_forward: y, x");
-  check_same_dtype(rstd, x, "rmsnorm_forward: rstd, x");
-  check_same_dtype(w, x, "rmsnorm_forward: w, x");
   check_rows(n);
   if (n == 0) return;
   dispatch_storage(x.dtype, "rmsnorm_forward", [&](auto zero) {
@@ -145,14 +135,8 @@ void rmsnorm_forward_cuda(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, d
 // dx: [N, d] (overwritten), dw: [d] (+=), dy, x: [N, d], w: [d], rstd: [N]
 void rmsnorm_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                            Tensor rstd) {
-  MOE_CHECK(x.ndim == 2, "rmsnorm_backward: x must be [N, d], got " + x.shape_str());
+  check_rmsnorm_backward_args(dx, dw, dy, x, w, rstd);
   const int64_t n = x.size(0), d = x.size(1);
-  check_shape(dx, {n, d}, "rmsnorm_backward: dx");
-  check_shape(dy, {n, d}, "rmsnorm_backward: dy");
-  check_shape(dw, {d}, "rmsnorm_backward: dw");
-  check_shape(w, {d}, "rmsnorm_backward: w");
-  check_shape(rstd, {n}, "rmsnorm_backward: rstd");
-  for (const Tensor* t : {&dx, &dw, &dy, &w, &rstd}) check_same_dtype(*t, x, "rmsnorm_backward");
   check_rows(n);
   if (n == 0 || d == 0) return;
   dispatch_storage(x.dtype, "rmsnorm_backward", [&](auto zero) {

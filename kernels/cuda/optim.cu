@@ -10,6 +10,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/optim_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/optim.hpp"
 
@@ -18,11 +19,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
-
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
 
 __device__ __forceinline__ float dev_sqrt(float x) {
   return sqrtf(x);
@@ -57,13 +53,7 @@ __global__ void __launch_bounds__(kThreads)
 
 void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   const int64_t n = p.numel();
-  MOE_CHECK(g.numel() == n && m.numel() == n && v.numel() == n,
-            "adamw_step: p " + p.shape_str() + ", g " + g.shape_str() + ", m " + m.shape_str() +
-                ", v " + v.shape_str() + " differ in size");
-  check_same_dtype(g, p, "adamw_step: g, p");
-  check_same_dtype(m, p, "adamw_step: m, p");
-  check_same_dtype(v, p, "adamw_step: v, p");
-  MOE_CHECK(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
+  check_adamw_step_args(p, g, m, v, a);
   for (const Tensor* t : {&p, &g, &m, &v})
     MOE_CHECK(t->device.type == DeviceType::cuda,
               "adamw_step: tensor on " + t->device.str() + ", expected a CUDA device");

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/permute_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/permute.hpp"
 
@@ -171,31 +172,11 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // ---- host side ----------------------------------------------------------------------------------
 
-void check_i32(const Tensor& t, const char* what) {
-  MOE_CHECK(t.dtype == DType::i32, std::string(what) + " must be i32, got " + dtype_name(t.dtype));
-}
-
-int64_t slots_per_token(int64_t slots, int64_t n_tok, const char* op) {
-  MOE_CHECK(n_tok > 0 ? slots % n_tok == 0 : slots == 0,
-            std::string(op) + ": " + std::to_string(slots) + " routed slots is not a multiple of " +
-                std::to_string(n_tok) + " tokens");
-  return n_tok > 0 ? slots / n_tok : 0;
-}
-
 void moe_permute_plan(Ctx& ctx, Tensor offsets, Tensor row_token, Tensor slot_row,
                       Tensor topk_idx) {
-  MOE_CHECK(topk_idx.ndim == 2 && offsets.ndim == 1,
-            "moe_permute_plan: topk_idx must be [N, K] and offsets [E+1], got " +
-                topk_idx.shape_str() + " and " + offsets.shape_str());
+  check_moe_permute_plan_args(offsets, row_token, slot_row, topk_idx);
   const int64_t n_tok = topk_idx.size(0), k = topk_idx.size(1), slots = n_tok * k;
   const int64_t n_exp = offsets.size(0) - 1;
-  MOE_CHECK(n_exp >= 1, "moe_permute_plan: offsets must have E+1 >= 2 entries");
-  check_shape(row_token, {slots}, "moe_permute_plan: row_token");
-  check_shape(slot_row, {slots}, "moe_permute_plan: slot_row");
-  check_i32(offsets, "moe_permute_plan: offsets");
-  check_i32(row_token, "moe_permute_plan: row_token");
-  check_i32(slot_row, "moe_permute_plan: slot_row");
-  check_i32(topk_idx, "moe_permute_plan: topk_idx");
   MOE_CHECK(slots < (int64_t{1} << 31), "moe_permute_plan: N*K must fit in i32");
   cudaStream_t stream = stream_of(ctx);
   const int32_t* expert = static_cast<const int32_t*>(topk_idx.data);
@@ -215,13 +196,8 @@ void moe_permute_plan(Ctx& ctx, Tensor offsets, Tensor row_token, Tensor slot_ro
 }
 
 void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
-  MOE_CHECK(x.ndim == 2 && row_token.ndim == 1,
-            "permute_forward: x must be [N, d] and row_token [N*K], got " + x.shape_str() +
-                " and " + row_token.shape_str());
+  check_permute_forward_args(xp, x, row_token);
   const int64_t rows = row_token.size(0), n_tok = x.size(0), d = x.size(1);
-  check_shape(xp, {rows, d}, "permute_forward: xp");
-  check_same_dtype(xp, x, "permute_forward: xp, x");
-  check_i32(row_token, "permute_forward: row_token");
   if (rows == 0 || d == 0) return;
   dispatch_storage(x.dtype, "permute_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -233,14 +209,8 @@ void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
 }
 
 void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor slot_row) {
-  MOE_CHECK(dx.ndim == 2 && slot_row.ndim == 1,
-            "permute_backward: dx must be [N, d] and slot_row [N*K], got " + dx.shape_str() +
-                " and " + slot_row.shape_str());
+  const int64_t k = check_permute_backward_args(dx, dxp, slot_row);
   const int64_t n_tok = dx.size(0), d = dx.size(1), slots = slot_row.size(0);
-  const int64_t k = slots_per_token(slots, n_tok, "permute_backward");
-  check_shape(dxp, {slots, d}, "permute_backward: dxp");
-  check_same_dtype(dxp, dx, "permute_backward: dxp, dx");
-  check_i32(slot_row, "permute_backward: slot_row");
   if (n_tok == 0 || d == 0) return;
   dispatch_storage(dx.dtype, "permute_backward", [&](auto zero) {
     using T = decltype(zero);
@@ -252,16 +222,8 @@ void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor slot_row) {
 }
 
 void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row) {
-  MOE_CHECK(y.ndim == 2 && topk_w.ndim == 2,
-            "combine_forward: y must be [N, d] and topk_w [N, K], got " + y.shape_str() + " and " +
-                topk_w.shape_str());
+  check_combine_forward_args(y, yp, topk_w, slot_row);
   const int64_t n_tok = y.size(0), d = y.size(1), k = topk_w.size(1);
-  check_shape(topk_w, {n_tok, k}, "combine_forward: topk_w");
-  check_shape(yp, {n_tok * k, d}, "combine_forward: yp");
-  check_shape(slot_row, {n_tok * k}, "combine_forward: slot_row");
-  check_same_dtype(yp, y, "combine_forward: yp, y");
-  check_same_dtype(topk_w, y, "combine_forward: topk_w, y");
-  check_i32(slot_row, "combine_forward: slot_row");
   if (n_tok == 0 || d == 0) return;
   dispatch_storage(y.dtype, "combine_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -274,20 +236,8 @@ void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_r
 
 void combine_backward(Ctx& ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
                       Tensor slot_row) {
-  MOE_CHECK(dy.ndim == 2 && topk_w.ndim == 2,
-            "combine_backward: dy must be [N, d] and topk_w [N, K], got " + dy.shape_str() +
-                " and " + topk_w.shape_str());
+  check_combine_backward_args(dyp, dtopk_w, dy, yp, topk_w, slot_row);
   const int64_t n_tok = dy.size(0), d = dy.size(1), k = topk_w.size(1);
-  check_shape(topk_w, {n_tok, k}, "combine_backward: topk_w");
-  check_shape(dtopk_w, {n_tok, k}, "combine_backward: dtopk_w");
-  check_shape(yp, {n_tok * k, d}, "combine_backward: yp");
-  check_shape(dyp, {n_tok * k, d}, "combine_backward: dyp");
-  check_shape(slot_row, {n_tok * k}, "combine_backward: slot_row");
-  check_same_dtype(dyp, dy, "combine_backward: dyp, dy");
-  check_same_dtype(dtopk_w, dy, "combine_backward: dtopk_w, dy");
-  check_same_dtype(yp, dy, "combine_backward: yp, dy");
-  check_same_dtype(topk_w, dy, "combine_backward: topk_w, dy");
-  check_i32(slot_row, "combine_backward: slot_row");
   if (n_tok == 0 || k == 0) return;
   dispatch_storage(dy.dtype, "combine_backward", [&](auto zero) {
     using T = decltype(zero);

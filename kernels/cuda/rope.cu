@@ -16,6 +16,7 @@
 #include <cmath>
 #include <string>
 
+#include "common/rope_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/rope.hpp"
 
@@ -67,34 +68,13 @@ __global__ void rope_rotate_kernel(T* x, const int32_t* pos, const T* cos_t, con
 
 // ---- host side ----------------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
 unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
 }
 
-// Checks x: [N, H, hd], pos: [N] i32, cos/sin: [P, hd/2] (shapes and dtypes; not the values).
-void check_rope_args(const Tensor& x, const Tensor& pos, const Tensor& cos_t, const Tensor& sin_t,
-                     const char* op) {
-  const std::string name(op);
-  MOE_CHECK(x.ndim == 3, name + ": x must be [N, H, hd], got " + x.shape_str());
-  MOE_CHECK(x.size(2) % 2 == 0, name + ": head_dim must be even, got " + x.shape_str());
-  MOE_CHECK(cos_t.ndim == 2, name + ": cos must be [P, hd/2], got " + cos_t.shape_str());
-  const int64_t n = x.size(0), half = x.size(2) / 2, max_pos = cos_t.size(0);
-  check_shape(cos_t, {max_pos, half}, (name + ": cos").c_str());
-  check_shape(sin_t, {max_pos, half}, (name + ": sin").c_str());
-  check_same_dtype(cos_t, x, (name + ": cos, x").c_str());
-  check_same_dtype(sin_t, x, (name + ": sin, x").c_str());
-  MOE_CHECK(pos.dtype == DType::i32, name + ": pos must be i32, got " + dtype_name(pos.dtype));
-  check_shape(pos, {n}, (name + ": pos").c_str());
-}
-
 void rotate(Ctx& ctx, Tensor x, Tensor pos, Tensor cos_t, Tensor sin_t, double sign,
             const char* op) {
-  check_rope_args(x, pos, cos_t, sin_t, op);
+  check_rope_rotate_args(x, pos, cos_t, sin_t, op);
   const int64_t n = x.size(0), heads = x.size(1), half = x.size(2) / 2, max_pos = cos_t.size(0);
   const int64_t total = n * heads * half;
   if (total == 0) return;
@@ -109,11 +89,8 @@ void rotate(Ctx& ctx, Tensor x, Tensor pos, Tensor cos_t, Tensor sin_t, double s
 
 // cos, sin: [P, hd/2]
 void rope_table_cuda(Ctx& ctx, Tensor cos_t, Tensor sin_t, double theta) {
-  MOE_CHECK(cos_t.ndim == 2, "rope_table: cos must be [P, hd/2], got " + cos_t.shape_str());
+  check_rope_table_args(cos_t, sin_t, theta);
   const int64_t max_pos = cos_t.size(0), half = cos_t.size(1);
-  check_shape(sin_t, {max_pos, half}, "rope_table: sin");
-  check_same_dtype(cos_t, sin_t, "rope_table: cos, sin");
-  MOE_CHECK(theta > 0, "rope_table: theta must be positive, got " + std::to_string(theta));
   const int64_t total = max_pos * half;
   if (total == 0) return;
   dispatch_storage(cos_t.dtype, "rope_table", [&](auto zero) {

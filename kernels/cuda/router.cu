@@ -23,7 +23,9 @@
 #include <cstdint>
 #include <string>
 
+#include "common/router_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/warp_reduce.cuh"
 #include "moe/ops/router.hpp"
 
 namespace moe::cuda_detail {
@@ -34,24 +36,6 @@ constexpr int kWarp = 32;
 constexpr int kTokensPerBlock = 8;  // warps per block of the per-token kernels
 constexpr int kAuxThreads = 1024;   // the single block of the aux-loss forward
 
-__device__ __forceinline__ float dev_exp(float x) {
-  return expf(x);
-}
-__device__ __forceinline__ double dev_exp(double x) {
-  return exp(x);
-}
-__device__ __forceinline__ float dev_log(float x) {
-  return logf(x);
-}
-__device__ __forceinline__ double dev_log(double x) {
-  return log(x);
-}
-
-template <class A>
-__device__ __forceinline__ A warp_sum(A v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
 template <class A>
 __device__ __forceinline__ A warp_max(A v) {
   for (int o = kWarp / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
@@ -293,40 +277,10 @@ unsigned token_blocks(int64_t n_tok) {
   return blocks_for(n_tok, kTokensPerBlock);
 }
 
-void check_aux_args(const Tensor& logits, const Tensor& probs, const Tensor& counts, int k,
-                    const char* op) {
-  MOE_CHECK(logits.ndim == 2,
-            std::string(op) + ": logits must be [N, E], got " + logits.shape_str());
-  const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
-  check_shape(probs, {n_tok, n_exp}, (std::string(op) + ": probs").c_str());
-  check_shape(counts, {n_exp}, (std::string(op) + ": counts").c_str());
-  check_same_dtype(probs, logits, (std::string(op) + ": probs, logits").c_str());
-  MOE_CHECK(counts.dtype == DType::i32, std::string(op) + ": counts must be i32");
-  MOE_CHECK(k >= 1 && k <= n_exp, std::string(op) + ": k = " + std::to_string(k) +
-                                      " outside [1, E = " + std::to_string(n_exp) + "]");
-}
-
 void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts,
                          Tensor logits, Tensor bias, bool norm_topk_prob) {
-  MOE_CHECK(logits.ndim == 2,
-            "router_topk_forward: logits must be [N, E], got " + logits.shape_str());
-  MOE_CHECK(topk_idx.ndim == 2,
-            "router_topk_forward: topk_idx must be [N, K], got " + topk_idx.shape_str());
+  check_router_topk_forward_args(probs, topk_idx, topk_w, counts, logits, bias);
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1), k = topk_idx.size(1);
-  MOE_CHECK(k >= 1 && k <= n_exp, "router_topk_forward: K = " + std::to_string(k) +
-                                      " outside [1, E = " + std::to_string(n_exp) + "]");
-  check_shape(probs, {n_tok, n_exp}, "router_topk_forward: probs");
-  check_shape(topk_idx, {n_tok, k}, "router_topk_forward: topk_idx");
-  check_shape(topk_w, {n_tok, k}, "router_topk_forward: topk_w");
-  check_shape(counts, {n_exp}, "router_topk_forward: counts");
-  check_same_dtype(probs, logits, "router_topk_forward: probs, logits");
-  check_same_dtype(topk_w, logits, "router_topk_forward: topk_w, logits");
-  MOE_CHECK(topk_idx.dtype == DType::i32 && counts.dtype == DType::i32,
-            "router_topk_forward: topk_idx and counts must be i32");
-  if (!bias.empty()) {
-    check_shape(bias, {n_exp}, "router_topk_forward: bias");
-    check_same_dtype(bias, logits, "router_topk_forward: bias, logits");
-  }
   cudaStream_t stream = stream_of(ctx);
   MOE_CUDA_CHECK(cudaMemsetAsync(counts.data, 0, counts.nbytes(), stream));
   if (n_tok == 0) return;
@@ -343,16 +297,8 @@ void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w,
 
 void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs, Tensor topk_idx,
                           bool norm_topk_prob) {
-  MOE_CHECK(probs.ndim == 2 && topk_idx.ndim == 2,
-            "router_topk_backward: probs must be [N, E] and topk_idx [N, K], got " +
-                probs.shape_str() + " and " + topk_idx.shape_str());
+  check_router_topk_backward_args(dlogits, dtopk_w, probs, topk_idx);
   const int64_t n_tok = probs.size(0), n_exp = probs.size(1), k = topk_idx.size(1);
-  check_shape(dlogits, {n_tok, n_exp}, "router_topk_backward: dlogits");
-  check_shape(dtopk_w, {n_tok, k}, "router_topk_backward: dtopk_w");
-  check_shape(topk_idx, {n_tok, k}, "router_topk_backward: topk_idx");
-  check_same_dtype(dlogits, probs, "router_topk_backward: dlogits, probs");
-  check_same_dtype(dtopk_w, probs, "router_topk_backward: dtopk_w, probs");
-  MOE_CHECK(topk_idx.dtype == DType::i32, "router_topk_backward: topk_idx must be i32");
   if (n_tok == 0) return;
   dispatch_storage(probs.dtype, "router_topk_backward", [&](auto zero) {
     using T = decltype(zero);
@@ -366,9 +312,7 @@ void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs
 
 void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor probs, Tensor counts,
                              int k, double aux_coef, double z_coef) {
-  check_aux_args(logits, probs, counts, k, "router_aux_loss_forward");
-  check_shape(losses, {2}, "router_aux_loss_forward: losses");
-  check_same_dtype(losses, logits, "router_aux_loss_forward: losses, logits");
+  check_router_aux_loss_forward_args(losses, logits, probs, counts, k);
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
   dispatch_storage(logits.dtype, "router_aux_loss_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -383,9 +327,7 @@ void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor prob
 
 void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor probs, Tensor counts,
                               int k, double aux_coef, double z_coef, double grad_scale) {
-  check_aux_args(logits, probs, counts, k, "router_aux_loss_backward");
-  check_shape(dlogits, {logits.size(0), logits.size(1)}, "router_aux_loss_backward: dlogits");
-  check_same_dtype(dlogits, logits, "router_aux_loss_backward: dlogits, logits");
+  check_router_aux_loss_backward_args(dlogits, logits, probs, counts, k);
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
   if (n_tok == 0) return;
   dispatch_storage(logits.dtype, "router_aux_loss_backward", [&](auto zero) {
@@ -400,9 +342,7 @@ void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor pr
 }
 
 void router_bias_update(Ctx& ctx, Tensor bias, Tensor load, double rate) {
-  MOE_CHECK(bias.ndim == 1, "router_bias_update: bias must be [E], got " + bias.shape_str());
-  check_shape(load, {bias.size(0)}, "router_bias_update: load");
-  check_same_dtype(load, bias, "router_bias_update: load, bias");
+  check_router_bias_update_args(bias, load);
   const int64_t n_exp = bias.size(0);
   if (n_exp == 0) return;
   dispatch_storage(bias.dtype, "router_bias_update", [&](auto zero) {

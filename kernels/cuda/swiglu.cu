@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <string>
 
+#include "common/swiglu_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/swiglu.hpp"
 
@@ -68,32 +69,8 @@ __global__ void silu_backward_kernel(T* dx, const T* dy, const T* x, int64_t n) 
 
 // ---- host side ----------------------------------------------------------------------------------
 
-template <class T>
-T* data_of(const Tensor& t) {
-  return static_cast<T*>(t.data);
-}
-
 unsigned grid_for(int64_t n) {
   return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
-}
-
-bool same_shape(const Tensor& a, const Tensor& b) {
-  if (a.ndim != b.ndim) return false;
-  for (int i = 0; i < a.ndim; ++i)
-    if (a.shape[i] != b.shape[i]) return false;
-  return true;
-}
-
-// Every tensor has the shape and dtype of `like`.
-void check_like(const Tensor& like, std::initializer_list<const Tensor*> others,
-                std::initializer_list<const char*> names, const char* op) {
-  auto name = names.begin();
-  for (const Tensor* t : others) {
-    const std::string what = std::string(op) + ": " + *name++;
-    MOE_CHECK(same_shape(*t, like),
-              what + " has shape " + t->shape_str() + ", expected " + like.shape_str());
-    check_same_dtype(*t, like, what.c_str());
-  }
 }
 
 // h, gate, up: [R, F]

@@ -1,0 +1,64 @@
+// Argument checks of the attention ops, shared by the CPU (kernels/cpu/attention.cpp) and CUDA
+// (kernels/cuda/attention.cu) backends: shapes and dtypes only, nothing that reads tensor data or
+// depends on the device.
+#pragma once
+#include <initializer_list>
+#include <string>
+
+#include "moe/error.hpp"
+#include "moe/ops/common.hpp"
+
+namespace moe {
+
+// q: [B, T, nh, hd], k, v: [B, T, nkv, hd] with nkv dividing nh (shapes only).
+inline void check_attention_qkv_shapes(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const char* op) {
+  const std::string name(op);
+  MOE_CHECK(q.ndim == 4, name + ": q must be [B, T, nh, hd], got " + q.shape_str());
+  MOE_CHECK(k.ndim == 4, name + ": k must be [B, T, nkv, hd], got " + k.shape_str());
+  const struct {
+    int64_t batch, seq, heads, kv_heads, hd;
+  } s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  check_shape(k, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": k").c_str());
+  check_shape(v, {s.batch, s.seq, s.kv_heads, s.hd}, (name + ": v").c_str());
+  MOE_CHECK(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
+            name + ": num_key_value_heads " + std::to_string(s.kv_heads) +
+                " must divide num_attention_heads " + std::to_string(s.heads));
+}
+
+// k, v: of q's dtype.
+inline void check_attention_qkv_dtypes(const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const char* op) {
+  const std::string name(op);
+  check_same_dtype(k, q, (name + ": k, q").c_str());
+  check_same_dtype(v, q, (name + ": v, q").c_str());
+}
+
+// out: [B, T, nh, hd], lse: [B, nh, T], of q's dtype (q checked by check_attention_qkv_*).
+inline void check_attention_forward_outputs(const Tensor& out, const Tensor& lse, const Tensor& q) {
+  const struct { int64_t batch, seq, heads, hd; } s{q.size(0), q.size(1), q.size(2), q.size(3)};
+  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_forward: out");
+  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_forward: lse");
+  check_same_dtype(out, q, "attention_forward: out, q");
+  check_same_dtype(lse, q, "attention_forward: lse, q");
+}
+
+// The gradients and saved tensors of attention_backward against q, k (checked by
+// check_attention_qkv_*).
+inline void check_attention_backward_args(const Tensor& dq, const Tensor& dk, const Tensor& dv,
+                                          const Tensor& dout, const Tensor& q, const Tensor& k,
+                                          const Tensor& out, const Tensor& lse) {
+  const struct {
+    int64_t batch, seq, heads, kv_heads, hd;
+  } s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  check_shape(dq, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dq");
+  check_shape(dk, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dk");
+  check_shape(dv, {s.batch, s.seq, s.kv_heads, s.hd}, "attention_backward: dv");
+  check_shape(dout, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dout");
+  check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: out");
+  check_shape(lse, {s.batch, s.heads, s.seq}, "attention_backward: lse");
+  for (const Tensor* t : {&dq, &dk, &dv, &dout, &out, &lse})
+    check_same_dtype(*t, q, "attention_backward");
+}
+
+}  // namespace moe

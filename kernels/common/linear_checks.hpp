@@ -1,0 +1,84 @@
+// Argument checks of the linear ops, shared by the CPU (kernels/cpu/linear.cpp) and CUDA
+// (kernels/cuda/linear.cu) backends: shapes and dtypes only, nothing that reads tensor data or
+// depends on the device (the CPU op also checks the offsets' values; the CUDA op cannot read them).
+#pragma once
+#include <string>
+
+#include "moe/error.hpp"
+#include "moe/ops/common.hpp"
+
+namespace moe {
+
+// The [N, in] / [N, out] / [out, in] shapes shared by linear_forward and linear_backward.
+struct LinearDims {
+  int64_t n, in, out;
+};
+
+inline LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) {
+  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [N, in], got " + x.shape_str());
+  MOE_CHECK(w.ndim == 2, std::string(op) + ": w must be [out, in], got " + w.shape_str());
+  MOE_CHECK(w.size(1) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
+                                        w.shape_str() + " disagree on in_features");
+  return {x.size(0), x.size(1), w.size(0)};
+}
+
+// y: [N, out], x: [N, in], w: [out, in]
+inline LinearDims check_linear_forward_args(const Tensor& y, const Tensor& x, const Tensor& w) {
+  const LinearDims s = linear_dims(x, w, "linear_forward");
+  check_shape(y, {s.n, s.out}, "linear_forward: y");
+  check_same_dtype(x, w, "linear_forward: x, w");
+  check_same_dtype(y, x, "linear_forward: y, x");
+  return s;
+}
+
+// dx: [N, in] or empty, dw: [out, in], dy: [N, out]
+inline LinearDims check_linear_backward_args(const Tensor& dx, const Tensor& dw, const Tensor& dy,
+                                             const Tensor& x, const Tensor& w) {
+  const LinearDims s = linear_dims(x, w, "linear_backward");
+  check_shape(dy, {s.n, s.out}, "linear_backward: dy");
+  check_shape(dw, {s.out, s.in}, "linear_backward: dw");
+  if (!dx.empty()) check_shape(dx, {s.n, s.in}, "linear_backward: dx");
+  for (const Tensor* t : {&dw, &dy, &w}) check_same_dtype(*t, x, "linear_backward");
+  if (!dx.empty()) check_same_dtype(dx, x, "linear_backward: dx, x");
+  return s;
+}
+
+// The [E, out, in] weight and [R, in] rows of a grouped linear.
+struct GroupedDims {
+  int64_t rows, in, out, experts;
+};
+
+inline GroupedDims linear_grouped_dims(const Tensor& x, const Tensor& w, const char* op) {
+  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [R, in], got " + x.shape_str());
+  MOE_CHECK(w.ndim == 3, std::string(op) + ": w must be [E, out, in], got " + w.shape_str());
+  MOE_CHECK(w.size(2) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
+                                        w.shape_str() + " disagree on in_features");
+  return {x.size(0), x.size(1), w.size(1), w.size(0)};
+}
+
+// offsets: [E+1] i32 (the shape and dtype; not the values).
+inline void check_grouped_offsets_args(const Tensor& offsets, int64_t experts, const char* op) {
+  MOE_CHECK(offsets.dtype == DType::i32,
+            std::string(op) + ": offsets must be i32, got " + dtype_name(offsets.dtype));
+  check_shape(offsets, {experts + 1}, (std::string(op) + ": offsets").c_str());
+}
+
+// y: [R, out] of x's dtype; s from linear_grouped_dims(x, w, ...).
+inline void check_grouped_linear_forward_args(const GroupedDims& s, const Tensor& y,
+                                              const Tensor& x, const Tensor& w) {
+  check_shape(y, {s.rows, s.out}, "grouped_linear_forward: y");
+  check_same_dtype(x, w, "grouped_linear_forward: x, w");
+  check_same_dtype(y, x, "grouped_linear_forward: y, x");
+}
+
+// dx: [R, in], dy: [R, out], dw: [E, out, in], all of x's dtype (w's too).
+inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tensor& dx,
+                                               const Tensor& dw, const Tensor& dy, const Tensor& x,
+                                               const Tensor& w) {
+  check_shape(dx, {s.rows, s.in}, "grouped_linear_backward: dx");
+  check_shape(dy, {s.rows, s.out}, "grouped_linear_backward: dy");
+  check_shape(dw, {s.experts, s.out, s.in}, "grouped_linear_backward: dw");
+  for (const Tensor* t : {&dx, &dw, &dy, &w}) check_same_dtype(*t, x, "grouped_linear_backward");
+}
+
+}  // namespace moe

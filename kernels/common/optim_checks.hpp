@@ -1,0 +1,26 @@
+// Argument checks of the optim ops, shared by the CPU (kernels/cpu/optim.cpp) and CUDA
+// (kernels/cuda/optim.cu) backends: shapes and dtypes only, nothing that reads tensor data or
+// depends on the device.
+#pragma once
+#include <string>
+
+#include "moe/error.hpp"
+#include "moe/ops/common.hpp"
+#include "moe/ops/optim.hpp"
+
+namespace moe {
+
+// g, m, v: as many elements as p, of p's dtype; a.step >= 1.
+inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor& m,
+                                  const Tensor& v, const AdamWArgs& a) {
+  const int64_t n = p.numel();
+  MOE_CHECK(g.numel() == n && m.numel() == n && v.numel() == n,
+            "adamw_step: p " + p.shape_str() + ", g " + g.shape_str() + ", m " + m.shape_str() +
+                ", v " + v.shape_str() + " differ in size");
+  check_same_dtype(g, p, "adamw_step: g, p");
+  check_same_dtype(m, p, "adamw_step: m, p");
+  check_same_dtype(v, p, "adamw_step: v, p");
+  MOE_CHECK(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
+}
+
+}  // namespace moe
