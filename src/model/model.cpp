@@ -47,7 +47,7 @@ Model::Model(const ModelConfig& cfg, DType dtype, Device dev, int batch, int seq
   }
   acts_.allocate();
   plan();  // place
-  Ctx ctx{dev};
+  Ctx ctx = make_ctx(dev);
   rope_table(ctx, rope_cos_, rope_sin_, cfg.rope_theta);
   std::vector<int32_t> pos(static_cast<size_t>(batch) * seq_len);
   for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i % seq_len);
@@ -110,7 +110,7 @@ void Model::zero_grads(Ctx& ctx) { fill(ctx, grads(), 0.0); }
 void Model::init_weights(uint64_t seed) {
   const double std0 = cfg_.initializer_range;
   const double std_res = std0 / std::sqrt(2.0 * cfg_.num_hidden_layers);
-  Ctx ctx{dev_};
+  Ctx ctx = make_ctx(dev_);
   for (const auto& p : table_.params) {
     std::vector<double> host(p.numel());
     if (p.kind == ParamKind::norm) {

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "moe/checkpoint.hpp"
+#include "moe/cuda_runtime.hpp"
 #include "moe/metrics.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
@@ -22,12 +23,27 @@
 
 namespace moe {
 
+// "auto": the first GPU when the build has CUDA and one is present, else the CPU. A named GPU
+// must exist and this binary must hold code for it (else: which --arch to rebuild with).
 Device resolve_device(const std::string& spec) {
-  if (spec == "auto" || spec == "cpu") return Device{DeviceType::cpu, 0};
-  // CUDA device strings are validated by the config; this build runs the CPU backend only.
-  throw ConfigError("train.device", "\"" + spec +
-                                        "\" needs the CUDA backend, which this build does not "
-                                        "include; use \"cpu\" or \"auto\"");
+  if (spec == "cpu") return Device{DeviceType::cpu, 0};
+  const int gpus = gpu::device_count();
+  if (spec == "auto") {
+    if (gpus == 0 || !gpu::has_code_for(0, nullptr)) return Device{DeviceType::cpu, 0};
+    return Device{DeviceType::cuda, 0};
+  }
+  if (!gpu::built_with_cuda())
+    throw ConfigError("train.device", "\"" + spec +
+                                          "\" needs the CUDA backend, which this build does not "
+                                          "include (rebuild with scripts/build.sh on a machine "
+                                          "with nvcc); use \"cpu\" or \"auto\"");
+  const int index = spec == "cuda" ? 0 : std::stoi(spec.substr(5));
+  if (index >= gpus)
+    throw ConfigError("train.device", "\"" + spec + "\": this machine has " +
+                                          std::to_string(gpus) + " GPU(s)");
+  std::string why;
+  if (!gpu::has_code_for(index, &why)) throw ConfigError("train.device", why);
+  return Device{DeviceType::cuda, index};
 }
 
 namespace {
@@ -113,13 +129,31 @@ nlohmann::json train_record(int step, const Losses& l, double lr, double gnorm,
 
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt) {
   const Device dev = resolve_device(cfg.train.device);
-  Ctx ctx{dev};
+  Ctx ctx = make_ctx(dev);
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
   const int accum = cfg.gradient_accumulation_steps;
 
-  Model model(cfg.model, DType::f32, dev, b, t);
+  std::unique_ptr<Model> model_owner;
+  std::unique_ptr<AdamW> optimizer_owner;
+  try {
+    model_owner = std::make_unique<Model>(cfg.model, DType::f32, dev, b, t);
+    optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner);
+  } catch (const std::runtime_error& e) {
+    if (dev.type != DeviceType::cuda) throw;
+    // Out of GPU memory at start-up: say what the run needs and what to change.
+    Model plan(cfg.model, DType::f32, dev, b, t, /*allocate=*/false);
+    const double params = static_cast<double>(plan.table().total) * 4;
+    const double need = params * 4 + static_cast<double>(plan.activation_bytes()) +
+                        static_cast<double>(plan.scratch_bytes());
+    throw std::runtime_error(std::string(e.what()) + "; this run needs about " +
+                             std::to_string(static_cast<long>(need / 1048576)) +
+                             " MiB (fp32 parameters, gradients, AdamW state, activations): "
+                             "lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
+                             "smaller model");
+  }
+  Model& model = *model_owner;
+  AdamW& optimizer = *optimizer_owner;
   model.init_weights(cfg.train.seed);
-  AdamW optimizer(cfg.optimizer, model);
   std::unique_ptr<TrainData> data = make_train_data(cfg, 0, 1);
   Buffer norm_acc(dev, sizeof(double));
 
@@ -146,11 +180,11 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   const ParamCounts counts = count_params(cfg.model, t);
   char line[640];
   std::snprintf(line, sizeof line,
-                "model: %.3fM parameters (%.3fM active per token), activations %.1f MiB | data: "
-                "%s | run dir: %s\n",
+                "model: %.3fM parameters (%.3fM active per token), activations %.1f MiB | device "
+                "%s | data: %s | run dir: %s\n",
                 counts.total / 1e6, counts.active_per_token / 1e6,
                 static_cast<double>(model.activation_bytes() + model.scratch_bytes()) / 1048576.0,
-                data->describe().c_str(), cfg.train.out_dir.c_str());
+                dev.str().c_str(), data->describe().c_str(), cfg.train.out_dir.c_str());
   out << line << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
