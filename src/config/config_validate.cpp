@@ -230,7 +230,7 @@ void validate_train(const TrainConfig& t) {
 // Features the layout can express but this build cannot run: refused up front, never ignored.
 void reject_unavailable_features(const Config& c) {
   const char* precision_msg =
-      "mixed precision runs on the CUDA backend, which is not part of this build yet; use fp32 "
+      "mixed precision is not available yet (the CUDA backend trains in fp32 for now); use fp32 "
       "(the default)";
   if (!kHasMixedPrecision && c.fp16.enabled) fail("fp16.enabled", precision_msg);
   if (!kHasMixedPrecision && c.bf16_enabled) fail("bf16.enabled", precision_msg);
