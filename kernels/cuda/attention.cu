@@ -101,6 +101,32 @@ void dispatch_nper(int hd, Fn&& fn) {
   return fn(std::integral_constant<int, 8>{});
 }
 
+// One key of an online softmax over a warp-held query row: folds the score scale * <q, k_j> and
+// the value row v_j into the running max m, normaliser l and accumulator acc (each lane keeps its
+// NPER columns). Shared by the training forward and the decode kernel.
+template <class T, class A, int NPER>
+__device__ __forceinline__ void online_softmax_key(const A (&qr)[NPER], const T* kj, const T* vj,
+                                                   int hd, int lane, A scale, A& m, A& l,
+                                                   A (&acc)[NPER]) {
+  A part = 0;
+#pragma unroll
+  for (int r = 0; r < NPER; ++r) {
+    const int c = lane + kWarp * r;
+    if (c < hd) part += qr[r] * load(kj[c]);
+  }
+  const A sc = scale * warp_sum(part);
+  const A m_new = sc > m ? sc : m;
+  const A corr = dev_exp(m - m_new);  // 0 on the first key (m = -inf)
+  const A p = dev_exp(sc - m_new);
+  l = l * corr + p;
+#pragma unroll
+  for (int r = 0; r < NPER; ++r) {
+    const int c = lane + kWarp * r;
+    if (c < hd) acc[r] = acc[r] * corr + p * load(vj[c]);
+  }
+  m = m_new;
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 
 template <class T, int NPER>
@@ -128,25 +154,8 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
   for (int r = 0; r < NPER; ++r) acc[r] = 0;
   A m = neg_inf<A>(), l = 0;
   for (int64_t j = 0; j <= i; ++j) {
-    const T* kj = kb + j * kv_stride;
-    const T* vj = vb + j * kv_stride;
-    A part = 0;
-#pragma unroll
-    for (int r = 0; r < NPER; ++r) {
-      const int c = lane + kWarp * r;
-      if (c < s.hd) part += qr[r] * load(kj[c]);
-    }
-    const A sc = scale * warp_sum(part);
-    const A m_new = sc > m ? sc : m;
-    const A corr = dev_exp(m - m_new);  // 0 on the first key (m = -inf)
-    const A p = dev_exp(sc - m_new);
-    l = l * corr + p;
-#pragma unroll
-    for (int r = 0; r < NPER; ++r) {
-      const int c = lane + kWarp * r;
-      if (c < s.hd) acc[r] = acc[r] * corr + p * load(vj[c]);
-    }
-    m = m_new;
+    online_softmax_key<T, A, NPER>(qr, kb + j * kv_stride, vb + j * kv_stride, s.hd, lane, scale, m,
+                                   l, acc);
   }
   const A inv_l = A(1) / l;
 #pragma unroll
@@ -319,25 +328,8 @@ __global__ void __launch_bounds__(kDecodeWarps* kWarp)
   for (int r = 0; r < NPER; ++r) acc[r] = 0;
   A m = neg_inf<A>(), l = 0;
   for (int64_t j = warp; j < len; j += kDecodeWarps) {
-    const T* kj = kb + j * kv_stride;
-    const T* vj = vb + j * kv_stride;
-    A part = 0;
-#pragma unroll
-    for (int r = 0; r < NPER; ++r) {
-      const int c = lane + kWarp * r;
-      if (c < s.hd) part += qr[r] * load(kj[c]);
-    }
-    const A sc = scale * warp_sum(part);
-    const A m_new = sc > m ? sc : m;
-    const A corr = dev_exp(m - m_new);
-    const A p = dev_exp(sc - m_new);
-    l = l * corr + p;
-#pragma unroll
-    for (int r = 0; r < NPER; ++r) {
-      const int c = lane + kWarp * r;
-      if (c < s.hd) acc[r] = acc[r] * corr + p * load(vj[c]);
-    }
-    m = m_new;
+    online_softmax_key<T, A, NPER>(qr, kb + j * kv_stride, vb + j * kv_stride, s.hd, lane, scale, m,
+                                   l, acc);
   }
   if (lane == 0) {
     sh_m[warp] = m;

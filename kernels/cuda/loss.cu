@@ -35,19 +35,6 @@ constexpr int kRowThreads = 256;  // threads per cross-entropy row
 constexpr int kBceSumThreads = 1024;
 constexpr int kElementwiseThreads = 256;
 
-__device__ __forceinline__ float dev_log1p(float x) {
-  return log1pf(x);
-}
-__device__ __forceinline__ double dev_log1p(double x) {
-  return log1p(x);
-}
-__device__ __forceinline__ float dev_abs(float x) {
-  return fabsf(x);
-}
-__device__ __forceinline__ double dev_abs(double x) {
-  return fabs(x);
-}
-
 // Merges the log-sum-exp state (m2, s2) into (m, s): sum exp(x - m) over both sets. A state that
 // holds no elements (m = -inf, s = 0) is neutral.
 template <class A>

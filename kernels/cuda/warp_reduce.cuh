@@ -22,6 +22,18 @@ __device__ __forceinline__ float dev_log(float x) {
 __device__ __forceinline__ double dev_log(double x) {
   return log(x);
 }
+__device__ __forceinline__ float dev_log1p(float x) {
+  return log1pf(x);
+}
+__device__ __forceinline__ double dev_log1p(double x) {
+  return log1p(x);
+}
+__device__ __forceinline__ float dev_abs(float x) {
+  return fabsf(x);
+}
+__device__ __forceinline__ double dev_abs(double x) {
+  return fabs(x);
+}
 
 template <class A>
 __device__ __forceinline__ A neg_inf() {
