@@ -63,7 +63,6 @@ struct Trainee {
     for (auto& v : targets) v = static_cast<int32_t>(rng() % cfg.model.vocab_size);
     Ctx ctx;
     model.zero_grads(ctx);
-    model.routing().reset();
     model.forward_backward(ctx, ids.data(), targets.data(), 1.0);
     opt.step(ctx, model, 0.01, 1.0);
     model.after_step(ctx);

@@ -68,7 +68,7 @@ const char* kFullConfig = R"({
            "synthetic": {"seed": 7, "branching": 3}},
   "train": {"max_steps": 20, "log_interval": 5, "eval_interval": 10, "eval_batches": 2,
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
-            "save_interval": 5, "keep_checkpoints": 2, "resume": "auto"}
+            "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto"}
 })";
 
 }  // namespace
@@ -155,6 +155,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK_FALSE(c.data.shuffle);
   CHECK(c.train.out_dir == "runs/x");
   CHECK(c.train.save_interval == 5);
+  CHECK_FALSE(c.train.save_at_end);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }
@@ -541,13 +542,12 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "fp16.loss_scale_window",
        {">= 1"}},
-      // features this build does not have
-      {"fp16 enabled",
-       R"({"fp16": {"enabled": true}})",
+      {"fp16 and bf16",
+       R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})",
        {},
-       "fp16.enabled",
-       {"mixed precision", "not available yet", "fp32"}},
-      {"bf16 enabled", "{}", {"bf16.enabled=true"}, "bf16.enabled", {"mixed precision"}},
+       "bf16.enabled",
+       {"both true", "at most one"}},
+      // features this build does not have
       {"ZeRO stage 2",
        R"({"zero_optimization": {"stage": 2}})",
        {},
@@ -567,7 +567,7 @@ const std::vector<BadCase>& bad_cases() {
        R"({"data": {"source": "webdataset"}})",
        {},
        "data.source",
-       {"\"synthetic\" or \"shards\""}},
+       {"\"synthetic\", \"random\" or \"shards\""}},
       {"negative save interval",
        R"({"train": {"save_interval": -1}})",
        {},

@@ -5,10 +5,12 @@
 //
 // Inputs are random (never zero), rounded to the storage dtype, and the CPU op runs in f64 on the
 // same rounded values; the backward's out and lse inputs are the CPU forward's, rounded to the
-// dtype, so both sides differentiate exactly the same data. Outputs are poisoned (NaN) first.
+// dtype (lse to acc_dtype: f32 for 16-bit q, as the op requires), so both sides differentiate
+// exactly the same data. Outputs are poisoned (NaN) first.
 // Tolerance per element: |gpu - ref| <= rtol (|ref| + max|ref|), rtol = rtol_for(dtype):
 // f32 2e-5 (fp32 accumulation over <= 64-long dot products and <= 37-long sums), f64 1e-11,
-// f16 4e-3 and bf16 2e-2 (fp32 math, one rounding of each output into the dtype).
+// f16 4e-3 and bf16 2e-2 (fp32 math, one rounding of each output into the dtype); the fp32 lse of
+// 16-bit inputs gets the f32 bound.
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -33,6 +35,7 @@ void check_attention(DType dt, int64_t hd) {
   const int64_t B = 2, T = 37, nh = 4, nkv = 2;
   INFO("dtype " << name_of(dt) << ", hd " << hd);
   const double rtol = rtol_for(dt);
+  const DType acc = acc_dtype(dt);
   const size_t nq = static_cast<size_t>(B * T * nh * hd),
                nkv_el = static_cast<size_t>(B * T * nkv * hd);
   const std::vector<double> q = round_to(dt, random_values(nq, 11, -2.0, 2.0));
@@ -51,15 +54,15 @@ void check_attention(DType dt, int64_t hd) {
   DeviceTensor gk = on_device(dt, {B, T, nkv, hd}, k);
   DeviceTensor gv = on_device(dt, {B, T, nkv, hd}, v);
   DeviceTensor gout = poisoned(dt, {B, T, nh, hd});
-  DeviceTensor glse = poisoned(dt, {B, nh, T});
+  DeviceTensor glse = poisoned(acc, {B, nh, T});
   gpu::synchronize();
   attention_forward(ctx, gout, glse, gq, gk, gv);
   gpu::synchronize();
   expect_close(download(gout), c_out.v, rtol, "forward out");
-  expect_close(download(glse), clse.v, rtol, "forward lse");
+  expect_close(download(glse), clse.v, rtol_for(acc), "forward lse");
 
   // ---- backward, from the reference forward's out and lse rounded to the dtype ----
-  const std::vector<double> out_r = round_to(dt, c_out.v), lse_r = round_to(dt, clse.v);
+  const std::vector<double> out_r = round_to(dt, c_out.v), lse_r = round_to(acc, clse.v);
   Host cdo({B, T, nh, hd}, dout), cout_r({B, T, nh, hd}, out_r), clse_r({B, nh, T}, lse_r);
   Host cdq({B, T, nh, hd}), cdk({B, T, nkv, hd}), cdv({B, T, nkv, hd});
   attention_backward(cpu, cdq, cdk, cdv, cdo, cq, ck, cv, cout_r, clse_r);
@@ -168,4 +171,15 @@ TEST_CASE("gpu decode equals the last row of the training forward", "[gpu][decod
   const std::vector<double> full = download(gout);
   const std::vector<double> last(full.end() - nh * hd, full.end());
   expect_close(download(dout), last, 2e-6, "decode vs forward row T-1");
+}
+
+TEST_CASE("gpu attention: the lse of 16-bit inputs must be f32", "[gpu][attention]") {
+  const int64_t B = 1, T = 5, nh = 2, hd = 32;
+  Ctx ctx = gpu_ctx();
+  DeviceTensor q(DType::bf16, {B, T, nh, hd}), out(DType::bf16, {B, T, nh, hd});
+  DeviceTensor lse16(DType::bf16, {B, nh, T});
+  CHECK_THROWS_WITH(attention_forward(ctx, out, lse16, q, q, q),
+                    Catch::Contains("attention_forward: lse: dtype bf16, expected f32"));
+  CHECK_THROWS_WITH(attention_backward(ctx, out, out, out, out, q, q, q, out, lse16),
+                    Catch::Contains("attention_backward: lse"));
 }

@@ -3,7 +3,8 @@
 // inputs are seeded uniform values (never zero), rounded to the dtype (round_to: exactly what the
 // GPU sees); the reference is the CPU op run in f64 on those rounded inputs; outputs are poisoned
 // (NaN) before each GPU run, so an element left unwritten fails. Accumulating outputs start from
-// random values instead.
+// random values instead. Statistics, tables and parameter gradients (rmsnorm rstd and dw, rope
+// cos / sin, the linears' dw, embedding dtable) are in acc_dtype(dt): f32 for the 16-bit cases.
 //
 // Tolerances: |got - want| <= atol + rtol |want| per element, with ulp(dt) the relative spacing of
 // the dtype (bf16 2^-7, f16 2^-10, f32 2^-23, f64 2^-52) and acc the error of the fp32 arithmetic
@@ -14,7 +15,9 @@
 //   result, plus fp32 intermediates for axpy).
 // - pointwise nonlinear ops (SwiGLU, SiLU, RoPE rotations): rtol = 2 ulp + 4 acc, atol = 4 acc.
 // - sums of K terms (RMSNorm, dw / dx / y of the linears, embedding dtable): rtol = 2 ulp +
-//   acc sqrt(K), atol = 4 acc sqrt(K) (fp32 accumulation of O(1) terms, then one rounding).
+//   acc sqrt(K), atol = 4 acc sqrt(K) (fp32 accumulation of O(1) terms, then one rounding), with
+//   ulp that of the output's dtype: for 16-bit inputs rstd and every dw / dtable are fp32 outputs,
+//   so their bound is the f32 one (no 16-bit rounding of the product, none of the sum).
 // - sum_squares: rtol 1e-12 (squares of rounded values are exact in double; only the order of the
 //   double sum differs) and bitwise repeatable.
 #include <algorithm>
@@ -204,9 +207,10 @@ TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[
     max_repeat = std::max<int>(max_repeat, static_cast<int>(std::count(ids.begin(), ids.end(), v)));
   for (int64_t d : {int64_t{40}, int64_t{136}}) {
     for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
       const auto table = rounded_random_values(dt, vocab * d, 20 + d);
       const auto dout = rounded_random_values(dt, n * d, 21 + d);
-      const auto dtable0 = rounded_random_values(dt, vocab * d, 22 + d);
+      const auto dtable0 = rounded_random_values(acc, vocab * d, 22 + d);
       Buf<int32_t> hids = host_i32(ids);
       DeviceTensor dids = ids_on_device(ids);
 
@@ -218,11 +222,11 @@ TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[
 
       Buf<double> hdtable = host({vocab, d}, dtable0), hdout = host({n, d}, dout);
       cpu::embedding_backward(cpu, hdtable, hdout, hids);
-      DeviceTensor ddtable = on_device(dt, {vocab, d}, dtable0),
+      DeviceTensor ddtable = on_device(acc, {vocab, d}, dtable0),
                    ddout = on_device(dt, {n, d}, dout);
       embedding_backward(gpu, ddtable, ddout, dids);
-      // Each add rounds once: up to max_repeat roundings per element.
-      const Tol tol{(max_repeat + 1) * ulp(dt) + acc_eps(dt), (max_repeat + 1) * ulp(dt)};
+      // Each add rounds once, into the acc dtype: up to max_repeat roundings per element.
+      const Tol tol{(max_repeat + 1) * ulp(acc) + acc_eps(dt), (max_repeat + 1) * ulp(acc)};
       check_close("embedding_backward d=" + std::to_string(d), dt, download(ddtable), hdtable.v,
                   tol);
       // Bitwise repeatable.
@@ -260,29 +264,30 @@ TEST_CASE("gpu rmsnorm: forward and backward", "[gpu]") {
   const double eps = 1e-5;
   for (int64_t d : {int64_t{48}, int64_t{1000}}) {
     for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
       const auto x = rounded_random_values(dt, n * d, 30 + d),
                  w = rounded_random_values(dt, d, 31 + d);
       const auto dy = rounded_random_values(dt, n * d, 32 + d),
-                 dw0 = rounded_random_values(dt, d, 33 + d);
+                 dw0 = rounded_random_values(acc, d, 33 + d);
       const std::string tag = " d=" + std::to_string(d);
 
       Buf<double> hx = host({n, d}, x), hw = host({d}, w), hy({n, d}), hr({n});
       cpu::rmsnorm_forward(cpu, hy, hr, hx, hw, eps);
       DeviceTensor dx_in = on_device(dt, {n, d}, x), dw_in = on_device(dt, {d}, w);
-      DeviceTensor y = poisoned(dt, {n, d}), rstd = poisoned(dt, {n});
+      DeviceTensor y = poisoned(dt, {n, d}), rstd = poisoned(acc, {n});
       rmsnorm_forward(gpu, y, rstd, dx_in, dw_in, eps);
       check_close("rmsnorm_forward y" + tag, dt, download(y), hy.v, sum_tol(dt, d));
-      check_close("rmsnorm_forward rstd" + tag, dt, download(rstd), hr.v, sum_tol(dt, d));
+      check_close("rmsnorm_forward rstd" + tag, acc, download(rstd), hr.v, sum_tol(acc, d));
 
-      // Backward from the rstd the forward saves (the reference rounded to the dtype).
-      const auto r = round_to(dt, hr.v);
+      // Backward from the rstd the forward saves (the reference rounded to the acc dtype).
+      const auto r = round_to(acc, hr.v);
       Buf<double> hdy = host({n, d}, dy), hrr = host({n}, r), hdx({n, d}), hdw = host({d}, dw0);
       cpu::rmsnorm_backward(cpu, hdx, hdw, hdy, hx, hw, hrr);
-      DeviceTensor ddy = on_device(dt, {n, d}, dy), drr = on_device(dt, {n}, r);
-      DeviceTensor ddx = poisoned(dt, {n, d}), ddw = on_device(dt, {d}, dw0);
+      DeviceTensor ddy = on_device(dt, {n, d}, dy), drr = on_device(acc, {n}, r);
+      DeviceTensor ddx = poisoned(dt, {n, d}), ddw = on_device(acc, {d}, dw0);
       rmsnorm_backward(gpu, ddx, ddw, ddy, dx_in, dw_in, drr);
       check_close("rmsnorm_backward dx" + tag, dt, download(ddx), hdx.v, sum_tol(dt, d));
-      check_close("rmsnorm_backward dw" + tag, dt, download(ddw), hdw.v, sum_tol(dt, n));
+      check_close("rmsnorm_backward dw" + tag, acc, download(ddw), hdw.v, sum_tol(acc, n));
     }
   }
 }
@@ -297,21 +302,28 @@ TEST_CASE("gpu rope: table, forward and backward at non-contiguous positions", "
   const double theta = 10000.0;
   Buf<double> hcos({max_pos, half}), hsin({max_pos, half});
   cpu::rope_table(cpu, hcos, hsin, theta);
-  for (DType dt : kDtypes) {
-    // The table: angles in double on both sides, rounded once to the dtype.
+  // The table: f32 or f64 only (the rotations read it in acc_dtype(x)); angles in double on both
+  // sides, rounded once to the dtype.
+  for (DType dt : {DType::f32, DType::f64}) {
     DeviceTensor gcos = poisoned(dt, {max_pos, half}), gsin = poisoned(dt, {max_pos, half});
     rope_table(gpu, gcos, gsin, theta);
-    const double tab_atol = dt == DType::f64 ? 1e-13 : dt == DType::f32 ? 1e-9 : 1e-7;
-    const Tol tab_tol{dt == DType::f64 ? 1e-13 : ulp(dt), tab_atol};
+    const Tol tab_tol{dt == DType::f64 ? 1e-13 : ulp(dt), dt == DType::f64 ? 1e-13 : 1e-9};
     check_close("rope_table cos", dt, download(gcos), round_to(dt, hcos.v), tab_tol);
     check_close("rope_table sin", dt, download(gsin), round_to(dt, hsin.v), tab_tol);
-
-    // Rotations use the rounded table on both sides.
-    const auto c = round_to(dt, hcos.v), s = round_to(dt, hsin.v);
+  }
+  {
+    DeviceTensor c16(DType::bf16, {max_pos, half}), s16(DType::bf16, {max_pos, half});
+    CHECK_THROWS_WITH(rope_table(gpu, c16, s16, theta),
+                      Catch::Contains("rope_table: the table must be f32 or f64"));
+  }
+  for (DType dt : kDtypes) {
+    // Rotations use the table rounded to acc_dtype(dt) on both sides.
+    const DType acc = acc_dtype(dt);
+    const auto c = round_to(acc, hcos.v), s = round_to(acc, hsin.v);
     const auto x = rounded_random_values(dt, n * heads * hd, 40);
     Buf<double> hc = host({max_pos, half}, c), hs = host({max_pos, half}, s);
     Buf<int32_t> hpos = host_i32(pos);
-    DeviceTensor dc = on_device(dt, {max_pos, half}, c), ds = on_device(dt, {max_pos, half}, s);
+    DeviceTensor dc = on_device(acc, {max_pos, half}, c), ds = on_device(acc, {max_pos, half}, s);
     DeviceTensor dpos = ids_on_device(pos);
 
     Buf<double> hf = host({n, heads, hd}, x);
@@ -420,11 +432,12 @@ TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
     const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->" +
                             std::to_string(sh.out) + "]";
     for (DType dt : kDtypes) {
+      const DType acc_dt = acc_dtype(dt);
       const auto x = rounded_random_values(dt, sh.n * sh.in, 70),
                  w = rounded_random_values(dt, sh.out * sh.in, 71);
       const auto dy = rounded_random_values(dt, sh.n * sh.out, 72);
       const auto dx0 = rounded_random_values(dt, sh.n * sh.in, 73);
-      const auto dw0 = rounded_random_values(dt, sh.out * sh.in, 74);
+      const auto dw0 = rounded_random_values(acc_dt, sh.out * sh.in, 74);
       Buf<double> hx = host({sh.n, sh.in}, x), hw = host({sh.out, sh.in}, w);
       Buf<double> hdy = host({sh.n, sh.out}, dy);
       DeviceTensor gx = on_device(dt, {sh.n, sh.in}, x), gw = on_device(dt, {sh.out, sh.in}, w);
@@ -434,7 +447,7 @@ TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
         Buf<double> hdx = host({sh.n, sh.in}, dx0), hdw = host({sh.out, sh.in}, dw0);
         cpu::linear_backward(cpu, skip ? Tensor{} : hdx.t, hdw, hdy, hx, hw, acc);
         DeviceTensor gdx = acc ? on_device(dt, {sh.n, sh.in}, dx0) : poisoned(dt, {sh.n, sh.in});
-        DeviceTensor gdw = on_device(dt, {sh.out, sh.in}, dw0);
+        DeviceTensor gdw = on_device(acc_dt, {sh.out, sh.in}, dw0);
         linear_backward(gpu, skip ? Tensor{} : gdx.t, gdw, gdy, gx, gw, acc);
         const std::string m = mode == 0 ? " (dx =)" : mode == 1 ? " (dx +=)" : " (no dx)";
         if (acc)
@@ -443,8 +456,10 @@ TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
         else if (!skip)
           check_close("linear_backward dx" + m + tag, dt, download(gdx), hdx.v,
                       sum_tol(dt, sh.out));
-        check_close_accumulated("linear_backward dw" + m + tag, dt, download(gdw), hdw.v, dw0,
-                                sum_tol(dt, sh.n));
+        // dw is fp32 for 16-bit inputs (C of CUDA_R_32F): the fp32 product is added to the fp32
+        // gradient with fp32 roundings only, so the bound is the f32 one, 16-bit inputs or not.
+        check_close_accumulated("linear_backward dw" + m + tag, acc_dt, download(gdw), hdw.v, dw0,
+                                sum_tol(acc_dt, sh.n));
       }
     }
   }
@@ -478,10 +493,11 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
       max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
     const std::string tag = " [case " + std::to_string(case_index++) + "]";
     for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
       const auto x = rounded_random_values(dt, r * in, 80),
                  w = rounded_random_values(dt, e * out * in, 81);
       const auto dy = rounded_random_values(dt, r * out, 82),
-                 dw0 = rounded_random_values(dt, e * out * in, 83);
+                 dw0 = rounded_random_values(acc, e * out * in, 83);
       Buf<double> hx = host({r, in}, x), hw = host({e, out, in}, w), hdy = host({r, out}, dy);
       Buf<int32_t> hoff = host_i32(gc.offsets);
       DeviceTensor gx = on_device(dt, {r, in}, x), gw = on_device(dt, {e, out, in}, w);
@@ -495,15 +511,15 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
 
       Buf<double> hdx({r, in}), hdw = host({e, out, in}, dw0);
       cpu::grouped_linear_backward(cpu, hdx, hdw, hdy, hx, hw, hoff);
-      DeviceTensor gdx = poisoned(dt, {r, in}), gdw = on_device(dt, {e, out, in}, dw0);
+      DeviceTensor gdx = poisoned(dt, {r, in}), gdw = on_device(acc, {e, out, in}, dw0);
       const auto dw_before = bytes_of(gdw);
       grouped_linear_backward(gpu, gdx, gdw, gdy, gx, gw, goff);
       check_close("grouped_linear_backward dx" + tag, dt, download(gdx), hdx.v, sum_tol(dt, out));
-      check_close("grouped_linear_backward dw" + tag, dt, download(gdw), hdw.v,
-                  sum_tol(dt, max_rows));
+      check_close("grouped_linear_backward dw" + tag, acc, download(gdw), hdw.v,
+                  sum_tol(acc, max_rows));
       // An expert with no rows keeps its dw bit for bit.
       const auto dw_after = bytes_of(gdw);
-      const size_t per_expert = static_cast<size_t>(out * in) * dtype_size(dt);
+      const size_t per_expert = static_cast<size_t>(out * in) * dtype_size(acc);
       for (int64_t i = 0; i < e; ++i) {
         if (gc.offsets[i + 1] != gc.offsets[i]) continue;
         INFO("empty expert " << i << tag << " [" << dtype_name(dt) << "]");
@@ -525,4 +541,12 @@ TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_bad_len));
   CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_f32));
   CHECK_THROWS(grouped_linear_forward(gpu, y_bad, x, w, off));
+  // dw must be in acc_dtype(x): f32 for bf16 x, not bf16.
+  DeviceTensor x16(DType::bf16, {10, 8}), w16(DType::bf16, {2, 6, 8}), dy16(DType::bf16, {10, 6});
+  DeviceTensor dx16(DType::bf16, {10, 8}), dw16(DType::bf16, {2, 6, 8});
+  CHECK_THROWS_WITH(grouped_linear_backward(gpu, dx16, dw16, dy16, x16, w16, off),
+                    Catch::Contains("grouped_linear_backward: dw: dtype bf16, expected f32"));
+  DeviceTensor lw16(DType::bf16, {6, 8}), ldw16(DType::bf16, {6, 8});
+  CHECK_THROWS_WITH(linear_backward(gpu, Tensor{}, ldw16, dy16, x16, lw16, false),
+                    Catch::Contains("linear_backward: dw: dtype bf16, expected f32"));
 }

@@ -1,23 +1,29 @@
 // CUDA losses and AdamW against the CPU reference (run in f64 on the same inputs rounded to the
 // storage dtype). Outputs are poisoned (NaN) first; inputs are random and never zero.
 //  - cross-entropy: N = 9 rows over V = 1000 with ignored targets (-1, -5) and targets 0 and V-1;
-//    losses and lse, then the backward both into a separate dlogits and in place (dlogits ==
-//    logits, the fused head's path), grad_scale 0.37. Ignored rows must come back exactly 0.
+//    losses and lse (in acc_dtype: f32 for 16-bit logits), then the backward both into a separate
+//    dlogits and in place (dlogits == logits, the fused head's path), grad_scale 0.37. Ignored rows
+//    must come back exactly 0.
 //  - BCE with logits: N = 1001 with |x| up to 1000 (where exp(|x|) overflows even in f64) and soft
 //    targets; the mean must be finite and match, and be bitwise the same on a second run.
 //  - AdamW: two steps (t = 1 from zero moments, then t = 2) with weight decay and grad_scale, f32
-//    and f64; p, m and v compared after each step.
+//    and f64; p, m and v compared after each step. With norm_sq (a device scalar): clipping equals
+//    the CPU op's and the host-computed clip factor bit for bit (the scale is derived in double on
+//    both), and a non-finite norm leaves p, m and v bitwise untouched.
 // Tolerance per element: |gpu - ref| <= rtol (|ref| + max|ref|) with rtol = rtol_for(dtype) for the
-// losses (f32 2e-5, f64 1e-11, f16 4e-3, bf16 2e-2: fp32 math, one rounding into the dtype) and for
-// AdamW rtol 1e-6 in f32 (fp32 math vs the reference's double), 1e-12 in f64.
+// losses (f32 2e-5, f64 1e-11, f16 4e-3, bf16 2e-2: fp32 math, one rounding into the dtype; the
+// fp32 losses and lse of 16-bit logits get the f32 bound) and for AdamW rtol 1e-6 in f32 (fp32
+// math vs the reference's double), 1e-12 in f64.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <vector>
 
 #include "catch.hpp"
 #include "gpu_test_util.hpp"
 #include "moe/cuda_runtime.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/optim.hpp"
 
@@ -37,6 +43,7 @@ TEST_CASE("gpu cross-entropy forward/backward match the CPU, in place too", "[gp
   for (DType dt : kAllFloat) {
     INFO("dtype " << dtype_name(dt));
     const double rtol = rtol_for(dt);
+    const DType acc = acc_dtype(dt);
     const std::vector<double> logits = round_to(dt, random_values(N * V, 41, -6.0, 6.0));
     Ctx cpu{};
     Host cl({N, V}, logits), closs({N}), clse({N});
@@ -48,18 +55,18 @@ TEST_CASE("gpu cross-entropy forward/backward match the CPU, in place too", "[gp
     DeviceTensor gl = on_device(dt, {N, V}, logits);
     DeviceTensor gtgt(DType::i32, {N});
     upload_i32(gtgt, targets);
-    DeviceTensor gloss = poisoned(dt, {N}), glse = poisoned(dt, {N});
+    DeviceTensor gloss = poisoned(acc, {N}), glse = poisoned(acc, {N});
     gpu::synchronize();
     cross_entropy_forward(ctx, gloss, glse, gl, gtgt);
     gpu::synchronize();
     const std::vector<double> loss = download(gloss);
-    expect_close(loss, closs.v, rtol, "losses");
-    expect_close(download(glse), clse.v, rtol, "lse");
+    expect_close(loss, closs.v, rtol_for(acc), "losses");
+    expect_close(download(glse), clse.v, rtol_for(acc), "lse");
     CHECK(loss[1] == 0.0);
     CHECK(loss[5] == 0.0);
 
-    // Backward from the reference lse rounded to the dtype (the same input on both sides).
-    const std::vector<double> lse_r = round_to(dt, clse.v);
+    // Backward from the reference lse rounded to the acc dtype (the same input on both sides).
+    const std::vector<double> lse_r = round_to(acc, clse.v);
     Host clse_r({N}, lse_r), cdl({N, V});
     cross_entropy_backward(cpu, cdl, cl, clse_r, ctgt, grad_scale);
     upload(glse, lse_r);
@@ -159,4 +166,103 @@ TEST_CASE("gpu AdamW two steps match the CPU (weight decay, grad_scale)", "[gpu]
       expect_close(download(gv), cv.v, rtol, "v");
     }
   }
+}
+
+namespace {
+
+// moe::clip_factor (src/optim) written out: the factor a trainer computes on the host.
+double host_clip_factor(double norm, double max_norm) {
+  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
+  return max_norm / (norm + 1e-6);
+}
+
+}  // namespace
+
+TEST_CASE("gpu AdamW with norm_sq clips on the device like the CPU and the host clip factor",
+          "[gpu][optim]") {
+  const int64_t n = 1003;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 3;
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (double grad_scale : {1.0, 0.25}) {
+      for (double max_norm : {0.0, 1.0, 1e6}) {  // off, clipping, not needed
+        INFO("dtype " << dtype_name(dt) << " grad_scale " << grad_scale << " max_norm "
+                      << max_norm);
+        const std::vector<double> p0 = round_to(dt, random_values(n, 71, -2.0, 2.0));
+        const std::vector<double> g = round_to(dt, random_values(n, 72, -3.0, 3.0));
+        const std::vector<double> m0 = round_to(dt, random_values(n, 73, -0.1, 0.1));
+        const std::vector<double> v0 = round_to(dt, random_values(n, 74, 1e-3, 0.1));
+        Ctx cpu{}, ctx = gpu_ctx();
+        DeviceTensor gp = on_device(dt, {n}, p0), gg = on_device(dt, {n}, g);
+        DeviceTensor gm = on_device(dt, {n}, m0), gv = on_device(dt, {n}, v0);
+        DeviceTensor gns = on_device(DType::f64, {1}, {0.0});
+        sum_squares(ctx, gns, gg);  // the norm stays on the device
+        gpu::synchronize();
+        const double norm_sq = download(gns)[0];         // (read here only to build the references)
+        REQUIRE(grad_scale * std::sqrt(norm_sq) > 1.0);  // max_norm 1 really clips
+
+        AdamWArgs da = a;
+        da.grad_scale = grad_scale;
+        da.max_norm = max_norm;
+        da.norm_sq = gns;
+        adamw_step(ctx, gp, gg, gm, gv, da);
+
+        // CPU op with the same norm_sq (a host copy of it).
+        Host cp({n}, p0), cg({n}, g), cm({n}, m0), cv({n}, v0), cns({1}, {norm_sq});
+        AdamWArgs ca = da;
+        ca.norm_sq = cns;
+        adamw_step(cpu, cp, cg, cm, cv, ca);
+        // The same GPU op with the clip factor computed on the host.
+        DeviceTensor hp = on_device(dt, {n}, p0), hm = on_device(dt, {n}, m0);
+        DeviceTensor hv = on_device(dt, {n}, v0);
+        AdamWArgs ha = a;
+        ha.grad_scale = grad_scale * host_clip_factor(grad_scale * std::sqrt(norm_sq), max_norm);
+        adamw_step(ctx, hp, gg, hm, hv, ha);
+        gpu::synchronize();
+
+        const double rtol = dt == DType::f32 ? 1e-6 : 1e-12;
+        expect_close(download(gp), cp.v, rtol, "p vs CPU");
+        expect_close(download(gm), cm.v, rtol, "m vs CPU");
+        expect_close(download(gv), cv.v, rtol, "v vs CPU");
+        CHECK(download(gp) == download(hp));  // device clip == host clip, bit for bit
+        CHECK(download(gm) == download(hm));
+        CHECK(download(gv) == download(hv));
+      }
+    }
+  }
+}
+
+TEST_CASE("gpu AdamW with a non-finite norm_sq skips the step, p, m, v bitwise unchanged",
+          "[gpu][optim]") {
+  const int64_t n = 1003;
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+      INFO("dtype " << dtype_name(dt) << " norm_sq " << bad);
+      const std::vector<double> p0 = round_to(dt, random_values(n, 81, -2.0, 2.0));
+      const std::vector<double> g = round_to(dt, random_values(n, 82, -3.0, 3.0));
+      const std::vector<double> m0 = round_to(dt, random_values(n, 83, -0.1, 0.1));
+      const std::vector<double> v0 = round_to(dt, random_values(n, 84, 1e-3, 0.1));
+      Ctx ctx = gpu_ctx();
+      DeviceTensor gp = on_device(dt, {n}, p0), gg = on_device(dt, {n}, g);
+      DeviceTensor gm = on_device(dt, {n}, m0), gv = on_device(dt, {n}, v0);
+      DeviceTensor gns = on_device(DType::f64, {1}, {bad});
+      AdamWArgs a;
+      a.step = 2, a.weight_decay = 0.1, a.max_norm = 1.0, a.norm_sq = gns;
+      adamw_step(ctx, gp, gg, gm, gv, a);
+      gpu::synchronize();
+      CHECK(download(gp) == p0);
+      CHECK(download(gm) == m0);
+      CHECK(download(gv) == v0);
+    }
+  }
+  // norm_sq must be a device f64 scalar.
+  Ctx ctx = gpu_ctx();
+  DeviceTensor p(DType::f32, {4}), ns32(DType::f32, {1});
+  AdamWArgs a;
+  a.norm_sq = ns32;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, a),
+                    Catch::Contains("adamw_step: norm_sq must be a 1-element f64 tensor"));
+  double host_ns = 1.0;
+  a.norm_sq = Tensor(&host_ns, DType::f64, Device{}, {1});
+  CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, a), Catch::Contains("adamw_step: norm_sq is on"));
 }

@@ -2,10 +2,13 @@
 // values rounded to the storage dtype, the CPU computing in f64. Outputs are poisoned before each
 // GPU call (except the accumulating dx of mod_gather_backward, which starts from random values).
 //
+// mod_select keeps one dtype (scores and mask of dt); the gated scatter reads the same score values
+// from an acc_dtype(dt) tensor (f32 for 16-bit activations) and writes dscores in it.
 // sel and mask must equal the CPU exactly (mask holds exact 0/1). Float outputs:
 //   |gpu - cpu| <= atol + rtol * |cpu|, rtol = rtol_for(dtype) (f32 2e-5, f16 4e-3, bf16 2e-2,
 //   f64 1e-11), atol = rtol * max|cpu| (gated differences and dot products can cancel); pure
-//   copies (gather forward, skipped rows of the scatters) must be exact.
+//   copies (gather forward, skipped rows of the scatters) must be exact; dscores gets the bound of
+//   its (acc) dtype.
 #include <algorithm>
 #include <random>
 
@@ -32,6 +35,7 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
                 << " dtype=" << dtype_name(dt));
   Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
   const int64_t rows = b * t, kept = b * c;
+  const DType acc = acc_dtype(dt);
 
   // ---- select
   const std::vector<double> sc =
@@ -65,17 +69,19 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
   mod_gather_backward(gctx, gdx, gdxs, gsel);
   check_grad(download(gdx), hdx.v, dt, "mod_gather_backward");
 
-  // ---- scatter forward, into a fresh out and in place (out = x)
+  // ---- scatter forward, into a fresh out and in place (out = x); the same score values, held in
+  // acc_dtype (exact: sc is rounded to dt, which f32 holds)
   const std::vector<double> ys =
       round_to(dt, uniform_values(static_cast<size_t>(kept * d), seed + 4));
   Buf<double> hys = host({kept, d}, ys), hout({rows, d});
   cpu::mod_scatter_forward(cctx, hout, hx, hys, hs, hsel);
+  DeviceTensor gsa = on_device(acc, {b, t}, sc);
   DeviceTensor gys = on_device(dt, {kept, d}, ys), gout = poisoned(dt, {rows, d});
-  mod_scatter_forward(gctx, gout, gx, gys, gs, gsel);
+  mod_scatter_forward(gctx, gout, gx, gys, gsa, gsel);
   check_grad(download(gout), hout.v, dt, "mod_scatter_forward");
   {
     DeviceTensor inplace = on_device(dt, {rows, d}, x);
-    mod_scatter_forward(gctx, inplace, inplace, gys, gs, gsel);
+    mod_scatter_forward(gctx, inplace, inplace, gys, gsa, gsel);
     check_grad(download(inplace), hout.v, dt, "mod_scatter_forward in place");
   }
 
@@ -86,20 +92,23 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
   cpu::mod_scatter_backward(cctx, hdx2, hdys, hds, hdout, hx, hys, hs, hsel);
   DeviceTensor gdout = on_device(dt, {rows, d}, dout);
   DeviceTensor gdx2 = poisoned(dt, {rows, d}), gdys = poisoned(dt, {kept, d});
-  DeviceTensor gds = poisoned(dt, {b, t});
-  mod_scatter_backward(gctx, gdx2, gdys, gds, gdout, gx, gys, gs, gsel);
+  DeviceTensor gds = poisoned(acc, {b, t});
+  mod_scatter_backward(gctx, gdx2, gdys, gds, gdout, gx, gys, gsa, gsel);
   check_grad(download(gdx2), hdx2.v, dt, "mod_scatter_backward dx");
   check_grad(download(gdys), hdys.v, dt, "mod_scatter_backward dys");
-  check_grad(download(gds), hds.v, dt, "mod_scatter_backward dscores");
+  check_grad(download(gds), hds.v, acc, "mod_scatter_backward dscores");
   {
     DeviceTensor inplace = on_device(dt, {rows, d}, dout);
     poison(gdys);
     poison(gds);
-    mod_scatter_backward(gctx, inplace, gdys, gds, inplace, gx, gys, gs, gsel);
+    mod_scatter_backward(gctx, inplace, gdys, gds, inplace, gx, gys, gsa, gsel);
     check_grad(download(inplace), hdx2.v, dt, "mod_scatter_backward dx in place");
     check_grad(download(gdys), hdys.v, dt, "mod_scatter_backward dys (in place)");
-    check_grad(download(gds), hds.v, dt, "mod_scatter_backward dscores (in place)");
+    check_grad(download(gds), hds.v, acc, "mod_scatter_backward dscores (in place)");
   }
+  if (dt != acc)  // 16-bit scores are rejected by the scatter
+    CHECK_THROWS_WITH(mod_scatter_forward(gctx, gout, gx, gys, gs, gsel),
+                      Catch::Contains("mod_scatter_forward: scores"));
 }
 
 }  // namespace

@@ -6,7 +6,10 @@
 // every dtype (the selection compares logits + bias in double on both sides). Float outputs:
 //   |gpu - cpu| <= atol + rtol * |cpu|, rtol = rtol_for(dtype) (f32 2e-5, f16 4e-3, bf16 2e-2,
 //   f64 1e-11); atol = 1e-3 * rtol for probabilities and weights (scale 1), rtol * max|cpu| for
-//   gradients and dot products (cancellation), 0 for pure copies (which must be exact).
+//   gradients and dot products (cancellation), 0 for pure copies (which must be exact). The combine
+//   weights topk_w and their gradient dtopk_w are in acc_dtype (f32 for 16-bit activations), and
+//   dtopk_w gets that dtype's bound.
+// add_counts (acc += counts on the device) must equal the CPU exactly.
 #include <algorithm>
 #include <random>
 
@@ -236,13 +239,14 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   permute_backward(gctx, gdx, gdxp, gsr);
   check_grad(download(gdx), hdx.v, dt, "permute_backward");
 
-  // combine_forward
+  // combine_forward (the router's weights in acc_dtype)
+  const DType acc = acc_dtype(dt);
   const std::vector<double> yp =
       round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 3));
-  const std::vector<double> wr = round_to(dt, w.v);
+  const std::vector<double> wr = round_to(acc, w.v);
   Buf<double> hyp = host({slots, d}, yp), hw = host({n, k}, wr), hy({n, d});
   cpu::combine_forward(cctx, hy, hyp, hw, sr);
-  DeviceTensor gyp = on_device(dt, {slots, d}, yp), gw = on_device(dt, {n, k}, wr);
+  DeviceTensor gyp = on_device(dt, {slots, d}, yp), gw = on_device(acc, {n, k}, wr);
   DeviceTensor gy = poisoned(dt, {n, d});
   combine_forward(gctx, gy, gyp, gw, gsr);
   check_grad(download(gy), hy.v, dt, "combine_forward");
@@ -252,10 +256,17 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   Buf<double> hdy = host({n, d}, dy), hdyp({slots, d}), hdw({n, k});
   cpu::combine_backward(cctx, hdyp, hdw, hdy, hyp, hw, sr);
   DeviceTensor gdy = on_device(dt, {n, d}, dy);
-  DeviceTensor gdyp = poisoned(dt, {slots, d}), gdw = poisoned(dt, {n, k});
+  DeviceTensor gdyp = poisoned(dt, {slots, d}), gdw = poisoned(acc, {n, k});
   combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
   check_grad(download(gdyp), hdyp.v, dt, "combine_backward dyp");
-  check_grad(download(gdw), hdw.v, dt, "combine_backward dtopk_w");
+  check_grad(download(gdw), hdw.v, acc, "combine_backward dtopk_w");
+
+  // A 16-bit topk_w is rejected.
+  if (dt != acc) {
+    DeviceTensor w16(dt, {n, k});
+    CHECK_THROWS_WITH(combine_forward(gctx, gy, gyp, w16, gsr),
+                      Catch::Contains("combine_forward: topk_w"));
+  }
 }
 
 }  // namespace
@@ -301,4 +312,32 @@ TEST_CASE("gpu permute plan: large, skewed and hand-made routings", "[gpu][moe]"
   check_plan(777, 8, 2, std::vector<int32_t>(1554, 0));
   // E = 1.
   check_plan(203, 1, 1, std::vector<int32_t>(203, 0));
+}
+
+TEST_CASE("gpu add_counts: expert loads summed over micro-batches on the device", "[gpu][moe]") {
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (int64_t e : {1, 8, 300}) {
+      INFO("E=" << e << " dtype=" << dtype_name(dt));
+      std::vector<double> acc0(static_cast<size_t>(e));
+      std::vector<int32_t> c1(static_cast<size_t>(e)), c2(static_cast<size_t>(e));
+      std::mt19937_64 rng(static_cast<uint64_t>(e));
+      for (auto& a : acc0) a = static_cast<double>(rng() % 100000);  // earlier micro-batches
+      for (auto& c : c1) c = static_cast<int32_t>(rng() % 1000);
+      for (auto& c : c2) c = static_cast<int32_t>(rng() % 1000);
+      Buf<double> hacc = host({e}, acc0);
+      cpu::add_counts(cctx, hacc, host_i32(c1));
+      cpu::add_counts(cctx, hacc, host_i32(c2));
+      DeviceTensor gacc = on_device(dt, {e}, acc0);
+      DeviceTensor g1(DType::i32, {e}), g2(DType::i32, {e});
+      upload_i32(g1, c1);
+      upload_i32(g2, c2);
+      add_counts(gctx, gacc, g1);
+      add_counts(gctx, gacc, g2);
+      // Integer loads far below 2^24: exact in f32 too, so the sums must match bit for bit.
+      CHECK(download(gacc) == hacc.v);
+    }
+  }
+  DeviceTensor acc16(DType::bf16, {4}), counts(DType::i32, {4});
+  CHECK_THROWS_WITH(add_counts(gctx, acc16, counts), Catch::Contains("add_counts: acc"));
 }

@@ -1,16 +1,20 @@
 // Tests of the CPU losses (softmax cross-entropy, BCE with logits) and of AdamW.
 // Forwards against hand computations (log-softmax written out, the naive BCE formula, AdamW steps
 // worked through by hand), backwards against central finite differences in f64, f32 against f64 on
-// random inputs, and the BCE mean for bitwise determinism across thread counts.
+// random inputs, and the BCE mean for bitwise determinism across thread counts. AdamW's norm_sq
+// path (clipping and the overflow skip decided inside the op) against the host-computed clip
+// factor, bit for bit.
 // Gradient-check tolerances: rtol 1e-6, atol 1e-9 for both losses (softmax / sigmoid), well above
 // the ~1e-10 truncation + rounding error of h = 1e-6 central differences on O(1) losses.
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 #include "catch.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/optim.hpp"
 #include "test_util.hpp"
@@ -270,4 +274,96 @@ TEST_CASE("adamw_step: f32 agrees with f64 over several steps") {
   CHECK(max_rel_diff(p32.v, p.v) < 1e-6);
   CHECK(max_rel_diff(m32.v, m.v) < 1e-6);
   CHECK(max_rel_diff(v32.v, v.v) < 1e-6);
+}
+
+namespace {
+
+// moe::clip_factor (src/optim) written out: the factor a trainer computes on the host.
+double host_clip_factor(double norm, double max_norm) {
+  if (max_norm <= 0 || !(norm > max_norm)) return 1.0;
+  return max_norm / (norm + 1e-6);
+}
+
+struct AdamState {
+  Buf<double> p, g, m, v;
+};
+
+AdamState random_adam_state(int64_t n, uint64_t seed) {
+  return {random_buf({n}, seed, -2, 2), random_buf({n}, seed + 1, -3, 3),
+          random_buf({n}, seed + 2, -0.1, 0.1), random_buf({n}, seed + 3, 0, 0.1)};
+}
+
+}  // namespace
+
+TEST_CASE("adamw_step with norm_sq clips exactly like the host-computed clip factor") {
+  const int64_t n = 257;
+  Ctx ctx = cpu_ctx();
+  AdamWArgs a;
+  a.lr = 1e-2, a.weight_decay = 0.1, a.step = 3;
+  for (double grad_scale : {1.0, 0.5}) {
+    for (double max_norm : {0.0, 1.0, 1e6}) {  // off, clipping, not needed
+      INFO("grad_scale " << grad_scale << " max_norm " << max_norm);
+      AdamState host = random_adam_state(n, 11), dev = random_adam_state(n, 11);
+      Buf<double> norm_sq({1});
+      sum_squares(ctx, norm_sq, dev.g);
+      const double norm = grad_scale * std::sqrt(norm_sq[0]);
+      REQUIRE(norm > 1.0);  // the middle case really clips
+      // Host path: the trainer multiplies the clip factor into grad_scale.
+      AdamWArgs ha = a;
+      ha.grad_scale = grad_scale * host_clip_factor(norm, max_norm);
+      adamw_step(ctx, host.p, host.g, host.m, host.v, ha);
+      // Device path: the op reads norm_sq itself.
+      AdamWArgs da = a;
+      da.grad_scale = grad_scale;
+      da.norm_sq = norm_sq;
+      da.max_norm = max_norm;
+      adamw_step(ctx, dev.p, dev.g, dev.m, dev.v, da);
+      CHECK(dev.p.v == host.p.v);
+      CHECK(dev.m.v == host.m.v);
+      CHECK(dev.v.v == host.v.v);
+    }
+  }
+}
+
+TEST_CASE("adamw_step with a non-finite norm_sq skips the step: p, m, v bitwise unchanged") {
+  const int64_t n = 64;
+  Ctx ctx = cpu_ctx();
+  for (double bad : {std::numeric_limits<double>::infinity(), std::nan("")}) {
+    AdamState s = random_adam_state(n, 21);
+    const AdamState before = s;
+    auto norm_sq = make<double>({1}, {bad});
+    AdamWArgs a;
+    a.step = 2, a.weight_decay = 0.1, a.norm_sq = norm_sq, a.max_norm = 1.0;
+    adamw_step(ctx, s.p, s.g, s.m, s.v, a);
+    CHECK(s.p.v == before.p.v);
+    CHECK(s.m.v == before.m.v);
+    CHECK(s.v.v == before.v.v);
+    // f32 too (the trainer's dtype).
+    auto p32 = to_f32(before.p), g32 = to_f32(before.g), m32 = to_f32(before.m);
+    auto v32 = to_f32(before.v);
+    const auto p32_before = p32.v;
+    adamw_step(ctx, p32, g32, m32, v32, a);
+    CHECK(p32.v == p32_before);
+  }
+  // A finite norm that overflows once scaled (grad_scale * sqrt(norm_sq) = inf) is skipped too.
+  AdamState s = random_adam_state(n, 31);
+  const AdamState before = s;
+  auto norm_sq = make<double>({1}, {1e300});
+  AdamWArgs a;
+  a.grad_scale = 1e200, a.norm_sq = norm_sq;
+  adamw_step(ctx, s.p, s.g, s.m, s.v, a);
+  CHECK(s.p.v == before.p.v);
+}
+
+TEST_CASE("adamw_step rejects a norm_sq that is not a 1-element f64 tensor") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> p({4}), g({4}), m({4}), v({4});
+  Buf<float> ns32({1});
+  AdamWArgs a;
+  a.norm_sq = ns32;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a),
+                    Catch::Contains("adamw_step: norm_sq must be a 1-element f64 tensor"));
+  Buf<double> ns2({2});
+  a.norm_sq = ns2;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a), Catch::Contains("adamw_step: norm_sq"));
 }

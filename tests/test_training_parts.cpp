@@ -5,6 +5,7 @@
 #include <map>
 
 #include "catch.hpp"
+#include "train/loss_scaler.hpp"
 #include "moe/data.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
@@ -18,13 +19,13 @@ TEST_CASE("learning-rate schedules", "[optim]") {
   s.warmup_min_ratio = 0.0;
   s.cos_min_ratio = 0.1;
   const double lr = 1.0;
-  CHECK(learning_rate(s, lr, 0, 110) == Approx(0.1));   // (0+1)/10
-  CHECK(learning_rate(s, lr, 9, 110) == Approx(1.0));   // end of warmup
-  CHECK(learning_rate(s, lr, 10, 110) == Approx(1.0));  // cosine starts at the peak
+  CHECK(learning_rate(s, lr, 0, 110) == Approx(0.1));               // (0+1)/10
+  CHECK(learning_rate(s, lr, 9, 110) == Approx(1.0));               // end of warmup
+  CHECK(learning_rate(s, lr, 10, 110) == Approx(1.0));              // cosine starts at the peak
   CHECK(learning_rate(s, lr, 60, 110) == Approx(0.1 + 0.9 * 0.5));  // halfway
   CHECK(learning_rate(s, lr, 110, 110) == Approx(0.1));
   CHECK(learning_rate(s, lr, 500, 110) == Approx(0.1));  // constant after the end
-  s.total_num_steps = 20;  // explicit horizon overrides max_steps
+  s.total_num_steps = 20;                                // explicit horizon overrides max_steps
   CHECK(learning_rate(s, lr, 20, 110) == Approx(0.1));
   s.type = "WarmupLR";
   CHECK(learning_rate(s, lr, 4, 110) == Approx(0.5));
@@ -167,7 +168,6 @@ TEST_CASE("aux-loss-free bias moves toward balance", "[train]") {
   for (int j = 0; j < m.hidden_size; ++j) g[j] += 0.3f;  // expert 0
   double first = -1, last = 0;
   for (int step = 0; step < 100; ++step) {
-    model.routing().reset();
     model.forward(ctx, ids.data(), tg.data());
     const double v = model.routing().maxvio_max();
     if (step == 0) first = v;
@@ -178,4 +178,55 @@ TEST_CASE("aux-loss-free bias moves toward balance", "[train]") {
   INFO("maxvio first " << first << ", mean of the last 20 steps " << last);
   CHECK(first > 0.5);
   CHECK(last < 0.8 * first);  // without updates it would stay exactly at `first`
+}
+
+// DeepSpeed's DynamicLossScaler, step by step: doubling after loss_scale_window clean steps,
+// `hysteresis` overflows tolerated before halving, the window counted from the last overflow.
+TEST_CASE("loss scaler: DeepSpeed's dynamic schedule", "[train][fp16]") {
+  Fp16Config f;
+  f.enabled = true;
+  f.initial_scale_power = 4;
+  f.loss_scale_window = 3;
+  f.hysteresis = 2;
+  f.min_loss_scale = 1;
+  LossScaler s(f);
+  std::vector<double> seen;
+  for (bool overflow : {false, false, false, true, true, false, false, false, true}) {
+    s.update(overflow);
+    seen.push_back(s.scale());
+  }
+  // clean x3 -> 32; overflow (tolerated), overflow -> 16; clean x3 -> 32; overflow (tolerated)
+  CHECK(seen == std::vector<double>{16, 16, 32, 32, 16, 16, 16, 32, 32});
+  CHECK(s.state().hysteresis_left == 1);
+  CHECK(s.state().last_overflow == 8);
+  // a restored scaler continues the same sequence
+  LossScaler t(f);
+  t.restore(s.state());
+  s.update(true);
+  t.update(true);
+  CHECK(t.scale() == s.scale());
+  CHECK(t.scale() == 16);
+}
+
+TEST_CASE("loss scaler: static scale, disabled scaler and the minimum", "[train][fp16]") {
+  Fp16Config f;
+  f.enabled = true;
+  f.loss_scale = 128;  // static
+  LossScaler fixed(f);
+  for (int i = 0; i < 5; ++i) fixed.update(i % 2 == 0);
+  CHECK(fixed.scale() == 128);
+  f.loss_scale = 0;
+  f.enabled = false;
+  LossScaler off(f);
+  off.update(true);
+  CHECK(off.scale() == 1);
+  CHECK_FALSE(off.enabled());
+  f.enabled = true;
+  f.initial_scale_power = 1;  // 2
+  f.hysteresis = 1;
+  f.min_loss_scale = 1;
+  LossScaler low(f);
+  low.update(true);  // 2 -> 1
+  CHECK(low.scale() == 1);
+  CHECK_THROWS_WITH(low.update(true), Catch::Contains("min_loss_scale"));
 }

@@ -27,14 +27,15 @@
 namespace moe {
 
 constexpr uint32_t kStateMagic = 0x4D4F4543;  // "MOEC"
-constexpr uint32_t kStateVersion = 1;
+constexpr uint32_t kStateVersion = 2;         // 2: the fp16 loss scaler state
 
 // Everything besides model and optimizer that an exact resume needs.
 struct TrainerState {
-  int64_t step = 0;              // optimizer steps completed
-  uint64_t rng_state = 0;        // the training data RNG (synthetic source)
-  LoaderPosition data;           // the shard loader (token shards)
-  double loss_scale = 1.0;       // fp16 dynamic loss scale (1 in fp32)
+  int64_t step = 0;         // optimizer steps completed
+  uint64_t rng_state = 0;   // the training data RNG (synthetic source)
+  LoaderPosition data;      // the shard loader (token shards)
+  double loss_scale = 1.0;  // fp16 loss scale (1 otherwise) and the rest of its scaler
+  int64_t loss_scale_hysteresis = 1, loss_scale_iteration = 0, loss_scale_last_overflow = -1;
   int64_t tokens_seen = 0;
 };
 
@@ -74,7 +75,7 @@ struct SaveOptions {
   int keep_last = 3;
   std::string tokenizer_dir;  // copied into the checkpoint when non-empty
   int rank = 0, world = 1;
-  WriteHook hook;             // tests only
+  WriteHook hook;  // tests only
 };
 // Returns the step directory written.
 std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Model& model,

@@ -1,6 +1,6 @@
 // The trainer's configuration: one JSON file parsed into these typed structs.
-// Top-level names follow DeepSpeed; `model` uses Hugging Face MixtralConfig names plus the extra keys
-// of MODEL_SPEC. Every key, default and range is documented in docs/config.md.
+// Top-level names follow DeepSpeed; `model` uses Hugging Face MixtralConfig names plus the extra
+// keys of MODEL_SPEC. Every key, default and range is documented in docs/config.md.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -12,9 +12,9 @@ namespace moe {
 
 struct ModConfig {
   bool enabled = false;
-  double capacity = 0.125;         // fraction of each sequence's tokens a MoD block keeps, (0, 1]
-  int every = 2;                   // layer l is MoD when l % every == every - 1
-  int predictor_hidden_size = 64;  // hidden width of the causal predictor MLP
+  double capacity = 0.125;           // fraction of each sequence's tokens a MoD block keeps, (0, 1]
+  int every = 2;                     // layer l is MoD when l % every == every - 1
+  int predictor_hidden_size = 64;    // hidden width of the causal predictor MLP
   double predictor_loss_coef = 1.0;  // weight of the predictor's BCE in the training loss
 };
 
@@ -45,7 +45,9 @@ struct ModelConfig {
   ModConfig mod;
 
   // Derived (filled by validation).
-  int resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_attention_heads; }
+  int resolved_head_dim() const {
+    return head_dim > 0 ? head_dim : hidden_size / num_attention_heads;
+  }
   int resolved_dense_ffn() const {
     return dense_intermediate_size > 0 ? dense_intermediate_size : intermediate_size;
   }
@@ -89,7 +91,7 @@ struct ZeroConfig {
 };
 
 struct SyntheticDataConfig {
-  int seed = 1234;   // seed of the Markov chain itself (independent of train.seed)
+  int seed = 1234;    // seed of the Markov chain itself (independent of train.seed)
   int branching = 4;  // next-token choices per order-2 context
 };
 
@@ -108,9 +110,10 @@ struct TrainConfig {
   int eval_interval = 0;  // 0 = only at the end
   int eval_batches = 4;
   uint64_t seed = 42;
-  std::string device = "auto";  // auto | cpu | cuda | cuda:N
+  std::string device = "auto";           // auto | cpu | cuda | cuda:N
   std::string out_dir = "runs/default";  // metrics.jsonl and step_NNNNNNNN/ checkpoints
   int save_interval = 0;                 // steps between checkpoints (0 = only at the end)
+  bool save_at_end = true;               // checkpoint when the run ends (off for benchmarks)
   int keep_checkpoints = 3;              // newest complete checkpoints kept (0 = all)
   std::string resume;                    // "" | "auto" (newest in out_dir) | a checkpoint path
 };
@@ -118,7 +121,7 @@ struct TrainConfig {
 struct Config {
   int train_micro_batch_size_per_gpu = 8;
   int gradient_accumulation_steps = 1;
-  int train_batch_size = 0;  // 0 = micro * accumulation * world size; otherwise must equal it
+  int train_batch_size = 0;        // 0 = micro * accumulation * world size; otherwise must equal it
   double gradient_clipping = 1.0;  // 0 disables clipping
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;

@@ -24,13 +24,29 @@ bool has_code_for(int index, std::string* why_not);
 void set_device(int index);
 void* malloc_device(size_t bytes, int index);  // throws with sizes on out-of-memory
 void free_device(void* p);
+// Bytes held by malloc_device now, and the most held at once since the process started.
+size_t allocated_bytes();
+size_t peak_allocated_bytes();
 void copy_to_device(void* dst, const void* src, size_t bytes);
 void copy_to_host(void* dst, const void* src, size_t bytes);
 void memset_device(void* p, int value, size_t bytes);
 void synchronize();
 
-// Per-device handles the ops use (Ctx::stream, Ctx::blas): created once, on first use.
+// Per-device handles the ops use (Ctx::stream, Ctx::blas): created once, on first use. The cuBLAS
+// handle gets a fixed workspace, so its calls allocate nothing and can be captured in a CUDA graph.
 void* default_stream(int index);
 void* blas_handle(int index);
+
+// Asynchronous host-to-device uploads for the training step, which must not wait for the device:
+// page-locked host memory, a copy queued on a stream, and events to know when a staging slot may
+// be reused.
+void* malloc_pinned(size_t bytes);
+void free_pinned(void* p);
+void copy_to_device_async(void* dst, const void* pinned_src, size_t bytes, void* stream);
+void* event_create();
+void event_destroy(void* event);
+void event_record(void* event, void* stream);
+void event_synchronize(void* event);  // waits for the work recorded before `event`
+void stream_synchronize(void* stream);
 
 }  // namespace moe::gpu

@@ -25,10 +25,10 @@ bool param_kind_decays(ParamKind k);
 struct ParamInfo {
   std::string name;
   ParamKind kind;
-  int stack = 1;                  // E for expert stacks, 1 otherwise
-  std::vector<int64_t> shape;     // of one member of the stack
-  size_t offset = 0;              // elements from the start of the parameter buffer
-  size_t numel() const;           // of the whole stack
+  int stack = 1;               // E for expert stacks, 1 otherwise
+  std::vector<int64_t> shape;  // of one member of the stack
+  size_t offset = 0;           // elements from the start of the parameter buffer
+  size_t numel() const;        // of the whole stack
 };
 
 // The fixed layout of every parameter, built from the model config alone.
@@ -41,9 +41,9 @@ ParamTable build_param_table(const ModelConfig& m);
 
 // Parameter counts for `info` and the progress header.
 struct ParamCounts {
-  double total = 0;               // every parameter
-  double active_per_token = 0;    // parameters one token touches (K routed experts, MoD skips)
-  double flops_per_token = 0;     // training FLOPs (forward + backward) per token
+  double total = 0;             // every parameter
+  double active_per_token = 0;  // parameters one token touches (K routed experts, MoD skips)
+  double flops_per_token = 0;   // training FLOPs (forward + backward) per token
 };
 ParamCounts count_params(const ModelConfig& m, int seq_len);
 
@@ -72,28 +72,51 @@ class Model {
  public:
   // Plans every buffer for micro-batches of `batch` sequences of `seq_len` tokens. With
   // allocate = false nothing is allocated: the plan alone, for memory estimates.
-  Model(const ModelConfig& cfg, DType dtype, Device dev, int batch, int seq_len,
+  // `compute` is the dtype of activations and of the weights the ops read. f32 and f64 models
+  // keep one copy of the weights; f16 / bf16 models keep fp32 master weights and gradients (what
+  // the optimizer and checkpoints see) plus a compute copy refreshed by weights_changed(), and do
+  // router, statistics and loss math in fp32.
+  Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
         bool allocate = true);
   ~Model();
 
   void init_weights(uint64_t seed);
-  // Forward and backward on one micro-batch; gradients accumulate (+=) into grads() scaled by
-  // `grad_scale` (1 / gradient_accumulation_steps for an averaged step).
+  // After anything wrote params() (optimizer step, checkpoint load): refresh the compute copy.
+  void weights_changed(Ctx& ctx);
+
+  // ---- the training step: queued on ctx's stream, nothing read back ----
+  // Zeroes the device-side loss sums, expert loads and MoD counts (not the gradients).
+  void reset_stats(Ctx& ctx);
+  // Copies a micro-batch to the device (checked: ids inside the vocabulary). On a GPU through
+  // page-locked staging slots, so the host waits for nothing but a slot's previous upload.
+  void upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets);
+  // Forward and backward on the uploaded micro-batch: gradients accumulate (+=) into grads()
+  // scaled by `grad_scale` (1 / gradient_accumulation_steps for an averaged step, times the fp16
+  // loss scale); losses and expert loads are summed on the device.
+  void queue_forward_backward(Ctx& ctx, double grad_scale);
+  // Forward only (evaluation) on the uploaded micro-batch.
+  void queue_forward(Ctx& ctx);
+  // Waits for the device: mean losses over the micro-batches since reset_stats(), and routing()
+  // refreshed with the loads summed since then.
+  Losses read_stats(Ctx& ctx);
+
+  // ---- conveniences (each reads back, so each waits for the device) ----
   Losses forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets, double grad_scale);
-  // Forward only (evaluation): the same losses, no gradients.
   Losses forward(Ctx& ctx, const int32_t* ids, const int32_t* targets);
   // End of an optimizer step: updates aux-loss-free router biases from the step's loads.
   void after_step(Ctx& ctx);
 
   const ModelConfig& config() const { return cfg_; }
   const ParamTable& table() const { return table_; }
-  DType dtype() const { return dtype_; }
-  Tensor params() const;
+  DType dtype() const { return param_dtype_; }  // master weights, gradients, optimizer state
+  DType compute_dtype() const { return compute_; }
+  Tensor params() const;  // master weights
   Tensor grads() const;
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
+  Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
   void zero_grads(Ctx& ctx);
-  RoutingStats& routing() { return routing_; }
+  const RoutingStats& routing() const { return routing_; }
   // Logits [B*T, V] of the last forward() (forward_backward overwrites them with gradients).
   Tensor logits() const { return logits_; }
   // Non-parameter state that training changes and a checkpoint must keep: the aux-loss-free
@@ -101,33 +124,38 @@ class Model {
   std::vector<Tensor> router_biases() const;
   size_t activation_bytes() const { return acts_.peak_bytes(); }
   size_t scratch_bytes() const { return scratch_.peak_bytes(); }
+  // Parameters, gradients and the compute copy (optimizer state not included).
+  size_t weight_bytes() const;
   int batch() const { return batch_; }
   int seq_len() const { return seq_len_; }
 
  private:
-  Losses run(Ctx& ctx, const int32_t* ids, const int32_t* targets, bool backward,
-             double grad_scale);
+  friend struct LayerEnv;
   void plan();
-  void backward(Ctx& ctx, double grad_scale, int64_t valid_targets);
+  void run_layers(Ctx& ctx, bool backward_too, double grad_scale);
+  void backward(Ctx& ctx, double grad_scale, double ce_scale);
 
   ModelConfig cfg_;
-  DType dtype_;
+  DType compute_, param_dtype_;
   Device dev_;
   int batch_, seq_len_;
   bool allocated_;
   ParamTable table_;
-  Buffer param_buf_, grad_buf_;
+  Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
   Arena acts_, scratch_;
   std::unique_ptr<LayerEnv> env_;
   std::vector<std::unique_ptr<Layer>> layers_;
   RoutingStats routing_;
+  int64_t valid_targets_ = 0;  // of the uploaded micro-batch
+  int micro_batches_ = 0;      // since reset_stats
   // Model-level activations: the residual stream between layers and the head.
   Tensor ids_, targets_, pos_, rope_cos_, rope_sin_;
-  std::vector<Tensor> stream_;          // L+1 tensors [N, d]: input of each layer, then the output
-  Tensor dstream_a_, dstream_b_;        // [N, d] gradient ping-pong
+  std::vector<Tensor> stream_;    // L+1 tensors [N, d]: input of each layer, then the output
+  Tensor dstream_a_, dstream_b_;  // [N, d] gradient ping-pong
   Tensor xf_, rstdf_, logits_, losses_, lse_;  // final norm, [N, V] logits, per-token losses
-  std::vector<float> host_losses_f32_;         // reused host copies of losses_ (no allocation
-  std::vector<double> host_losses_f64_;        // inside a step after the first)
+  Tensor stats_;                               // f64 [4] device sums: lm, aux, z, mod_pred
+  struct Staging;                              // page-locked upload slots (GPU only)
+  std::unique_ptr<Staging> staging_;
 };
 
 }  // namespace moe

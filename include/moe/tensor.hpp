@@ -23,11 +23,25 @@ struct Device {
 
 size_t dtype_size(DType t);
 const char* dtype_name(DType t);
+// The dtype that statistics, routing weights and parameter gradients of an op over compute dtype t
+// are kept in: f64 for f64, f32 for f32, f16 and bf16 (16-bit activations keep fp32 statistics, so
+// a sum over many rows or a log-sum-exp is rounded once, into fp32). Throws InternalError for i32.
+DType acc_dtype(DType t);
 
-template <class T> constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::f32; }
-template <> constexpr DType dtype_of<double>() { return DType::f64; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::i32; }
+template <class T>
+constexpr DType dtype_of();
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::f64;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::i32;
+}
 
 constexpr int kMaxDims = 4;
 
@@ -47,7 +61,8 @@ struct Tensor {
   size_t nbytes() const { return numel() * dtype_size(dtype); }
   std::string shape_str() const;
 
-  template <class T> T* ptr() const {
+  template <class T>
+  T* ptr() const {
     MOE_CHECK(dtype == dtype_of<T>(), std::string("tensor holds ") + dtype_name(dtype));
     return static_cast<T*>(data);
   }
@@ -60,5 +75,8 @@ struct Tensor {
 // Shape checks with a message naming the op and argument.
 void check_shape(const Tensor& t, std::initializer_list<int64_t> dims, const char* what);
 void check_same_dtype(const Tensor& a, const Tensor& b, const char* what);
+// stat.dtype == acc_dtype(x.dtype), else InternalError "<what>: dtype f16, expected f32 (the
+// accumulation dtype of f16)".
+void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what);
 
 }  // namespace moe

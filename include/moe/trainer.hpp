@@ -11,13 +11,14 @@
 namespace moe {
 
 struct TrainResult {
-  int steps = 0;            // the step the run ended at (counting resumed steps)
-  int resumed_from = 0;     // the checkpoint step it started from (0 = fresh)
+  int steps = 0;               // the step the run ended at (counting resumed steps)
+  int resumed_from = 0;        // the checkpoint step it started from (0 = fresh)
   std::vector<double> losses;  // LM loss of each step this call ran
-  double last_loss = 0;     // LM loss of the last step
-  double eval_loss = NAN;   // LM loss on held-out data at the end (NaN: none)
-  double optimal_loss = 0;  // the data's best achievable loss (synthetic source)
+  double last_loss = 0;        // LM loss of the last step
+  double eval_loss = NAN;      // LM loss on held-out data at the end (NaN: none)
+  double optimal_loss = 0;     // the data's best achievable loss (synthetic source)
   double tokens_per_second = 0;
+  int skipped_steps = 0;  // fp16 steps skipped on gradient overflow
 };
 
 // Picks the device from train.device ("auto" = cuda when built in and present, else cpu).

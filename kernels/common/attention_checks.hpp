@@ -34,17 +34,18 @@ inline void check_attention_qkv_dtypes(const Tensor& q, const Tensor& k, const T
   check_same_dtype(v, q, (name + ": v, q").c_str());
 }
 
-// out: [B, T, nh, hd], lse: [B, nh, T], of q's dtype (q checked by check_attention_qkv_*).
+// out: [B, T, nh, hd] of q's dtype, lse: [B, nh, T] in acc_dtype(q) (q checked by
+// check_attention_qkv_*).
 inline void check_attention_forward_outputs(const Tensor& out, const Tensor& lse, const Tensor& q) {
   const struct { int64_t batch, seq, heads, hd; } s{q.size(0), q.size(1), q.size(2), q.size(3)};
   check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_forward: out");
   check_shape(lse, {s.batch, s.heads, s.seq}, "attention_forward: lse");
   check_same_dtype(out, q, "attention_forward: out, q");
-  check_same_dtype(lse, q, "attention_forward: lse, q");
+  check_acc_dtype(lse, q, "attention_forward: lse");
 }
 
 // The gradients and saved tensors of attention_backward against q, k (checked by
-// check_attention_qkv_*).
+// check_attention_qkv_*): all of q's dtype but lse, in acc_dtype(q).
 inline void check_attention_backward_args(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                           const Tensor& dout, const Tensor& q, const Tensor& k,
                                           const Tensor& out, const Tensor& lse) {
@@ -57,8 +58,12 @@ inline void check_attention_backward_args(const Tensor& dq, const Tensor& dk, co
   check_shape(dout, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: dout");
   check_shape(out, {s.batch, s.seq, s.heads, s.hd}, "attention_backward: out");
   check_shape(lse, {s.batch, s.heads, s.seq}, "attention_backward: lse");
-  for (const Tensor* t : {&dq, &dk, &dv, &dout, &out, &lse})
-    check_same_dtype(*t, q, "attention_backward");
+  check_same_dtype(dq, q, "attention_backward: dq, q");
+  check_same_dtype(dk, q, "attention_backward: dk, q");
+  check_same_dtype(dv, q, "attention_backward: dv, q");
+  check_same_dtype(dout, q, "attention_backward: dout, q");
+  check_same_dtype(out, q, "attention_backward: out, q");
+  check_acc_dtype(lse, q, "attention_backward: lse");
 }
 
 }  // namespace moe

@@ -25,14 +25,14 @@ inline void check_embedding_forward_args(const Tensor& out, const Tensor& ids,
   check_same_dtype(out, table, "embedding_forward: out, table");
 }
 
-// dtable: [V, d], dout: [N, d], ids: [N]; the ids themselves are checked apart.
+// dtable: [V, d] in acc_dtype(dout), dout: [N, d], ids: [N]; the ids themselves are checked apart.
 inline void check_embedding_backward_args(const Tensor& dtable, const Tensor& dout,
                                           const Tensor& ids) {
   MOE_CHECK(dtable.ndim == 2,
             "embedding_backward: dtable must be [V, d], got " + dtable.shape_str());
   const int64_t d = dtable.size(1), n = ids.numel();
   check_shape(dout, {n, d}, "embedding_backward: dout");
-  check_same_dtype(dout, dtable, "embedding_backward: dout, dtable");
+  check_acc_dtype(dtable, dout, "embedding_backward: dtable");
 }
 
 }  // namespace moe

@@ -31,14 +31,16 @@ inline LinearDims check_linear_forward_args(const Tensor& y, const Tensor& x, co
   return s;
 }
 
-// dx: [N, in] or empty, dw: [out, in], dy: [N, out]
+// dx: [N, in] or empty, dw: [out, in] in acc_dtype(x), dy: [N, out]
 inline LinearDims check_linear_backward_args(const Tensor& dx, const Tensor& dw, const Tensor& dy,
                                              const Tensor& x, const Tensor& w) {
   const LinearDims s = linear_dims(x, w, "linear_backward");
   check_shape(dy, {s.n, s.out}, "linear_backward: dy");
   check_shape(dw, {s.out, s.in}, "linear_backward: dw");
   if (!dx.empty()) check_shape(dx, {s.n, s.in}, "linear_backward: dx");
-  for (const Tensor* t : {&dw, &dy, &w}) check_same_dtype(*t, x, "linear_backward");
+  check_same_dtype(dy, x, "linear_backward: dy, x");
+  check_same_dtype(w, x, "linear_backward: w, x");
+  check_acc_dtype(dw, x, "linear_backward: dw");
   if (!dx.empty()) check_same_dtype(dx, x, "linear_backward: dx, x");
   return s;
 }
@@ -71,14 +73,17 @@ inline void check_grouped_linear_forward_args(const GroupedDims& s, const Tensor
   check_same_dtype(y, x, "grouped_linear_forward: y, x");
 }
 
-// dx: [R, in], dy: [R, out], dw: [E, out, in], all of x's dtype (w's too).
+// dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
 inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tensor& dx,
                                                const Tensor& dw, const Tensor& dy, const Tensor& x,
                                                const Tensor& w) {
   check_shape(dx, {s.rows, s.in}, "grouped_linear_backward: dx");
   check_shape(dy, {s.rows, s.out}, "grouped_linear_backward: dy");
   check_shape(dw, {s.experts, s.out, s.in}, "grouped_linear_backward: dw");
-  for (const Tensor* t : {&dx, &dw, &dy, &w}) check_same_dtype(*t, x, "grouped_linear_backward");
+  check_same_dtype(dx, x, "grouped_linear_backward: dx, x");
+  check_same_dtype(dy, x, "grouped_linear_backward: dy, x");
+  check_same_dtype(w, x, "grouped_linear_backward: w, x");
+  check_acc_dtype(dw, x, "grouped_linear_backward: dw");
 }
 
 }  // namespace moe

@@ -15,7 +15,7 @@ inline void check_loss_targets_args(const Tensor& targets, int64_t n, const char
   MOE_CHECK(targets.dtype == DType::i32, std::string(op) + ": targets must be i32");
 }
 
-// losses, lse: [N], logits: [N, V], one dtype; the targets are checked apart.
+// losses, lse: [N] in acc_dtype(logits), logits: [N, V]; the targets are checked apart.
 inline void check_cross_entropy_forward_args(const Tensor& losses, const Tensor& lse,
                                              const Tensor& logits) {
   MOE_CHECK(logits.ndim == 2,
@@ -23,11 +23,11 @@ inline void check_cross_entropy_forward_args(const Tensor& losses, const Tensor&
   const int64_t n = logits.size(0);
   check_shape(losses, {n}, "cross_entropy_forward: losses");
   check_shape(lse, {n}, "cross_entropy_forward: lse");
-  check_same_dtype(losses, logits, "cross_entropy_forward: losses, logits");
-  check_same_dtype(lse, logits, "cross_entropy_forward: lse, logits");
+  check_acc_dtype(losses, logits, "cross_entropy_forward: losses");
+  check_acc_dtype(lse, logits, "cross_entropy_forward: lse");
 }
 
-// dlogits, logits: [N, V], lse: [N], one dtype; the targets are checked apart.
+// dlogits, logits: [N, V] of one dtype, lse: [N] in acc_dtype(logits); targets checked apart.
 inline void check_cross_entropy_backward_args(const Tensor& dlogits, const Tensor& logits,
                                               const Tensor& lse) {
   MOE_CHECK(logits.ndim == 2,
@@ -36,7 +36,7 @@ inline void check_cross_entropy_backward_args(const Tensor& dlogits, const Tenso
   check_shape(dlogits, {n, v}, "cross_entropy_backward: dlogits");
   check_shape(lse, {n}, "cross_entropy_backward: lse");
   check_same_dtype(dlogits, logits, "cross_entropy_backward: dlogits, logits");
-  check_same_dtype(lse, logits, "cross_entropy_backward: lse, logits");
+  check_acc_dtype(lse, logits, "cross_entropy_backward: lse");
 }
 
 // loss: [1], logits, targets: [N], one dtype.

@@ -42,7 +42,7 @@ inline void check_mod_select_args(const Tensor& sel, const Tensor& mask, const T
   MOE_CHECK(sel.dtype == DType::i32, "mod_select: sel must be i32");
 }
 
-// out, x: [B*T, d], ys: [B*C, d], scores: [B, T]; sel checked apart.
+// out, x: [B*T, d], ys: [B*C, d] of one dtype, scores: [B, T] in acc_dtype(x); sel checked apart.
 inline void check_mod_scatter_forward_args(const Tensor& out, const Tensor& x, const Tensor& ys,
                                            const Tensor& scores, const Tensor& sel, int64_t t) {
   const int64_t b = sel.size(0), c = sel.size(1), d = x.size(1);
@@ -51,10 +51,11 @@ inline void check_mod_scatter_forward_args(const Tensor& out, const Tensor& x, c
   check_shape(scores, {b, t}, "mod_scatter_forward: scores");
   check_same_dtype(out, x, "mod_scatter_forward: out, x");
   check_same_dtype(ys, x, "mod_scatter_forward: ys, x");
-  check_same_dtype(scores, x, "mod_scatter_forward: scores, x");
+  check_acc_dtype(scores, x, "mod_scatter_forward: scores");
 }
 
-// dx, dout, x: [B*T, d], dys, ys: [B*C, d], dscores, scores: [B, T]; sel checked apart.
+// dx, dout, x: [B*T, d], dys, ys: [B*C, d] of one dtype, dscores, scores: [B, T] in acc_dtype(x);
+// sel checked apart.
 inline void check_mod_scatter_backward_args(const Tensor& dx, const Tensor& dys,
                                             const Tensor& dscores, const Tensor& dout,
                                             const Tensor& x, const Tensor& ys, const Tensor& scores,
@@ -66,8 +67,12 @@ inline void check_mod_scatter_backward_args(const Tensor& dx, const Tensor& dys,
   check_shape(dys, {b * c, d}, "mod_scatter_backward: dys");
   check_shape(scores, {b, t}, "mod_scatter_backward: scores");
   check_shape(dscores, {b, t}, "mod_scatter_backward: dscores");
-  for (const Tensor* u : {&dx, &dys, &dscores, &dout, &ys, &scores})
-    check_same_dtype(*u, x, "mod_scatter_backward: float arguments");
+  check_same_dtype(dx, x, "mod_scatter_backward: dx, x");
+  check_same_dtype(dys, x, "mod_scatter_backward: dys, x");
+  check_same_dtype(dout, x, "mod_scatter_backward: dout, x");
+  check_same_dtype(ys, x, "mod_scatter_backward: ys, x");
+  check_acc_dtype(scores, x, "mod_scatter_backward: scores");
+  check_acc_dtype(dscores, x, "mod_scatter_backward: dscores");
 }
 
 }  // namespace moe

@@ -9,7 +9,7 @@
 
 namespace moe {
 
-// y: [N, d], rstd: [N], x: [N, d], w: [d]
+// y: [N, d], x: [N, d], w: [d] of one dtype, rstd: [N] in acc_dtype(x)
 inline void check_rmsnorm_forward_args(const Tensor& y, const Tensor& rstd, const Tensor& x,
                                        const Tensor& w) {
   MOE_CHECK(x.ndim == 2, "rmsnorm_forward: x must be [N, d], got " + x.shape_str());
@@ -18,11 +18,11 @@ inline void check_rmsnorm_forward_args(const Tensor& y, const Tensor& rstd, cons
   check_shape(rstd, {n}, "rmsnorm_forward: rstd");
   check_shape(w, {d}, "rmsnorm_forward: w");
   check_same_dtype(y, x, "rmsnorm_forward: y, x");
-  check_same_dtype(rstd, x, "rmsnorm_forward: rstd, x");
+  check_acc_dtype(rstd, x, "rmsnorm_forward: rstd");
   check_same_dtype(w, x, "rmsnorm_forward: w, x");
 }
 
-// dx, dy: [N, d], dw, w: [d], x: [N, d], rstd: [N]
+// dx, dy, x: [N, d], w: [d] of one dtype; dw: [d], rstd: [N] in acc_dtype(x)
 inline void check_rmsnorm_backward_args(const Tensor& dx, const Tensor& dw, const Tensor& dy,
                                         const Tensor& x, const Tensor& w, const Tensor& rstd) {
   MOE_CHECK(x.ndim == 2, "rmsnorm_backward: x must be [N, d], got " + x.shape_str());
@@ -32,7 +32,11 @@ inline void check_rmsnorm_backward_args(const Tensor& dx, const Tensor& dw, cons
   check_shape(dw, {d}, "rmsnorm_backward: dw");
   check_shape(w, {d}, "rmsnorm_backward: w");
   check_shape(rstd, {n}, "rmsnorm_backward: rstd");
-  for (const Tensor* t : {&dx, &dw, &dy, &w, &rstd}) check_same_dtype(*t, x, "rmsnorm_backward");
+  check_same_dtype(dx, x, "rmsnorm_backward: dx, x");
+  check_same_dtype(dy, x, "rmsnorm_backward: dy, x");
+  check_same_dtype(w, x, "rmsnorm_backward: w, x");
+  check_acc_dtype(dw, x, "rmsnorm_backward: dw");
+  check_acc_dtype(rstd, x, "rmsnorm_backward: rstd");
 }
 
 }  // namespace moe

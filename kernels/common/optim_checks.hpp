@@ -10,7 +10,8 @@
 
 namespace moe {
 
-// g, m, v: as many elements as p, of p's dtype; a.step >= 1.
+// g, m, v: as many elements as p, of p's dtype; a.step >= 1; a.norm_sq empty or a 1-element f64
+// tensor on p's device.
 inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor& m,
                                   const Tensor& v, const AdamWArgs& a) {
   const int64_t n = p.numel();
@@ -21,6 +22,13 @@ inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor
   check_same_dtype(m, p, "adamw_step: m, p");
   check_same_dtype(v, p, "adamw_step: v, p");
   MOE_CHECK(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
+  if (!a.norm_sq.empty()) {
+    MOE_CHECK(a.norm_sq.dtype == DType::f64 && a.norm_sq.numel() == 1,
+              "adamw_step: norm_sq must be a 1-element f64 tensor, got " +
+                  std::string(dtype_name(a.norm_sq.dtype)) + " " + a.norm_sq.shape_str());
+    MOE_CHECK(a.norm_sq.device == p.device,
+              "adamw_step: norm_sq is on " + a.norm_sq.device.str() + ", p on " + p.device.str());
+  }
 }
 
 }  // namespace moe

@@ -63,7 +63,7 @@ inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp,
   return k;
 }
 
-// y: [N, d], yp: [N*K, d], topk_w: [N, K], slot_row: [N*K] i32
+// y: [N, d], yp: [N*K, d] of one dtype, topk_w: [N, K] in acc_dtype(y), slot_row: [N*K] i32
 inline void check_combine_forward_args(const Tensor& y, const Tensor& yp, const Tensor& topk_w,
                                        const Tensor& slot_row) {
   MOE_CHECK(y.ndim == 2 && topk_w.ndim == 2,
@@ -74,11 +74,12 @@ inline void check_combine_forward_args(const Tensor& y, const Tensor& yp, const 
   check_shape(yp, {n_tok * k, d}, "combine_forward: yp");
   check_shape(slot_row, {n_tok * k}, "combine_forward: slot_row");
   check_same_dtype(yp, y, "combine_forward: yp, y");
-  check_same_dtype(topk_w, y, "combine_forward: topk_w, y");
+  check_acc_dtype(topk_w, y, "combine_forward: topk_w");
   check_index_i32(slot_row, "combine_forward: slot_row");
 }
 
-// dyp, yp: [N*K, d], dtopk_w, topk_w: [N, K], dy: [N, d], slot_row: [N*K] i32
+// dyp, yp: [N*K, d], dy: [N, d] of one dtype, dtopk_w, topk_w: [N, K] in acc_dtype(dy),
+// slot_row: [N*K] i32
 inline void check_combine_backward_args(const Tensor& dyp, const Tensor& dtopk_w, const Tensor& dy,
                                         const Tensor& yp, const Tensor& topk_w,
                                         const Tensor& slot_row) {
@@ -92,9 +93,9 @@ inline void check_combine_backward_args(const Tensor& dyp, const Tensor& dtopk_w
   check_shape(dyp, {n_tok * k, d}, "combine_backward: dyp");
   check_shape(slot_row, {n_tok * k}, "combine_backward: slot_row");
   check_same_dtype(dyp, dy, "combine_backward: dyp, dy");
-  check_same_dtype(dtopk_w, dy, "combine_backward: dtopk_w, dy");
+  check_acc_dtype(dtopk_w, dy, "combine_backward: dtopk_w");
   check_same_dtype(yp, dy, "combine_backward: yp, dy");
-  check_same_dtype(topk_w, dy, "combine_backward: topk_w, dy");
+  check_acc_dtype(topk_w, dy, "combine_backward: topk_w");
   check_index_i32(slot_row, "combine_backward: slot_row");
 }
 

@@ -84,4 +84,14 @@ inline void check_router_bias_update_args(const Tensor& bias, const Tensor& load
   check_same_dtype(load, bias, "router_bias_update: load, bias");
 }
 
+// acc: [E] f32 or f64, counts: [E] i32
+inline void check_add_counts_args(const Tensor& acc, const Tensor& counts) {
+  MOE_CHECK(acc.ndim == 1, "add_counts: acc must be [E], got " + acc.shape_str());
+  check_shape(counts, {acc.size(0)}, "add_counts: counts");
+  MOE_CHECK(acc.dtype == DType::f32 || acc.dtype == DType::f64,
+            std::string("add_counts: acc must be f32 or f64, got ") + dtype_name(acc.dtype));
+  MOE_CHECK(counts.dtype == DType::i32,
+            std::string("add_counts: counts must be i32, got ") + dtype_name(counts.dtype));
+}
+
 }  // namespace moe

@@ -12,7 +12,9 @@
 
 namespace moe::cpu {
 
-// Calls fn.template operator()<T>() with T = float or double from the tensor's dtype.
+// Calls fn.template operator()<T>() with T = float or double from the tensor's dtype. Since
+// acc_dtype(T) == T for both, the statistics and parameter gradients that ops keep in acc_dtype
+// (rstd, lse, dw, ...; checked by kernels/common) are read and written as T on the CPU.
 template <class Fn>
 void dispatch_float(DType t, const char* op, Fn&& fn) {
   if (t == DType::f32) return fn(float{});

@@ -1,14 +1,22 @@
-// Elementwise CPU ops over whole tensors: fill, copy, add, axpy, scale and the sum of squares used
-// by global gradient-norm clipping. They see tensors as flat arrays of numel() elements, so any
-// shape works as long as the element counts agree. Loops are OpenMP-parallel above a size threshold
-// (below it the thread start-up costs more than the work). sum_squares reduces in fixed-size chunks
-// whose partial sums are added in chunk order, so its result is bitwise the same for any thread
-// count.
+// Elementwise CPU ops over whole tensors: fill, copy, add, axpy, scale, the sum of squares used by
+// global gradient-norm clipping, the scaled sum that keeps loss sums on the device, and the dtype
+// conversion of mixed precision. They see tensors as flat arrays of numel() elements, so any shape
+// works as long as the element counts agree. Loops are OpenMP-parallel above a size threshold
+// (below it the thread start-up costs more than the work). sum_squares and accumulate_sum reduce in
+// fixed-size chunks whose partial sums are added in chunk order, so their results are bitwise the
+// same for any thread count.
+//
+// convert is the one CPU op that reads and writes f16 / bf16 (as raw 16-bit patterns, through
+// common/float16.hpp): it is the oracle of the CUDA convert, and it lets a CPU test build exactly
+// the 16-bit tensors a GPU run sees. It computes in float, or in double when either side is f64,
+// exactly as the CUDA kernel does, and rounds once into dst's dtype.
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/elementwise_checks.hpp"
+#include "common/float16.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/elementwise.hpp"
 
@@ -23,6 +31,110 @@ double sum_squares_range(const T* x, int64_t begin, int64_t end) {
   double s = 0;
   for (int64_t i = begin; i < end; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
   return s;
+}
+
+// sum(x) over x[begin, end), accumulated in double.
+template <class T>
+double sum_range(const T* x, int64_t begin, int64_t end) {
+  double s = 0;
+  for (int64_t i = begin; i < end; ++i) s += static_cast<double>(x[i]);
+  return s;
+}
+
+// sum over [0, n) of range_sum(begin, end) in chunks of kReduceChunk, the chunk partials added in
+// chunk order: the same bits for any thread count.
+template <class F>
+double chunked_sum(int64_t n, F&& range_sum) {
+  const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+#pragma omp parallel for if (parallel_worth(n))
+  for (int64_t c = 0; c < chunks; ++c)
+    partial[c] = range_sum(c * kReduceChunk, std::min(n, (c + 1) * kReduceChunk));
+  double total = 0;
+  for (double s : partial) total += s;  // in chunk order: thread-count independent
+  return total;
+}
+
+// ---- convert: storage types and their arithmetic ------------------------------------------------
+
+// The 16-bit storage formats, as raw bit patterns.
+struct Half {
+  uint16_t bits;
+};
+struct BFloat16 {
+  uint16_t bits;
+};
+
+// Calls fn(S{}) with S the storage type of t: float, double, Half or BFloat16.
+template <class Fn>
+void dispatch_any_float(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::f32:
+      return fn(float{});
+    case DType::f64:
+      return fn(double{});
+    case DType::f16:
+      return fn(Half{});
+    case DType::bf16:
+      return fn(BFloat16{});
+    default:
+      throw InternalError(std::string("convert: unsupported dtype ") + dtype_name(t));
+  }
+}
+
+// The arithmetic type of a conversion between S and D: double if either is f64, else float
+// (which holds every f16 / bf16 value exactly).
+template <class D, class S>
+using convert_math_t =
+    std::conditional_t<std::is_same_v<D, double> || std::is_same_v<S, double>, double, float>;
+
+template <class W>
+W widen(float v) {
+  return static_cast<W>(v);
+}
+template <class W>
+W widen(double v) {
+  return static_cast<W>(v);  // W is double whenever a side is double
+}
+template <class W>
+W widen(Half v) {
+  return static_cast<W>(float16::f16_to_float(v.bits));
+}
+template <class W>
+W widen(BFloat16 v) {
+  return static_cast<W>(float16::bf16_to_float(v.bits));
+}
+
+// v rounded once, to nearest even, into D.
+template <class D>
+D narrow(float v) {
+  if constexpr (std::is_same_v<D, Half>)
+    return Half{float16::float_to_f16(v)};
+  else if constexpr (std::is_same_v<D, BFloat16>)
+    return BFloat16{float16::float_to_bf16(v)};
+  else
+    return static_cast<D>(v);
+}
+template <class D>
+D narrow(double v) {
+  if constexpr (std::is_same_v<D, Half>)
+    return Half{float16::double_to_f16(v)};
+  else if constexpr (std::is_same_v<D, BFloat16>)
+    return BFloat16{float16::double_to_bf16(v)};
+  else
+    return static_cast<D>(v);
+}
+
+template <class D, class S>
+void convert_impl(D* dst, const S* src, int64_t n, bool accumulate) {
+  using W = convert_math_t<D, S>;
+  if (accumulate) {
+#pragma omp parallel for if (parallel_worth(n))
+    for (int64_t i = 0; i < n; ++i) dst[i] = narrow<D>(widen<W>(dst[i]) + widen<W>(src[i]));
+  } else {
+#pragma omp parallel for if (parallel_worth(n))
+    for (int64_t i = 0; i < n; ++i) dst[i] = narrow<D>(widen<W>(src[i]));
+  }
 }
 
 }  // namespace
@@ -89,15 +201,34 @@ void sum_squares(Ctx& ctx, Tensor out, Tensor x) {
   dispatch_float(x.dtype, "sum_squares", [&](auto zero) {
     using T = decltype(zero);
     const T* p = x.ptr<T>();
-    const int64_t n = x.numel();
-    const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
-    std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-#pragma omp parallel for if (parallel_worth(n))
-    for (int64_t c = 0; c < chunks; ++c)
-      partial[c] = sum_squares_range(p, c * kReduceChunk, std::min(n, (c + 1) * kReduceChunk));
-    double total = 0;
-    for (double s : partial) total += s;  // in chunk order: thread-count independent
-    out.ptr<double>()[0] += total;
+    out.ptr<double>()[0] += chunked_sum(
+        x.numel(), [&](int64_t begin, int64_t end) { return sum_squares_range(p, begin, end); });
+  });
+}
+
+// out: [1] f64 (+= scale * sum), x: an f32 or f64 tensor.
+void accumulate_sum(Ctx& ctx, Tensor out, Tensor x, double scale) {
+  check_accumulate_sum_args(out, x);
+  dispatch_float(x.dtype, "accumulate_sum", [&](auto zero) {
+    using T = decltype(zero);
+    const T* p = x.ptr<T>();
+    const double total = chunked_sum(
+        x.numel(), [&](int64_t begin, int64_t end) { return sum_range(p, begin, end); });
+    out.ptr<double>()[0] += scale * total;
+  });
+}
+
+// dst (= or +=) src converted; any float dtypes, f16 / bf16 included.
+void convert(Ctx& ctx, Tensor dst, Tensor src, bool accumulate) {
+  check_convert_args(dst, src);
+  const int64_t n = dst.numel();
+  if (n == 0 || (!accumulate && dst.data == src.data && dst.dtype == src.dtype)) return;
+  dispatch_any_float(dst.dtype, [&](auto dst_zero) {
+    using D = decltype(dst_zero);
+    dispatch_any_float(src.dtype, [&](auto src_zero) {
+      using S = decltype(src_zero);
+      convert_impl(static_cast<D*>(dst.data), static_cast<const S*>(src.data), n, accumulate);
+    });
   });
 }
 

@@ -4,9 +4,13 @@
 // dtype, which keeps the f32 reference close to the exact formula; the bias corrections 1 - b^t are
 // computed once per call. Weight decay is decoupled (AdamW, not L2): it uses the parameter value
 // from before this step and is not scaled by the adaptive denominator.
+//
+// With AdamWArgs::norm_sq the gradient scale comes from the norm (clip, or skip the step when the
+// norm is not finite) by common/adamw_scale.hpp, the function the CUDA kernel runs on the device.
 #include <cmath>
 #include <string>
 
+#include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/optim.hpp"
@@ -17,7 +21,7 @@ namespace {
 constexpr int64_t kAdamWork = 16;  // scalar operations per element (a sqrt, a division, ~12 flops)
 
 template <class T>
-void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
+void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a, double grad_scale) {
   const int64_t n = p.numel();
   T* pp = p.ptr<T>();
   const T* gp = g.ptr<T>();
@@ -27,7 +31,7 @@ void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
 #pragma omp parallel for schedule(static) if (parallel_worth(n * kAdamWork))
   for (int64_t i = 0; i < n; ++i) {
-    const double gi = a.grad_scale * gp[i];
+    const double gi = grad_scale * gp[i];
     const double mi = a.beta1 * mp[i] + (1.0 - a.beta1) * gi;
     const double vi = a.beta2 * vp[i] + (1.0 - a.beta2) * gi * gi;
     const double update = (mi / bc1) / (std::sqrt(vi / bc2) + a.eps);
@@ -44,7 +48,11 @@ void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArg
   check_adamw_step_args(p, g, m, v, a);
   dispatch_float(p.dtype, "adamw_step", [&](auto zero) {
     using T = decltype(zero);
-    adamw_impl<T>(p, g, m, v, a);
+    double grad_scale = a.grad_scale;
+    if (!a.norm_sq.empty() &&
+        !adamw_clipped_scale(a.norm_sq.ptr<double>()[0], a.grad_scale, a.max_norm, &grad_scale))
+      return;  // non-finite norm: the step is skipped, p, m and v untouched
+    adamw_impl<T>(p, g, m, v, a, grad_scale);
   });
 }
 

@@ -1,5 +1,6 @@
 // MoE router on the CPU: softmax over experts, top-K selection, renormalisation, per-expert counts,
-// the auxiliary load-balance and z losses with their gradients, and the aux-loss-free bias update.
+// the auxiliary load-balance and z losses with their gradients, the aux-loss-free bias update, and
+// add_counts (the per-step sum of the micro-batches' expert loads).
 //
 // The router decides which expert sees which token, so it has to be exactly reproducible and agree
 // with the CUDA backend on the selected set. Hence:
@@ -255,6 +256,17 @@ void router_bias_update(Ctx& ctx, Tensor bias, Tensor load, double rate) {
   dispatch_float(bias.dtype, "router_bias_update", [&](auto zero) {
     using T = decltype(zero);
     bias_update_impl<T>(bias, load, rate);
+  });
+}
+
+// acc: [E] (+= counts), counts: [E] i32. Integer loads are exact in f32 below 2^24.
+void add_counts(Ctx& ctx, Tensor acc, Tensor counts) {
+  check_add_counts_args(acc, counts);
+  dispatch_float(acc.dtype, "add_counts", [&](auto zero) {
+    using T = decltype(zero);
+    T* a = acc.ptr<T>();
+    const int32_t* c = counts.ptr<int32_t>();
+    for (int64_t e = 0; e < acc.numel(); ++e) a[e] += static_cast<T>(c[e]);
   });
 }
 

@@ -12,8 +12,9 @@
 //
 // - attention_forward: warp per (b, h, i), an online softmax over keys j <= i (running max m,
 //   running sum l, output accumulator rescaled by exp(m_old - m_new)); writes o_i = acc / l and
-//   lse_i = m + log l (in the lse tensor's dtype). Rows are issued longest first (i descending
-//   within a head) so the causal imbalance does not leave a long tail.
+//   lse_i = m + log l, kept in the arithmetic type (acc_t<T>: acc_dtype(q), fp32 for 16-bit q, so
+//   the backward recomputes probabilities from an unrounded lse). Rows are issued longest first (i
+//   descending within a head) so the causal imbalance does not leave a long tail.
 // - attention_backward, kernel 1 (dq): warp per (b, h, i): D_i = <dO_i, O_i>, then for j <= i
 //   p_ij = exp(s_ij - lse_i), dS_ij = p_ij (dO_i . v_j - D_i), dq_i = scale sum_j dS_ij k_j.
 // - attention_backward, kernel 2 (dk, dv): warp per (b, kv head g, key j), looping over the query
@@ -131,9 +132,9 @@ __device__ __forceinline__ void online_softmax_key(const A (&qr)[NPER], const T*
 
 template <class T, int NPER>
 __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
-    attention_forward_kernel(T* __restrict__ out, T* __restrict__ lse, const T* __restrict__ q,
-                             const T* __restrict__ k, const T* __restrict__ v, Dims s,
-                             acc_t<T> scale) {
+    attention_forward_kernel(T* __restrict__ out, acc_t<T>* __restrict__ lse,
+                             const T* __restrict__ q, const T* __restrict__ k,
+                             const T* __restrict__ v, Dims s, acc_t<T> scale) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
     const int c = lane + kWarp * r;
     if (c < s.hd) out[q_off + c] = store<T>(acc[r] * inv_l);
   }
-  if (lane == 0) lse[bh * s.seq + i] = store<T>(m + dev_log(l));
+  if (lane == 0) lse[bh * s.seq + i] = m + dev_log(l);
 }
 
 // ---- backward: dq -------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
     attention_backward_dq_kernel(T* __restrict__ dq, const T* __restrict__ dout,
                                  const T* __restrict__ q, const T* __restrict__ k,
                                  const T* __restrict__ v, const T* __restrict__ out,
-                                 const T* __restrict__ lse, Dims s, acc_t<T> scale) {
+                                 const acc_t<T>* __restrict__ lse, Dims s, acc_t<T> scale) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
@@ -199,7 +200,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
     dqr[r] = 0;
   }
   const A d_i = warp_sum(d_part);  // D_i = <dO_i, O_i>
-  const A lse_i = load(lse[bh * s.seq + i]);
+  const A lse_i = lse[bh * s.seq + i];
   for (int64_t j = 0; j <= i; ++j) {
     const T* kj = kb + j * kv_stride;
     const T* vj = vb + j * kv_stride;
@@ -232,8 +233,8 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
     attention_backward_dkdv_kernel(T* __restrict__ dk, T* __restrict__ dv,
                                    const T* __restrict__ dout, const T* __restrict__ q,
                                    const T* __restrict__ k, const T* __restrict__ v,
-                                   const T* __restrict__ out, const T* __restrict__ lse, Dims s,
-                                   acc_t<T> scale) {
+                                   const T* __restrict__ out, const acc_t<T>* __restrict__ lse,
+                                   Dims s, acc_t<T> scale) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
@@ -253,7 +254,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
   const int group = s.group();
   for (int h = g * group; h < (g + 1) * group; ++h) {
     const int64_t head_off = (b * s.seq * s.heads + h) * s.hd;  // (b, t = 0, h)
-    const T* lse_h = lse + (b * s.heads + h) * s.seq;
+    const A* lse_h = lse + (b * s.heads + h) * s.seq;
     for (int64_t i = j; i < s.seq; ++i) {
       const int64_t off = head_off + i * q_stride;
       A qi[NPER], doi[NPER];
@@ -272,7 +273,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
         }
       }
       warp_sum3(s_part, dp_part, d_part);
-      const A p = dev_exp(scale * s_part - load(lse_h[i]));
+      const A p = dev_exp(scale * s_part - lse_h[i]);
       const A ds = p * (dp_part - d_part);
 #pragma unroll
       for (int r = 0; r < NPER; ++r) {
@@ -374,7 +375,7 @@ void attention_forward_cuda(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k
     dispatch_nper(s.hd, [&](auto nper) {
       attention_forward_kernel<T, decltype(nper)::value>
           <<<blocks_for(rows, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream_of(ctx)>>>(
-              data_of<T>(out), data_of<T>(lse), data_of<T>(q), data_of<T>(k), data_of<T>(v), s,
+              data_of<T>(out), data_of<A>(lse), data_of<T>(q), data_of<T>(k), data_of<T>(v), s,
               scale);
       MOE_CUDA_LAUNCH_CHECK();
     });
@@ -397,12 +398,12 @@ void attention_backward_cuda(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor d
       attention_backward_dq_kernel<T, N>
           <<<blocks_for(q_rows, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream_of(ctx)>>>(
               data_of<T>(dq), data_of<T>(dout), data_of<T>(q), data_of<T>(k), data_of<T>(v),
-              data_of<T>(out), data_of<T>(lse), s, scale);
+              data_of<T>(out), data_of<A>(lse), s, scale);
       MOE_CUDA_LAUNCH_CHECK();
       attention_backward_dkdv_kernel<T, N>
           <<<blocks_for(kv_rows, kRowsPerBlock), kRowsPerBlock * kWarp, 0, stream_of(ctx)>>>(
               data_of<T>(dk), data_of<T>(dv), data_of<T>(dout), data_of<T>(q), data_of<T>(k),
-              data_of<T>(v), data_of<T>(out), data_of<T>(lse), s, scale);
+              data_of<T>(v), data_of<T>(out), data_of<A>(lse), s, scale);
       MOE_CUDA_LAUNCH_CHECK();
     });
   });

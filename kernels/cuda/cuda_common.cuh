@@ -17,17 +17,17 @@ namespace moe::cuda_detail {
 
 }  // namespace moe::cuda_detail
 
-#define MOE_CUDA_CHECK(call)                                                             \
-  do {                                                                                   \
-    cudaError_t err_ = (call);                                                           \
-    if (err_ != cudaSuccess)                                                             \
+#define MOE_CUDA_CHECK(call)                                                               \
+  do {                                                                                     \
+    cudaError_t err_ = (call);                                                             \
+    if (err_ != cudaSuccess)                                                               \
       ::moe::cuda_detail::throw_cuda(cudaGetErrorString(err_), #call, __FILE__, __LINE__); \
   } while (0)
 
-#define MOE_CUBLAS_CHECK(call)                                                            \
-  do {                                                                                    \
-    cublasStatus_t st_ = (call);                                                          \
-    if (st_ != CUBLAS_STATUS_SUCCESS)                                                     \
+#define MOE_CUBLAS_CHECK(call)                                                               \
+  do {                                                                                       \
+    cublasStatus_t st_ = (call);                                                             \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                        \
       ::moe::cuda_detail::throw_cuda(cublasGetStatusString(st_), #call, __FILE__, __LINE__); \
   } while (0)
 
@@ -40,21 +40,48 @@ namespace moe::cuda_detail {
 
 namespace moe::cuda_detail {
 
-inline cudaStream_t stream_of(const Ctx& ctx) { return static_cast<cudaStream_t>(ctx.stream); }
-inline cublasHandle_t blas_of(const Ctx& ctx) { return static_cast<cublasHandle_t>(ctx.blas); }
+inline cudaStream_t stream_of(const Ctx& ctx) {
+  return static_cast<cudaStream_t>(ctx.stream);
+}
+inline cublasHandle_t blas_of(const Ctx& ctx) {
+  return static_cast<cublasHandle_t>(ctx.blas);
+}
 
 // Arithmetic type of a storage type: fp32 for f32/f16/bf16 (fp32 accumulation), double for the
 // f64 gradient-check path.
-template <class T> struct AccOf { using type = float; };
-template <> struct AccOf<double> { using type = double; };
-template <class T> using acc_t = typename AccOf<T>::type;
+template <class T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+template <class T>
+using acc_t = typename AccOf<T>::type;
 
-template <class T> __device__ __forceinline__ acc_t<T> load(T v) { return static_cast<acc_t<T>>(v); }
-template <> __device__ __forceinline__ float load(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <class T> __device__ __forceinline__ T store(acc_t<T> v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __half store<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 store<__nv_bfloat16>(float v) {
+template <class T>
+__device__ __forceinline__ acc_t<T> load(T v) {
+  return static_cast<acc_t<T>>(v);
+}
+template <>
+__device__ __forceinline__ float load(__half v) {
+  return __half2float(v);
+}
+template <>
+__device__ __forceinline__ float load(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <class T>
+__device__ __forceinline__ T store(acc_t<T> v) {
+  return static_cast<T>(v);
+}
+template <>
+__device__ __forceinline__ __half store<__half>(float v) {
+  return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 store<__nv_bfloat16>(float v) {
   return __float2bfloat16_rn(v);
 }
 
@@ -62,11 +89,30 @@ template <> __device__ __forceinline__ __nv_bfloat16 store<__nv_bfloat16>(float 
 template <class Fn>
 void dispatch_storage(DType t, const char* op, Fn&& fn) {
   switch (t) {
-    case DType::f32: return fn(float{});
-    case DType::f64: return fn(double{});
-    case DType::f16: return fn(__half{});
-    case DType::bf16: return fn(__nv_bfloat16{});
-    default: throw InternalError(std::string(op) + ": unsupported dtype " + dtype_name(t));
+    case DType::f32:
+      return fn(float{});
+    case DType::f64:
+      return fn(double{});
+    case DType::f16:
+      return fn(__half{});
+    case DType::bf16:
+      return fn(__nv_bfloat16{});
+    default:
+      throw InternalError(std::string(op) + ": unsupported dtype " + dtype_name(t));
+  }
+}
+
+// Calls fn(A{}) with A the accumulation type of `t`, which must be an accumulation dtype (f32:
+// float, f64: double): tensors that only ever hold statistics or tables (rope tables, counts).
+template <class Fn>
+void dispatch_acc(DType t, const char* op, Fn&& fn) {
+  switch (t) {
+    case DType::f32:
+      return fn(float{});
+    case DType::f64:
+      return fn(double{});
+    default:
+      throw InternalError(std::string(op) + ": expected f32 or f64, got " + dtype_name(t));
   }
 }
 

@@ -1,9 +1,17 @@
-// Elementwise CUDA ops over whole tensors: fill, copy, add, axpy, scale, and the sum of squares
-// behind global gradient-norm clipping. Tensors are flat arrays of numel() elements; every kernel
-// is a grid-stride loop that loads in fp32 (double for f64), computes, and rounds once on store, so
+// Elementwise CUDA ops over whole tensors: fill, copy, add, axpy, scale, the sum of squares behind
+// global gradient-norm clipping, the scaled sum that keeps loss sums on the device, and the dtype
+// conversion of mixed precision. Tensors are flat arrays of numel() elements; every kernel is a
+// grid-stride loop that loads in fp32 (double for f64), computes, and rounds once on store, so
 // f16/bf16 results are the correctly rounded fp32 result. copy is a stream-ordered device memcpy.
 //
-// sum_squares (out[0] += sum x^2, out an f64 device scalar) is a deterministic two-pass reduction
+// convert (dst = or += src in another dtype) computes in float, or in double when either side is
+// f64, and rounds once into dst's dtype, exactly as the CPU op (kernels/cpu/elementwise.cpp): a
+// double goes to f16 / bf16 through a float rounded "to odd" (toward zero, last bit set when
+// inexact; see kernels/common/float16.hpp), never through a float rounded to nearest, which could
+// round twice. Both backends give the same bits.
+//
+// sum_squares (out[0] += sum x^2, out an f64 device scalar) and accumulate_sum (out[0] += scale *
+// sum x) share one deterministic two-pass reduction
 // in double: pass 1 runs a grid whose size depends only on numel (never on the device), each block
 // sums a fixed grid-stride subset and reduces it in a fixed tree into one partial; pass 2 is a
 // single block that adds the partials in a fixed tree and adds the total into out. The partials
@@ -14,6 +22,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/elementwise_checks.hpp"
@@ -76,26 +85,64 @@ __device__ double block_sum_to_thread0(double v) {
   return v;
 }
 
-// Pass 1: partial[b] = sum of x[i]^2 over the grid-stride subset of block b. Squares of
-// f32/f16/bf16 values are exact in double.
-template <class T>
-__global__ void sum_squares_partial_kernel(double* partial, const T* x, int64_t n) {
+// Pass 1: partial[b] = sum of x[i]^2 (kSquare) or x[i] over the grid-stride subset of block b.
+// Squares of f32/f16/bf16 values are exact in double.
+template <class T, bool kSquare>
+__global__ void sum_partial_kernel(double* partial, const T* x, int64_t n) {
   double s = 0;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
     const double v = static_cast<double>(load(x[i]));
-    s += v * v;
+    s += kSquare ? v * v : v;
   }
   s = block_sum_to_thread0(s);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
 
-// Pass 2 (one block): out[0] += sum of partial[0, count).
-__global__ void sum_partials_kernel(double* out, const double* partial, int count) {
+// Pass 2 (one block): out[0] += scale * sum of partial[0, count). (scale = 1 for sum_squares:
+// 1 * s == s, the bits sum_squares always produced.)
+__global__ void sum_partials_kernel(double* out, const double* partial, int count, double scale) {
   double s = 0;
   for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
   s = block_sum_to_thread0(s);
-  if (threadIdx.x == 0) out[0] += s;
+  if (threadIdx.x == 0) out[0] += scale * s;
+}
+
+// ---- convert ------------------------------------------------------------------------------------
+
+// d rounded to float "to odd" (kernels/common/float16.hpp has the host twin): toward zero, with the
+// last bit set when d was not exact, so the one rounding to 16 bits that follows is correct.
+__device__ __forceinline__ float double_to_float_odd(double d) {
+  const float f = __double2float_rz(d);
+  if (static_cast<double>(f) == d || d != d) return f;
+  return __uint_as_float(__float_as_uint(f) | 1u);
+}
+
+// v rounded once, to nearest even, into D (W = float or double: the conversion's arithmetic type).
+template <class D, class W>
+__device__ __forceinline__ D narrow(W v) {
+  if constexpr (std::is_same_v<D, double>) {
+    return static_cast<double>(v);
+  } else if constexpr (std::is_same_v<D, float>) {
+    return static_cast<float>(v);  // double -> float: to nearest
+  } else if constexpr (std::is_same_v<W, double>) {
+    return store<D>(double_to_float_odd(v));
+  } else {
+    return store<D>(v);
+  }
+}
+
+// dst[i] = src[i] (or dst[i] + src[i]) converted; W is double when either side is, else float.
+template <class D, class S, bool kAccumulate>
+__global__ void convert_kernel(D* dst, const S* src, int64_t n) {
+  using W =
+      std::conditional_t<std::is_same_v<D, double> || std::is_same_v<S, double>, double, float>;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    W v = static_cast<W>(load(src[i]));
+    if (kAccumulate) v += static_cast<W>(load(dst[i]));
+    dst[i] = narrow<D, W>(v);
+  }
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -172,8 +219,9 @@ void scale_cuda(Ctx& ctx, Tensor x, double alpha) {
   });
 }
 
-void sum_squares_cuda(Ctx& ctx, Tensor out, Tensor x) {
-  check_sum_squares_args(out);
+// out[0] += scale * sum of x^2 (kSquare) or of x, by the two-pass reduction.
+template <bool kSquare>
+void reduce_into(Ctx& ctx, Tensor out, Tensor x, double scale, const char* op) {
   const int64_t n = x.numel();
   if (n == 0) return;  // out[0] += 0
   // Grid from numel alone (4 elements per thread before the grid is capped): the summation order,
@@ -181,15 +229,47 @@ void sum_squares_cuda(Ctx& ctx, Tensor out, Tensor x) {
   const int blocks =
       static_cast<int>(std::min<int64_t>(blocks_for(n, kReduceThreads * 4), kMaxPartials));
   double* partial = sum_squares_scratch();
-  dispatch_storage(x.dtype, "sum_squares", [&](auto zero) {
+  dispatch_storage(x.dtype, op, [&](auto zero) {
     using T = decltype(zero);
-    sum_squares_partial_kernel<T>
+    sum_partial_kernel<T, kSquare>
         <<<blocks, kReduceThreads, 0, stream_of(ctx)>>>(partial, data_of<T>(x), n);
     MOE_CUDA_LAUNCH_CHECK();
   });
   sum_partials_kernel<<<1, kReduceThreads, 0, stream_of(ctx)>>>(static_cast<double*>(out.data),
-                                                                partial, blocks);
+                                                                partial, blocks, scale);
   MOE_CUDA_LAUNCH_CHECK();
+}
+
+void sum_squares_cuda(Ctx& ctx, Tensor out, Tensor x) {
+  check_sum_squares_args(out);
+  reduce_into<true>(ctx, out, x, 1.0, "sum_squares");
+}
+
+void accumulate_sum_cuda(Ctx& ctx, Tensor out, Tensor x, double scale) {
+  check_accumulate_sum_args(out, x);
+  check_on_gpu({&out, &x}, "accumulate_sum");
+  reduce_into<false>(ctx, out, x, scale, "accumulate_sum");
+}
+
+void convert_cuda(Ctx& ctx, Tensor dst, Tensor src, bool accumulate) {
+  check_convert_args(dst, src);
+  check_on_gpu({&dst, &src}, "convert");
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  if (!accumulate && dst.dtype == src.dtype) return copy_cuda(ctx, dst, src);  // exact either way
+  dispatch_storage(dst.dtype, "convert", [&](auto dst_zero) {
+    using D = decltype(dst_zero);
+    dispatch_storage(src.dtype, "convert", [&](auto src_zero) {
+      using S = decltype(src_zero);
+      if (accumulate)
+        convert_kernel<D, S, true>
+            <<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<D>(dst), data_of<S>(src), n);
+      else
+        convert_kernel<D, S, false>
+            <<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<D>(dst), data_of<S>(src), n);
+      MOE_CUDA_LAUNCH_CHECK();
+    });
+  });
 }
 
 }  // namespace
@@ -202,4 +282,6 @@ MOE_REGISTER_CUDA_OP(add, &cuda_detail::add_cuda);
 MOE_REGISTER_CUDA_OP(axpy, &cuda_detail::axpy_cuda);
 MOE_REGISTER_CUDA_OP(scale, &cuda_detail::scale_cuda);
 MOE_REGISTER_CUDA_OP(sum_squares, &cuda_detail::sum_squares_cuda);
+MOE_REGISTER_CUDA_OP(accumulate_sum, &cuda_detail::accumulate_sum_cuda);
+MOE_REGISTER_CUDA_OP(convert, &cuda_detail::convert_cuda);
 }  // namespace moe

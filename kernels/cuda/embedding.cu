@@ -5,8 +5,8 @@
 // (id % buckets == blockIdx.y); its threads (one per column) walk all tokens in token order,
 // staging the ids through shared memory, and add the rows they own. Every (row, column) element is
 // thus updated by exactly one thread, in token order: bitwise the same for any bucket count or
-// device. Each add rounds once to the storage dtype (load fp32, add, store), as a sequence of +=
-// would.
+// device. dtable is in acc_dtype(dout) (acc_t<T>: fp32 for 16-bit activations), so each add rounds
+// once, in fp32 (double for f64), as a sequence of += would.
 //
 // Ids live on the device and are never read by the host, so the InputError of the CPU op (an id
 // outside [0, V)) cannot be raised here: the data loader validates ids on the host. As a guard the
@@ -45,8 +45,8 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* ids, const T* ta
 
 // grid (ceil(d / kColumns), buckets), block kColumns.
 template <class T>
-__global__ void embedding_backward_kernel(T* dtable, const T* dout, const int32_t* ids, int64_t n,
-                                          int64_t d, int64_t vocab) {
+__global__ void embedding_backward_kernel(acc_t<T>* dtable, const T* dout, const int32_t* ids,
+                                          int64_t n, int64_t d, int64_t vocab) {
   __shared__ int32_t staged[kIdChunk];
   const int64_t col = blockIdx.x * int64_t(kColumns) + threadIdx.x;
   const int buckets = static_cast<int>(gridDim.y), bucket = static_cast<int>(blockIdx.y);
@@ -60,8 +60,7 @@ __global__ void embedding_backward_kernel(T* dtable, const T* dout, const int32_
     for (int i = 0; i < count; ++i) {  // token order
       const int32_t id = staged[i];
       if (id < 0 || id >= vocab || id % buckets != bucket) continue;
-      T* p = dtable + id * d + col;
-      *p = store<T>(load(*p) + load(dout[(c0 + i) * d + col]));
+      dtable[id * d + col] += load(dout[(c0 + i) * d + col]);
     }
   }
 }
@@ -94,11 +93,11 @@ void embedding_backward_cuda(Ctx& ctx, Tensor dtable, Tensor dout, Tensor ids) {
   MOE_CHECK(column_blocks <= 0x7fffffff, "embedding_backward: d too large");
   const int64_t buckets =
       std::max<int64_t>(1, std::min({int64_t{kTargetBlocks} / column_blocks, vocab, int64_t{64}}));
-  dispatch_storage(dtable.dtype, "embedding_backward", [&](auto zero) {
+  dispatch_storage(dout.dtype, "embedding_backward", [&](auto zero) {
     using T = decltype(zero);
     const dim3 grid(static_cast<unsigned>(column_blocks), static_cast<unsigned>(buckets));
     embedding_backward_kernel<T><<<grid, kColumns, 0, stream_of(ctx)>>>(
-        data_of<T>(dtable), data_of<T>(dout), data_of<int32_t>(ids), n, d, vocab);
+        data_of<acc_t<T>>(dtable), data_of<T>(dout), data_of<int32_t>(ids), n, d, vocab);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -7,7 +7,10 @@
 // (N, N);  dw += dy^T x -> dw^T += x^T dy (N on x's buffer, T on dy's), beta = 1. f32 / f16 / bf16
 // go through cublasGemmEx with CUBLAS_COMPUTE_32F (true fp32: no TF32, and reduced-precision
 // split-K reductions disallowed for the call), f64 through cublasDgemm. Empty products are skipped
-// (a non-accumulating forward with in = 0 writes zeros).
+// (a non-accumulating forward with in = 0 writes zeros). dw is in acc_dtype(x): for f16 / bf16 the
+// dw product is issued with A, B of the 16-bit type and C of CUDA_R_32F (a supported GemmEx
+// combination with CUBLAS_COMPUTE_32F), so the fp32 product is added to the fp32 gradient and
+// rounded once, instead of being rounded to 16 bits before and after the add.
 //
 // grouped_linear_forward / grouped_linear_backward: rows [offsets[e], offsets[e+1]) use w[e], with
 // the offsets on the device, never copied to the host (no synchronisation). They are tiled SIMT
@@ -20,6 +23,8 @@
 //   is; blocks past the last tile exit at once.
 // - dw[e] += dy_e^T x_e: grid (in tiles, out tiles, E); a block loops over expert e's rows in
 //   K-steps of 16. An expert with no rows returns before touching dw[e] (+= 0, bitwise unchanged).
+//   dw is acc_t<T> (fp32 for 16-bit x): the tile's fp32 sums are added to it without a 16-bit
+//   rounding.
 // Offsets are clamped to [0, R] on the device, so malformed offsets (a caller bug; the CPU op
 // checks them) can leave rows unwritten but never read or write out of bounds.
 #include <algorithm>
@@ -176,7 +181,7 @@ __global__ void __launch_bounds__(kThreads)
 // dw[e] += dy_e^T x_e: grid (ceil(in/64), ceil(out/64), E). C(o, i) = sum_r dy[r, o] x[r, i].
 template <class T>
 __global__ void __launch_bounds__(kThreads)
-    grouped_dw_kernel(T* dw, const T* dy, const T* x, const int32_t* offsets, int64_t rows,
+    grouped_dw_kernel(acc_t<T>* dw, const T* dy, const T* x, const int32_t* offsets, int64_t rows,
                       int64_t out, int64_t in) {
   const int e = blockIdx.z;
   const int64_t r0 = clamp_offset(offsets[e], rows), r1 = clamp_offset(offsets[e + 1], rows);
@@ -185,7 +190,7 @@ __global__ void __launch_bounds__(kThreads)
   acc_t<T> acc[kSub][kSub];
   // A(m = o, k = r) = dy[r*out + o] (m fast); B(k = r, n = i) = x[r*in + i] (n fast).
   tile_product<T, true, true>(acc, dy, out, m0, out, x, in, n0, in, r0, r1);
-  T* dw_e = dw + int64_t(e) * out * in;
+  acc_t<T>* dw_e = dw + int64_t(e) * out * in;
   const int tx = threadIdx.x % kLanes, ty = threadIdx.x / kLanes;
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
@@ -194,10 +199,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       const int64_t col = n0 + tx + kLanes * j;
-      if (col < in) {
-        T* p = dw_e + o * in + col;
-        *p = store<T>(load(*p) + acc[i][j]);
-      }
+      if (col < in) dw_e[o * in + col] += acc[i][j];
     }
   }
 }
@@ -246,10 +248,11 @@ cudaDataType_t cuda_type(DType t, const char* op) {
   }
 }
 
-// Column-major C[m, n] = op(A) op(B) + beta C (alpha 1), all of dtype dt; m, n, k > 0.
-void gemm_cm(Ctx& ctx, DType dt, cublasOperation_t opa, cublasOperation_t opb, int64_t m, int64_t n,
-             int64_t k, const void* a, int64_t lda, const void* b, int64_t ldb, double beta,
-             void* c, int64_t ldc, const char* op) {
+// Column-major C[m, n] = op(A) op(B) + beta C (alpha 1), A and B of dtype dt, C of dtype c_dt (dt,
+// or f32 for 16-bit dt); m, n, k > 0.
+void gemm_cm(Ctx& ctx, DType dt, DType c_dt, cublasOperation_t opa, cublasOperation_t opb,
+             int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, const void* b,
+             int64_t ldb, double beta, void* c, int64_t ldc, const char* op) {
   BlasCall call(ctx);
   if (dt == DType::f64) {
     const double one = 1.0;
@@ -259,11 +262,11 @@ void gemm_cm(Ctx& ctx, DType dt, cublasOperation_t opa, cublasOperation_t opb, i
                                  &beta, static_cast<double*>(c), as_int(ldc, op)));
     return;
   }
-  const cudaDataType_t type = cuda_type(dt, op);
+  const cudaDataType_t type = cuda_type(dt, op), c_type = cuda_type(c_dt, op);
   const float one = 1.0f, beta_f = static_cast<float>(beta);
   MOE_CUBLAS_CHECK(cublasGemmEx(call.handle(), opa, opb, as_int(m, op), as_int(n, op),
                                 as_int(k, op), &one, a, type, as_int(lda, op), b, type,
-                                as_int(ldb, op), &beta_f, c, type, as_int(ldc, op),
+                                as_int(ldb, op), &beta_f, c, c_type, as_int(ldc, op),
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
@@ -282,8 +285,8 @@ void linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate
     return;
   }
   // y^T [out, N] = w [out, in] (T of w's buffer) x^T [in, N] (x's buffer)
-  gemm_cm(ctx, x.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in, x.data, s.in,
-          accumulate ? 1.0 : 0.0, y.data, s.out, "linear_forward");
+  gemm_cm(ctx, x.dtype, x.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in, x.data,
+          s.in, accumulate ? 1.0 : 0.0, y.data, s.out, "linear_forward");
 }
 
 // dx: [N, in] (= or +=; skipped when empty), dw: [out, in] (+=), dy: [N, out]
@@ -297,14 +300,14 @@ void linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, T
       if (!accumulate_dx) MOE_CUDA_CHECK(cudaMemsetAsync(dx.data, 0, dx.nbytes(), stream_of(ctx)));
     } else {
       // dx^T [in, N] = w^T [in, out] (w's buffer) dy^T [out, N] (dy's buffer)
-      gemm_cm(ctx, x.dtype, CUBLAS_OP_N, CUBLAS_OP_N, s.in, s.n, s.out, w.data, s.in, dy.data,
-              s.out, accumulate_dx ? 1.0 : 0.0, dx.data, s.in, "linear_backward");
+      gemm_cm(ctx, x.dtype, x.dtype, CUBLAS_OP_N, CUBLAS_OP_N, s.in, s.n, s.out, w.data, s.in,
+              dy.data, s.out, accumulate_dx ? 1.0 : 0.0, dx.data, s.in, "linear_backward");
     }
   }
   if (s.out == 0) return;
-  // dw^T [in, out] += x^T [in, N] (x's buffer) dy [N, out] (T of dy's buffer)
-  gemm_cm(ctx, x.dtype, CUBLAS_OP_N, CUBLAS_OP_T, s.in, s.out, s.n, x.data, s.in, dy.data, s.out,
-          1.0, dw.data, s.in, "linear_backward");
+  // dw^T [in, out] += x^T [in, N] (x's buffer) dy [N, out] (T of dy's buffer), dw in acc_dtype(x)
+  gemm_cm(ctx, x.dtype, dw.dtype, CUBLAS_OP_N, CUBLAS_OP_T, s.in, s.out, s.n, x.data, s.in, dy.data,
+          s.out, 1.0, dw.data, s.in, "linear_backward");
 }
 
 // ---- host side: grouped -------------------------------------------------------------------------
@@ -356,9 +359,9 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
     // dw[e] += dy_e^T x_e
     const dim3 dw_grid(blocks_for(s.in, kTile), blocks_for(s.out, kTile),
                        static_cast<unsigned>(s.experts));
-    grouped_dw_kernel<T>
-        <<<dw_grid, kThreads, 0, stream_of(ctx)>>>(data_of<T>(dw), data_of<T>(dy), data_of<T>(x),
-                                                   data_of<int32_t>(offsets), s.rows, s.out, s.in);
+    grouped_dw_kernel<T><<<dw_grid, kThreads, 0, stream_of(ctx)>>>(
+        data_of<acc_t<T>>(dw), data_of<T>(dy), data_of<T>(x), data_of<int32_t>(offsets), s.rows,
+        s.out, s.in);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -1,6 +1,9 @@
 // Losses on CUDA: softmax cross-entropy for the LM head and binary cross-entropy with logits for
 // the MoD predictor, forward and backward, with the math of kernels/cpu/loss.cpp. Arithmetic is
 // fp32 for f32/f16/bf16 storage (double for f64); results are rounded once into the storage dtype.
+// The cross-entropy's losses and lse are kept in that arithmetic type (acc_t<T>, acc_dtype(logits)
+// in the op's contract): a 16-bit lse would shift every probability of the backward by up to half
+// a 16-bit ulp of lse, and 16-bit per-token losses would be summed already rounded.
 //
 // - cross_entropy_forward: one block per row. Each thread runs an online log-sum-exp over its
 //   strided share of the row (running max m, running sum s of exp(x - m), rescaled when the max
@@ -82,8 +85,9 @@ __device__ void block_lse(A& m, A& s) {
 
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    ce_forward_kernel(T* __restrict__ losses, T* __restrict__ lse, const T* __restrict__ logits,
-                      const int32_t* __restrict__ targets, int64_t v) {
+    ce_forward_kernel(acc_t<T>* __restrict__ losses, acc_t<T>* __restrict__ lse,
+                      const T* __restrict__ logits, const int32_t* __restrict__ targets,
+                      int64_t v) {
   using A = acc_t<T>;
   const int64_t n = blockIdx.x;
   const T* row = logits + n * v;
@@ -100,20 +104,20 @@ __global__ void __launch_bounds__(kRowThreads)
   block_lse(m, s);
   if (threadIdx.x != 0) return;
   const A row_lse = m + dev_log(s);
-  lse[n] = store<T>(row_lse);
+  lse[n] = row_lse;
   const int64_t t = targets[n];
   if (t < 0)
-    losses[n] = store<T>(A(0));
+    losses[n] = A(0);
   else if (t >= v)
-    losses[n] = store<T>(std::numeric_limits<A>::quiet_NaN());
+    losses[n] = std::numeric_limits<A>::quiet_NaN();
   else
-    losses[n] = store<T>(row_lse - load(row[t]));
+    losses[n] = row_lse - load(row[t]);
 }
 
 // dlogits and logits may be the same memory: deliberately not __restrict__.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    ce_backward_kernel(T* dlogits, const T* logits, const T* __restrict__ lse,
+    ce_backward_kernel(T* dlogits, const T* logits, const acc_t<T>* __restrict__ lse,
                        const int32_t* __restrict__ targets, int64_t v, acc_t<T> grad_scale) {
   using A = acc_t<T>;
   const int64_t n = blockIdx.x;
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(kRowThreads)
       drow[j] = store<T>(std::numeric_limits<A>::quiet_NaN());
     return;
   }
-  const A row_lse = load(lse[n]);
+  const A row_lse = lse[n];
   for (int64_t j = threadIdx.x; j < v; j += kRowThreads) {
     const A p = dev_exp(load(row[j]) - row_lse);               // read element j ...
     drow[j] = store<T>(grad_scale * (j == t ? p - A(1) : p));  // ... then write it
@@ -192,7 +196,7 @@ void cross_entropy_forward_cuda(Ctx& ctx, Tensor losses, Tensor lse, Tensor logi
   dispatch_storage(logits.dtype, "cross_entropy_forward", [&](auto zero) {
     using T = decltype(zero);
     ce_forward_kernel<T><<<static_cast<unsigned>(n), kRowThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(losses), data_of<T>(lse), data_of<T>(logits),
+        data_of<acc_t<T>>(losses), data_of<acc_t<T>>(lse), data_of<T>(logits),
         static_cast<const int32_t*>(targets.data), v);
     MOE_CUDA_LAUNCH_CHECK();
   });
@@ -209,7 +213,7 @@ void cross_entropy_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor
   dispatch_storage(logits.dtype, "cross_entropy_backward", [&](auto zero) {
     using T = decltype(zero);
     ce_backward_kernel<T><<<static_cast<unsigned>(n), kRowThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(dlogits), data_of<T>(logits), data_of<T>(lse),
+        data_of<T>(dlogits), data_of<T>(logits), data_of<acc_t<T>>(lse),
         static_cast<const int32_t*>(targets.data), v, static_cast<acc_t<T>>(grad_scale));
     MOE_CUDA_LAUNCH_CHECK();
   });

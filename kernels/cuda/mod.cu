@@ -9,9 +9,10 @@
 // ranks are a permutation of 0..T-1). The kept positions are then compacted in position order with
 // a warp-ballot prefix sum over the block, so sel comes out ascending with no sort. O(T^2) compares
 // per sequence (fine for T of a few thousand; a radix select would be the next step).
-// Gather / scatter: one block per selected row, fp32 math (double for f64). sel strictly
-// ascending (as mod_select writes it) makes every written row owned by one selected slot: no
-// atomics, no races. sel cannot be validated on the device without a host read: an out-of-range
+// Gather / scatter: one block per selected row, fp32 math (double for f64); the scores and their
+// gradient are acc_t<T> (acc_dtype(x): the router's fp32 scores with 16-bit activations). sel
+// strictly ascending (as mod_select writes it) makes every written row owned by one selected slot:
+// no atomics, no races. sel cannot be validated on the device without a host read: an out-of-range
 // entry makes the gather write NaN and the scatters skip that row (the CPU ops throw).
 #include <cstdint>
 #include <string>
@@ -128,14 +129,14 @@ __global__ void gather_backward_kernel(T* __restrict__ dx, const T* __restrict__
 // out may alias x: each element is read and written by the same thread.
 template <class T>
 __global__ void scatter_forward_kernel(T* out, const T* x, const T* __restrict__ ys,
-                                       const T* __restrict__ scores,
+                                       const acc_t<T>* __restrict__ scores,
                                        const int32_t* __restrict__ sel, int64_t t, int64_t c,
                                        int64_t d) {
   using A = acc_t<T>;
   const int64_t i = blockIdx.x;
   const int64_t row = source_row(sel, i, c, t);
   if (row < 0) return;
-  const A g = sigmoid(load(scores[row]));  // scores: [B, T] has the flat index of the row of x
+  const A g = sigmoid(scores[row]);  // scores: [B, T] has the flat index of the row of x
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     const A xv = load(x[row * d + j]);
     out[row * d + j] = store<T>(xv + g * (load(ys[i * d + j]) - xv));
@@ -146,16 +147,16 @@ __global__ void scatter_forward_kernel(T* out, const T* x, const T* __restrict__
 // ys-x>. dx may alias dout: each element of dout is read before the same thread overwrites it.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    scatter_backward_kernel(T* dx, T* __restrict__ dys, T* __restrict__ dscores, const T* dout,
-                            const T* __restrict__ x, const T* __restrict__ ys,
-                            const T* __restrict__ scores, const int32_t* __restrict__ sel,
+    scatter_backward_kernel(T* dx, T* __restrict__ dys, acc_t<T>* __restrict__ dscores,
+                            const T* dout, const T* __restrict__ x, const T* __restrict__ ys,
+                            const acc_t<T>* __restrict__ scores, const int32_t* __restrict__ sel,
                             int64_t t, int64_t c, int64_t d) {
   using A = acc_t<T>;
   __shared__ A part[kRowThreads / kWarp];
   const int64_t i = blockIdx.x;
   const int64_t row = source_row(sel, i, c, t);
   if (row < 0) return;  // uniform over the block
-  const A g = sigmoid(load(scores[row]));
+  const A g = sigmoid(scores[row]);
   A dot = 0;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     const A gj = load(dout[row * d + j]);
@@ -169,7 +170,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) {
     A total = 0;
     for (int w = 0; w < kRowThreads / kWarp; ++w) total += part[w];
-    dscores[row] = store<T>(g * (A(1) - g) * total);
+    dscores[row] = g * (A(1) - g) * total;
   }
 }
 
@@ -235,7 +236,7 @@ void mod_scatter_forward(Ctx& ctx, Tensor out, Tensor x, Tensor ys, Tensor score
     using T = decltype(zero);
     scatter_forward_kernel<T><<<static_cast<unsigned>(b * c), kRowThreads, 0, stream>>>(
         static_cast<T*>(out.data), static_cast<const T*>(x.data), static_cast<const T*>(ys.data),
-        static_cast<const T*>(scores.data), static_cast<const int32_t*>(sel.data), t, c, d);
+        static_cast<const acc_t<T>*>(scores.data), static_cast<const int32_t*>(sel.data), t, c, d);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -257,9 +258,9 @@ void mod_scatter_backward(Ctx& ctx, Tensor dx, Tensor dys, Tensor dscores, Tenso
   dispatch_storage(x.dtype, "mod_scatter_backward", [&](auto zero) {
     using T = decltype(zero);
     scatter_backward_kernel<T><<<static_cast<unsigned>(b * c), kRowThreads, 0, stream>>>(
-        static_cast<T*>(dx.data), static_cast<T*>(dys.data), static_cast<T*>(dscores.data),
+        static_cast<T*>(dx.data), static_cast<T*>(dys.data), static_cast<acc_t<T>*>(dscores.data),
         static_cast<const T*>(dout.data), static_cast<const T*>(x.data),
-        static_cast<const T*>(ys.data), static_cast<const T*>(scores.data),
+        static_cast<const T*>(ys.data), static_cast<const acc_t<T>*>(scores.data),
         static_cast<const int32_t*>(sel.data), t, c, d);
     MOE_CUDA_LAUNCH_CHECK();
   });

@@ -1,5 +1,7 @@
-// RMSNorm on the GPU: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), saved per row (in the
-// tensors' dtype) for the backward. Statistics accumulate in fp32 (double for f64).
+// RMSNorm on the GPU: y = w * x * rstd, rstd = 1/sqrt(mean(x^2) + eps), saved per row for the
+// backward. Statistics accumulate in fp32 (double for f64), and rstd and the gain gradient dw are
+// kept in that type (acc_t<T>, acc_dtype(x) in the op's contract): a 16-bit rstd would put a 16-bit
+// rounding into every dx, and a 16-bit dw would round each micro-batch's sum before adding it.
 //
 // Forward and the dx part of the backward run one block per row: the threads stride over the row,
 // reduce in a fixed tree (warp shuffles, then one warp over the warp sums), and write the row.
@@ -52,7 +54,7 @@ __device__ A block_sum(A v) {
 
 // grid N, one block per row.
 template <class T>
-__global__ void rmsnorm_forward_kernel(T* y, T* rstd, const T* x, const T* w, int64_t d,
+__global__ void rmsnorm_forward_kernel(T* y, acc_t<T>* rstd, const T* x, const T* w, int64_t d,
                                        acc_t<T> eps) {
   using A = acc_t<T>;
   const T* xr = x + blockIdx.x * d;
@@ -64,14 +66,14 @@ __global__ void rmsnorm_forward_kernel(T* y, T* rstd, const T* x, const T* w, in
   }
   ss = block_sum(ss);
   const A r = inv_sqrt(ss / static_cast<A>(d) + eps);
-  if (threadIdx.x == 0) rstd[blockIdx.x] = store<T>(r);
+  if (threadIdx.x == 0) rstd[blockIdx.x] = r;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
     yr[j] = store<T>(load(w[j]) * (load(xr[j]) * r));
 }
 
 // grid N, one block per row: dx (overwritten).
 template <class T>
-__global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const T* rstd,
+__global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const acc_t<T>* rstd,
                                   int64_t d) {
   using A = acc_t<T>;
   const int64_t off = blockIdx.x * d;
@@ -79,7 +81,7 @@ __global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* w, co
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
     m += load(w[j]) * load(dy[off + j]) * load(x[off + j]);
   m = block_sum(m) / static_cast<A>(d);
-  const A r = load(rstd[blockIdx.x]);
+  const A r = rstd[blockIdx.x];
   const A c = r * r * m;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x)
     dx[off + j] = store<T>(r * (load(w[j]) * load(dy[off + j]) - load(x[off + j]) * c));
@@ -87,21 +89,21 @@ __global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* w, co
 
 // grid ceil(d / kDwColumns), block (kDwColumns, kDwRowGroups): dw += sum_n dy * x * rstd.
 template <class T>
-__global__ void rmsnorm_dw_kernel(T* dw, const T* dy, const T* x, const T* rstd, int64_t n,
-                                  int64_t d) {
+__global__ void rmsnorm_dw_kernel(acc_t<T>* dw, const T* dy, const T* x, const acc_t<T>* rstd,
+                                  int64_t n, int64_t d) {
   using A = acc_t<T>;
   __shared__ A partial[kDwRowGroups][kDwColumns + 1];
   const int64_t col = blockIdx.x * int64_t(kDwColumns) + threadIdx.x;
   A acc = 0;
   if (col < d)
     for (int64_t i = threadIdx.y; i < n; i += kDwRowGroups)
-      acc += load(dy[i * d + col]) * load(x[i * d + col]) * load(rstd[i]);
+      acc += load(dy[i * d + col]) * load(x[i * d + col]) * rstd[i];
   partial[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < d) {
     A s = 0;
     for (int g = 0; g < kDwRowGroups; ++g) s += partial[g][threadIdx.x];
-    dw[col] = store<T>(load(dw[col]) + s);
+    dw[col] += s;
   }
 }
 
@@ -126,7 +128,7 @@ void rmsnorm_forward_cuda(Ctx& ctx, Tensor y, Tensor rstd, Tensor x, Tensor w, d
   dispatch_storage(x.dtype, "rmsnorm_forward", [&](auto zero) {
     using T = decltype(zero);
     rmsnorm_forward_kernel<T><<<static_cast<unsigned>(n), row_threads(d), 0, stream_of(ctx)>>>(
-        data_of<T>(y), data_of<T>(rstd), data_of<T>(x), data_of<T>(w), d,
+        data_of<T>(y), data_of<acc_t<T>>(rstd), data_of<T>(x), data_of<T>(w), d,
         static_cast<acc_t<T>>(eps));
     MOE_CUDA_LAUNCH_CHECK();
   });
@@ -144,10 +146,10 @@ void rmsnorm_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, 
     // dw first: it reads dy, which dx may alias.
     const dim3 dw_block(kDwColumns, kDwRowGroups);
     rmsnorm_dw_kernel<T><<<blocks_for(d, kDwColumns), dw_block, 0, stream_of(ctx)>>>(
-        data_of<T>(dw), data_of<T>(dy), data_of<T>(x), data_of<T>(rstd), n, d);
+        data_of<acc_t<T>>(dw), data_of<T>(dy), data_of<T>(x), data_of<acc_t<T>>(rstd), n, d);
     MOE_CUDA_LAUNCH_CHECK();
     rmsnorm_dx_kernel<T><<<static_cast<unsigned>(n), row_threads(d), 0, stream_of(ctx)>>>(
-        data_of<T>(dx), data_of<T>(dy), data_of<T>(x), data_of<T>(w), data_of<T>(rstd), d);
+        data_of<T>(dx), data_of<T>(dy), data_of<T>(x), data_of<T>(w), data_of<acc_t<T>>(rstd), d);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -6,10 +6,18 @@
 // on the host in double; the per-element math is fp32 for f32/f16/bf16 storage (the trainer keeps
 // f32 master weights and moments) and double for f64. A grid-stride loop over int64 indices, so
 // any segment length works with a bounded grid; each element is read and written by one thread.
+//
+// With AdamWArgs::norm_sq (a device f64 scalar, the sum of squares of the whole gradient) every
+// thread reads it before its loop and derives the gradient scale with common/adamw_scale.hpp, in
+// double, as the CPU op does: a non-finite norm makes every thread return at once (the step is
+// skipped, p, m and v untouched), a norm over max_norm scales g by max_norm / (norm + 1e-6). The
+// trainer so clips and skips overflowed fp16 steps without a device-to-host read. One double load
+// (cached) and one sqrt and division per thread, negligible beside the loop.
 #include <algorithm>
 #include <cmath>
 #include <string>
 
+#include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/optim.hpp"
@@ -30,6 +38,9 @@ __device__ __forceinline__ double dev_sqrt(double x) {
 template <class A>
 struct AdamConsts {
   A lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay, grad_scale, bc1, bc2;
+  // The clipping inputs (used when norm_sq is not null), in double as on the host.
+  const double* norm_sq;
+  double grad_scale_d, max_norm;
 };
 
 template <class T>
@@ -37,10 +48,16 @@ __global__ void __launch_bounds__(kThreads)
     adamw_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
                  int64_t n, AdamConsts<acc_t<T>> c) {
   using A = acc_t<T>;
+  A grad_scale = c.grad_scale;
+  if (c.norm_sq) {
+    double s = 0;
+    if (!adamw_clipped_scale(*c.norm_sq, c.grad_scale_d, c.max_norm, &s)) return;  // skip step
+    grad_scale = static_cast<A>(s);
+  }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const A gi = c.grad_scale * load(g[i]);
+    const A gi = grad_scale * load(g[i]);
     const A mi = c.beta1 * load(m[i]) + c.one_minus_beta1 * gi;
     const A vi = c.beta2 * load(v[i]) + c.one_minus_beta2 * gi * gi;
     const A update = (mi / c.bc1) / (dev_sqrt(vi / c.bc2) + c.eps);
@@ -54,9 +71,7 @@ __global__ void __launch_bounds__(kThreads)
 void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   const int64_t n = p.numel();
   check_adamw_step_args(p, g, m, v, a);
-  for (const Tensor* t : {&p, &g, &m, &v})
-    MOE_CHECK(t->device.type == DeviceType::cuda,
-              "adamw_step: tensor on " + t->device.str() + ", expected a CUDA device");
+  check_on_gpu({&p, &g, &m, &v}, "adamw_step");
   if (n == 0) return;
   const double t = static_cast<double>(a.step);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
@@ -73,7 +88,10 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
                           static_cast<A>(a.weight_decay),
                           static_cast<A>(a.grad_scale),
                           static_cast<A>(bc1),
-                          static_cast<A>(bc2)};
+                          static_cast<A>(bc2),
+                          static_cast<const double*>(a.norm_sq.data),
+                          a.grad_scale,
+                          a.max_norm};
     adamw_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
         data_of<T>(p), data_of<T>(g), data_of<T>(m), data_of<T>(v), n, c);
     MOE_CUDA_LAUNCH_CHECK();

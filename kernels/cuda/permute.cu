@@ -14,6 +14,8 @@
 //      correctness first (a per-tile counting sort would be O(N*K)).
 // The row kernels use one block per output row and fp32 accumulation (double for f64); sums over
 // k run in the fixed order k = 0..K-1 and are gathers (no atomics), so results are deterministic.
+// The routing weights topk_w and their gradient dtopk_w are acc_t<T> (acc_dtype: the router's fp32
+// weights with 16-bit activations), so a weight is never rounded to 16 bits.
 // Indices cannot be validated on the device without a host read: a gather whose index is out of
 // range writes NaN (loud, no out-of-bounds access); the plan ignores out-of-range experts.
 #include <algorithm>
@@ -124,17 +126,16 @@ __global__ void permute_backward_kernel(T* __restrict__ dx, const T* __restrict_
 // y[n, :] = sum_k w[n, k] * yp[slot_row[n*K+k], :]
 template <class T>
 __global__ void combine_forward_kernel(T* __restrict__ y, const T* __restrict__ yp,
-                                       const T* __restrict__ w,
+                                       const acc_t<T>* __restrict__ w,
                                        const int32_t* __restrict__ slot_row, int k, int64_t d) {
   using A = acc_t<T>;
   const int64_t n = blockIdx.x, slots = static_cast<int64_t>(gridDim.x) * k;
   const int32_t* row = slot_row + n * k;
-  const T* wn = w + n * k;
+  const A* wn = w + n * k;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     A s = 0;
     for (int i = 0; i < k; ++i)
-      s += (0 <= row[i] && row[i] < slots) ? load(wn[i]) * load(yp[row[i] * d + j])
-                                           : static_cast<A>(NAN);
+      s += (0 <= row[i] && row[i] < slots) ? wn[i] * load(yp[row[i] * d + j]) : static_cast<A>(NAN);
     y[n * d + j] = store<T>(s);
   }
 }
@@ -142,9 +143,10 @@ __global__ void combine_forward_kernel(T* __restrict__ y, const T* __restrict__ 
 // One block per slot s: dyp[slot_row[s], :] = w[s] dy[n, :], dtopk_w[s] = <dy[n, :], yp[row, :]>.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    combine_backward_kernel(T* __restrict__ dyp, T* __restrict__ dtopk_w, const T* __restrict__ dy,
-                            const T* __restrict__ yp, const T* __restrict__ w,
-                            const int32_t* __restrict__ slot_row, int k, int64_t d) {
+    combine_backward_kernel(T* __restrict__ dyp, acc_t<T>* __restrict__ dtopk_w,
+                            const T* __restrict__ dy, const T* __restrict__ yp,
+                            const acc_t<T>* __restrict__ w, const int32_t* __restrict__ slot_row,
+                            int k, int64_t d) {
   using A = acc_t<T>;
   __shared__ A part[kRowThreads / kWarp];
   const int64_t s = blockIdx.x, slots = gridDim.x;
@@ -153,7 +155,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const T* g = dy + (s / k) * d;
   const T* ys = yp + (ok ? row : 0) * d;
   T* dst = dyp + (ok ? row : 0) * d;
-  const A ws = load(w[s]);
+  const A ws = w[s];
   A dot = 0;
   for (int64_t j = threadIdx.x; j < d; j += blockDim.x) {
     const A gj = load(g[j]);
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) {
     A total = 0;
     for (int i = 0; i < kRowThreads / kWarp; ++i) total += part[i];
-    dtopk_w[s] = store<T>(ok ? total : static_cast<A>(NAN));
+    dtopk_w[s] = ok ? total : static_cast<A>(NAN);
   }
 }
 
@@ -228,8 +230,9 @@ void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_r
   dispatch_storage(y.dtype, "combine_forward", [&](auto zero) {
     using T = decltype(zero);
     combine_forward_kernel<T><<<static_cast<unsigned>(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-        static_cast<T*>(y.data), static_cast<const T*>(yp.data), static_cast<const T*>(topk_w.data),
-        static_cast<const int32_t*>(slot_row.data), static_cast<int>(k), d);
+        static_cast<T*>(y.data), static_cast<const T*>(yp.data),
+        static_cast<const acc_t<T>*>(topk_w.data), static_cast<const int32_t*>(slot_row.data),
+        static_cast<int>(k), d);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -243,9 +246,9 @@ void combine_backward(Ctx& ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp
     using T = decltype(zero);
     combine_backward_kernel<T>
         <<<static_cast<unsigned>(n_tok * k), kRowThreads, 0, stream_of(ctx)>>>(
-            static_cast<T*>(dyp.data), static_cast<T*>(dtopk_w.data),
+            static_cast<T*>(dyp.data), static_cast<acc_t<T>*>(dtopk_w.data),
             static_cast<const T*>(dy.data), static_cast<const T*>(yp.data),
-            static_cast<const T*>(topk_w.data), static_cast<const int32_t*>(slot_row.data),
+            static_cast<const acc_t<T>*>(topk_w.data), static_cast<const int32_t*>(slot_row.data),
             static_cast<int>(k), d);
     MOE_CUDA_LAUNCH_CHECK();
   });

@@ -5,7 +5,9 @@
 // The backward turns by minus the angle (the transpose), so it undoes the forward.
 //
 // rope_table computes every angle, cos and sin in double and rounds once to the table dtype (as
-// the CPU op), one thread per table entry; it runs once per model, so the double math is fine.
+// the CPU op), one thread per table entry; it runs once per model, so the double math is fine. The
+// table is f32 or f64 (acc_dtype of the activations it rotates): 16-bit activations are rotated by
+// fp32 cos/sin, not by 16-bit roundings of them.
 // rope_forward / rope_backward work in place, one thread per (row, head, pair j): the thread reads
 // both elements of its pair before writing them, so no two threads touch the same element. The
 // rotation runs in fp32 (double for f64) on the table values. Positions are read on the device
@@ -28,25 +30,25 @@ constexpr int kMaxBlocks = 1 << 16;  // grid cap (grid-stride loops)
 
 // ---- kernels ------------------------------------------------------------------------------------
 
-// cos, sin: [P, half]
-template <class T>
-__global__ void rope_table_kernel(T* cos_t, T* sin_t, int64_t max_pos, int64_t half, double theta) {
+// cos, sin: [P, half], A = float or double
+template <class A>
+__global__ void rope_table_kernel(A* cos_t, A* sin_t, int64_t max_pos, int64_t half, double theta) {
   const int64_t total = max_pos * half;
   const double hd = 2.0 * static_cast<double>(half);
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t p = i / half, j = i - p * half;
     const double angle = static_cast<double>(p) * pow(theta, -2.0 * static_cast<double>(j) / hd);
-    cos_t[i] = store<T>(static_cast<acc_t<T>>(cos(angle)));
-    sin_t[i] = store<T>(static_cast<acc_t<T>>(sin(angle)));
+    cos_t[i] = static_cast<A>(cos(angle));
+    sin_t[i] = static_cast<A>(sin(angle));
   }
 }
 
 // x: [N, H, 2*half] in place; sign +1 rotates forward, -1 back.
 template <class T>
-__global__ void rope_rotate_kernel(T* x, const int32_t* pos, const T* cos_t, const T* sin_t,
-                                   int64_t n, int64_t heads, int64_t half, int64_t max_pos,
-                                   acc_t<T> sign) {
+__global__ void rope_rotate_kernel(T* x, const int32_t* pos, const acc_t<T>* cos_t,
+                                   const acc_t<T>* sin_t, int64_t n, int64_t heads, int64_t half,
+                                   int64_t max_pos, acc_t<T> sign) {
   using A = acc_t<T>;
   const int64_t total = n * heads * half;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
@@ -59,7 +61,7 @@ __global__ void rope_rotate_kernel(T* x, const int32_t* pos, const T* cos_t, con
       v[j] = v[j + half] = store<T>(A(NAN));
       continue;
     }
-    const A c = load(cos_t[p * half + j]), s = sign * load(sin_t[p * half + j]);
+    const A c = cos_t[p * half + j], s = sign * sin_t[p * half + j];
     const A a = load(v[j]), b = load(v[j + half]);
     v[j] = store<T>(a * c - b * s);
     v[j + half] = store<T>(b * c + a * s);
@@ -81,8 +83,8 @@ void rotate(Ctx& ctx, Tensor x, Tensor pos, Tensor cos_t, Tensor sin_t, double s
   dispatch_storage(x.dtype, op, [&](auto zero) {
     using T = decltype(zero);
     rope_rotate_kernel<T><<<grid_for(total), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(x), data_of<int32_t>(pos), data_of<T>(cos_t), data_of<T>(sin_t), n, heads, half,
-        max_pos, static_cast<acc_t<T>>(sign));
+        data_of<T>(x), data_of<int32_t>(pos), data_of<acc_t<T>>(cos_t), data_of<acc_t<T>>(sin_t), n,
+        heads, half, max_pos, static_cast<acc_t<T>>(sign));
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -93,10 +95,10 @@ void rope_table_cuda(Ctx& ctx, Tensor cos_t, Tensor sin_t, double theta) {
   const int64_t max_pos = cos_t.size(0), half = cos_t.size(1);
   const int64_t total = max_pos * half;
   if (total == 0) return;
-  dispatch_storage(cos_t.dtype, "rope_table", [&](auto zero) {
-    using T = decltype(zero);
-    rope_table_kernel<T><<<grid_for(total), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(cos_t), data_of<T>(sin_t), max_pos, half, theta);
+  dispatch_acc(cos_t.dtype, "rope_table", [&](auto zero) {
+    using A = decltype(zero);
+    rope_table_kernel<A><<<grid_for(total), kThreads, 0, stream_of(ctx)>>>(
+        data_of<A>(cos_t), data_of<A>(sin_t), max_pos, half, theta);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -19,6 +19,8 @@
 // - The aux-loss forward is one 1024-thread block: warp w handles rows w, w+32, ... in order and
 //   accumulates them in double; the 32 warp partials are added in warp order. Deterministic.
 // - The bias update is one block with a fixed-order tree sum of the loads in double.
+// - add_counts (acc += counts, f32 / f64 acc) is one thread per expert: exact for integer loads
+//   below 2^24 in f32, so the micro-batches' sum is the same in any order.
 #include <cfloat>
 #include <cstdint>
 #include <string>
@@ -271,6 +273,17 @@ __global__ void __launch_bounds__(kBiasThreads)
   }
 }
 
+// ---- add_counts ---------------------------------------------------------------------------------
+
+constexpr int kCountThreads = 256;
+
+template <class A>
+__global__ void add_counts_kernel(A* __restrict__ acc, const int32_t* __restrict__ counts,
+                                  int64_t n_exp) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e < n_exp) acc[e] += static_cast<A>(counts[e]);
+}
+
 // ---- host side ----------------------------------------------------------------------------------
 
 unsigned token_blocks(int64_t n_tok) {
@@ -354,6 +367,19 @@ void router_bias_update(Ctx& ctx, Tensor bias, Tensor load, double rate) {
   });
 }
 
+void add_counts(Ctx& ctx, Tensor acc, Tensor counts) {
+  check_add_counts_args(acc, counts);
+  check_on_gpu({&acc, &counts}, "add_counts");
+  const int64_t n_exp = acc.size(0);
+  if (n_exp == 0) return;
+  dispatch_acc(acc.dtype, "add_counts", [&](auto zero) {
+    using A = decltype(zero);
+    add_counts_kernel<A><<<blocks_for(n_exp, kCountThreads), kCountThreads, 0, stream_of(ctx)>>>(
+        static_cast<A*>(acc.data), static_cast<const int32_t*>(counts.data), n_exp);
+    MOE_CUDA_LAUNCH_CHECK();
+  });
+}
+
 }  // namespace
 }  // namespace moe::cuda_detail
 
@@ -362,3 +388,4 @@ MOE_REGISTER_CUDA_OP(router_topk_backward, &::moe::cuda_detail::router_topk_back
 MOE_REGISTER_CUDA_OP(router_aux_loss_forward, &::moe::cuda_detail::router_aux_loss_forward);
 MOE_REGISTER_CUDA_OP(router_aux_loss_backward, &::moe::cuda_detail::router_aux_loss_backward);
 MOE_REGISTER_CUDA_OP(router_bias_update, &::moe::cuda_detail::router_bias_update);
+MOE_REGISTER_CUDA_OP(add_counts, &::moe::cuda_detail::add_counts);

@@ -1,7 +1,9 @@
 // The CUDA runtime behind include/moe/cuda_runtime.hpp: device discovery, the compiled-arch check,
 // memory, and the per-device stream and cuBLAS handle the ops run on.
+#include <algorithm>
 #include <cstdio>
 #include <mutex>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -11,8 +13,8 @@
 namespace moe::cuda_detail {
 
 void throw_cuda(const char* what, const char* call, const char* file, int line) {
-  throw std::runtime_error(std::string("CUDA error: ") + what + " in " + call + " at " + file + ":" +
-                           std::to_string(line));
+  throw std::runtime_error(std::string("CUDA error: ") + what + " in " + call + " at " + file +
+                           ":" + std::to_string(line));
 }
 
 }  // namespace moe::cuda_detail
@@ -28,6 +30,7 @@ __global__ void probe_kernel(int* out) {
 struct PerDevice {
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
+  void* blas_workspace = nullptr;  // lives as long as the process, like the handle
 };
 
 std::vector<PerDevice>& per_device() {
@@ -41,7 +44,9 @@ std::mutex& handles_mutex() {
 
 }  // namespace
 
-bool built_with_cuda() { return true; }
+bool built_with_cuda() {
+  return true;
+}
 
 int device_count() {
   int n = 0;
@@ -73,7 +78,8 @@ bool has_code_for(int index, std::string* why_not) {
   if (why_not) {
     DeviceInfo info = device_info(index);
     *why_not = "this binary has no code for " + info.name + " (sm_" + std::to_string(info.major) +
-               std::to_string(info.minor) + "; built for MOE_CUDA_ARCHS=" MOE_CUDA_ARCHS_STR
+               std::to_string(info.minor) +
+               "; built for MOE_CUDA_ARCHS=" MOE_CUDA_ARCHS_STR
                "): rebuild with scripts/build.sh --arch sm_" +
                std::to_string(info.major) + std::to_string(info.minor) + " (" +
                cudaGetErrorString(err) + ")";
@@ -81,7 +87,32 @@ bool has_code_for(int index, std::string* why_not) {
   return false;
 }
 
-void set_device(int index) { MOE_CUDA_CHECK(cudaSetDevice(index)); }
+void set_device(int index) {
+  MOE_CUDA_CHECK(cudaSetDevice(index));
+}
+
+namespace {
+// Bytes held by malloc_device, for the peak the trainer reports (what PyTorch's
+// max_memory_allocated counts: allocations, not the CUDA context).
+struct Accounting {
+  std::mutex mutex;
+  std::unordered_map<void*, size_t> sizes;
+  size_t live = 0, peak = 0;
+};
+Accounting& accounting() {
+  static Accounting a;
+  return a;
+}
+}  // namespace
+
+size_t allocated_bytes() {
+  std::lock_guard<std::mutex> lock(accounting().mutex);
+  return accounting().live;
+}
+size_t peak_allocated_bytes() {
+  std::lock_guard<std::mutex> lock(accounting().mutex);
+  return accounting().peak;
+}
 
 void* malloc_device(size_t bytes, int index) {
   set_device(index);
@@ -97,11 +128,23 @@ void* malloc_device(size_t bytes, int index) {
                   index, bytes / 1048576.0, free_b / 1048576.0, total_b / 1048576.0);
     throw std::runtime_error(msg);
   }
+  Accounting& a = accounting();
+  std::lock_guard<std::mutex> lock(a.mutex);
+  a.sizes[p] = bytes;
+  a.live += bytes;
+  a.peak = std::max(a.peak, a.live);
   return p;
 }
 
 void free_device(void* p) {
-  if (p) cudaFree(p);  // never throws from destructors
+  if (!p) return;
+  cudaFree(p);  // never throws from destructors
+  Accounting& a = accounting();
+  std::lock_guard<std::mutex> lock(a.mutex);
+  auto it = a.sizes.find(p);
+  if (it == a.sizes.end()) return;
+  a.live -= it->second;
+  a.sizes.erase(it);
 }
 
 // Host copies wait for all work first: ops run on non-blocking streams, which a plain cudaMemcpy
@@ -121,7 +164,9 @@ void memset_device(void* p, int value, size_t bytes) {
   MOE_CUDA_CHECK(cudaMemset(p, value, bytes));
   MOE_CUDA_CHECK(cudaDeviceSynchronize());
 }
-void synchronize() { MOE_CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize() {
+  MOE_CUDA_CHECK(cudaDeviceSynchronize());
+}
 
 void* default_stream(int index) {
   std::lock_guard<std::mutex> lock(handles_mutex());
@@ -141,8 +186,44 @@ void* blas_handle(int index) {
     set_device(index);
     MOE_CUBLAS_CHECK(cublasCreate(&d.blas));
     MOE_CUBLAS_CHECK(cublasSetStream(d.blas, static_cast<cudaStream_t>(stream)));
+    // Without a workspace of its own cuBLAS may allocate inside a call, which a CUDA graph
+    // capture forbids. 32 MiB covers the split-K and Hopper kernels (cuBLAS's own guidance).
+    constexpr size_t kWorkspace = size_t{32} << 20;
+    d.blas_workspace = malloc_device(kWorkspace, index);
+    MOE_CUBLAS_CHECK(cublasSetWorkspace(d.blas, d.blas_workspace, kWorkspace));
   }
   return d.blas;
+}
+
+void* malloc_pinned(size_t bytes) {
+  void* p = nullptr;
+  MOE_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  return p;
+}
+void free_pinned(void* p) {
+  if (p) cudaFreeHost(p);  // never throws from destructors
+}
+void copy_to_device_async(void* dst, const void* pinned_src, size_t bytes, void* stream) {
+  MOE_CUDA_CHECK(cudaMemcpyAsync(dst, pinned_src, bytes, cudaMemcpyHostToDevice,
+                                 static_cast<cudaStream_t>(stream)));
+}
+void* event_create() {
+  cudaEvent_t e = nullptr;
+  MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+void event_destroy(void* event) {
+  if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
+}
+void event_record(void* event, void* stream) {
+  MOE_CUDA_CHECK(
+      cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+}
+void event_synchronize(void* event) {
+  MOE_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+}
+void stream_synchronize(void* stream) {
+  MOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
 }
 
 }  // namespace moe::gpu

@@ -528,6 +528,8 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
   r.tensor(model.params());
   optimizer.set_steps_taken(adam_step);
   state = loaded;
+  Ctx ctx = make_ctx(model.params().device);
+  model.weights_changed(ctx);
 }
 
 Config load_checkpoint_config(const std::string& step_dir) {

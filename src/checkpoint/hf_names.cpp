@@ -236,6 +236,8 @@ void load_named_tensors_from(Model& model, const std::vector<NamedTensor>& tenso
     const std::vector<uint8_t> bytes = converted_bytes(tensors[i], model.dtype());
     copy_from_host(hf_tensor_view(model, expected[match[i]]), bytes.data());
   }
+  Ctx ctx = make_ctx(model.params().device);
+  model.weights_changed(ctx);
 }
 
 }  // namespace checkpoint_internal

@@ -13,7 +13,9 @@ namespace moe::cli {
 
 namespace {
 
-double mib(double bytes) { return bytes / 1048576.0; }
+double mib(double bytes) {
+  return bytes / 1048576.0;
+}
 
 void run_train(const ConfigFlags& f, const std::string& device, const std::string& resume) {
   std::vector<std::string> overrides = f.overrides;
@@ -33,9 +35,13 @@ void run_info(const ConfigFlags& f) {
   const ModelConfig& m = cfg.model;
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
   const ParamCounts c = count_params(m, t);
-  // The CPU backend trains in fp32: parameters, gradients and both Adam moments in fp32.
-  const double param_bytes = c.total * 4, grad_bytes = c.total * 4, optim_bytes = c.total * 8;
-  Model plan(m, DType::f32, Device{}, b, t, /*allocate=*/false);
+  // fp32 master weights, gradients and both Adam moments; in bf16 / fp16 also a compute copy of
+  // the weights, and activations in that dtype.
+  const DType compute = cfg.bf16_enabled ? DType::bf16 : cfg.fp16.enabled ? DType::f16 : DType::f32;
+  const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
+  const double param_bytes = c.total * 4 + copy_bytes, grad_bytes = c.total * 4;
+  const double optim_bytes = c.total * 8;
+  Model plan(m, compute, Device{}, b, t, /*allocate=*/false);
   const double act_bytes = static_cast<double>(plan.activation_bytes());
   const double scratch_bytes = static_cast<double>(plan.scratch_bytes());
   std::printf("%s\n", build_info().c_str());
@@ -47,8 +53,9 @@ void run_info(const ConfigFlags& f) {
   std::printf("training FLOPs:    %14.4g per token (%.4g per step of %d tokens)\n",
               c.flops_per_token, c.flops_per_token * b * t * cfg.gradient_accumulation_steps,
               b * t * cfg.gradient_accumulation_steps);
-  std::printf("memory (fp32, per process):\n");
-  std::printf("  parameters        %10.1f MiB\n", mib(param_bytes));
+  std::printf("memory (%s compute, per process):\n", dtype_name(compute));
+  std::printf("  parameters        %10.1f MiB%s\n", mib(param_bytes),
+              copy_bytes > 0 ? " (fp32 master + compute copy)" : "");
   std::printf("  gradients         %10.1f MiB\n", mib(grad_bytes));
   std::printf("  optimizer state   %10.1f MiB (AdamW m, v)\n", mib(optim_bytes));
   std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d)\n",

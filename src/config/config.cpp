@@ -232,6 +232,7 @@ KeyNode train_section() {
        leaf("eval_interval", AT(train.eval_interval)), leaf("eval_batches", AT(train.eval_batches)),
        leaf("seed", AT(train.seed)), leaf("device", AT(train.device)),
        leaf("out_dir", AT(train.out_dir)), leaf("save_interval", AT(train.save_interval)),
+       leaf("save_at_end", AT(train.save_at_end)),
        leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume))});
 }
 

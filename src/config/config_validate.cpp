@@ -13,9 +13,8 @@ namespace {
 
 // What this build can run. The config already names these features (DeepSpeed layout) so configs
 // stay stable as backends land; flipping a flag removes the matching rejection below.
-constexpr bool kHasMixedPrecision = false;  // fp16 / bf16 live in the CUDA backend
-constexpr bool kHasDataParallel = false;    // ZeRO stages 1-3 shard across data-parallel ranks
-constexpr bool kHasTokenShards = true;      // llm.c-layout token shards (data.train_files)
+constexpr bool kHasDataParallel = false;  // ZeRO stages 1-3 shard across data-parallel ranks
+constexpr bool kHasTokenShards = true;    // llm.c-layout token shards (data.train_files)
 // Data-parallel ranks; train_batch_size must equal micro * accumulation * this.
 constexpr int64_t kWorldSize = 1;
 
@@ -193,11 +192,13 @@ void validate_data(const DataConfig& d, const ModelConfig& m) {
     fail("data.seq_len", "must be <= model.max_position_embeddings (" +
                              std::to_string(m.max_position_embeddings) + "), got " +
                              std::to_string(d.seq_len));
-  if (d.source != "synthetic" && d.source != "shards")
-    fail("data.source", "must be \"synthetic\" or \"shards\", got \"" + d.source + "\"");
+  if (d.source != "synthetic" && d.source != "shards" && d.source != "random")
+    fail("data.source",
+         "must be \"synthetic\", \"random\" or \"shards\", got \"" + d.source + "\"");
   if (d.source == "shards" && d.train_files.empty())
-    fail("data.train_files", "data.source \"shards\" needs a glob of token shards here "
-                             "(written by `moe-train prepare`)");
+    fail("data.train_files",
+         "data.source \"shards\" needs a glob of token shards here "
+         "(written by `moe-train prepare`)");
   if (d.synthetic.branching < 1 || d.synthetic.branching > m.vocab_size)
     fail("data.synthetic.branching",
          "must be in [1, model.vocab_size = " + std::to_string(m.vocab_size) + "], got " +
@@ -229,11 +230,9 @@ void validate_train(const TrainConfig& t) {
 
 // Features the layout can express but this build cannot run: refused up front, never ignored.
 void reject_unavailable_features(const Config& c) {
-  const char* precision_msg =
-      "mixed precision is not available yet (the CUDA backend trains in fp32 for now); use fp32 "
-      "(the default)";
-  if (!kHasMixedPrecision && c.fp16.enabled) fail("fp16.enabled", precision_msg);
-  if (!kHasMixedPrecision && c.bf16_enabled) fail("bf16.enabled", precision_msg);
+  // (Mixed precision needs a GPU: the trainer checks that once the device is known.)
+  if (c.fp16.enabled && c.bf16_enabled)
+    fail("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one");
   if (!kHasDataParallel && c.zero_optimization.stage != 0)
     fail("zero_optimization.stage",
          "ZeRO stages 1-3 need data parallelism, which is not available yet; use stage 0");

@@ -23,24 +23,49 @@ std::string Device::str() const {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::f32: return 4;
-    case DType::f64: return 8;
-    case DType::f16: return 2;
-    case DType::bf16: return 2;
-    case DType::i32: return 4;
+    case DType::f32:
+      return 4;
+    case DType::f64:
+      return 8;
+    case DType::f16:
+      return 2;
+    case DType::bf16:
+      return 2;
+    case DType::i32:
+      return 4;
   }
   return 0;
 }
 
 const char* dtype_name(DType t) {
   switch (t) {
-    case DType::f32: return "f32";
-    case DType::f64: return "f64";
-    case DType::f16: return "f16";
-    case DType::bf16: return "bf16";
-    case DType::i32: return "i32";
+    case DType::f32:
+      return "f32";
+    case DType::f64:
+      return "f64";
+    case DType::f16:
+      return "f16";
+    case DType::bf16:
+      return "bf16";
+    case DType::i32:
+      return "i32";
   }
   return "?";
+}
+
+DType acc_dtype(DType t) {
+  switch (t) {
+    case DType::f64:
+      return DType::f64;
+    case DType::f32:
+    case DType::f16:
+    case DType::bf16:
+      return DType::f32;
+    case DType::i32:
+      break;
+  }
+  throw InternalError(std::string("acc_dtype: ") + dtype_name(t) +
+                      " is not a float dtype (no accumulation dtype)");
 }
 
 Tensor::Tensor(void* d, DType t, Device dev, std::initializer_list<int64_t> dims)
@@ -93,6 +118,16 @@ void check_same_dtype(const Tensor& a, const Tensor& b, const char* what) {
   if (a.dtype != b.dtype)
     throw InternalError(std::string(what) + ": dtype " + dtype_name(a.dtype) + " vs " +
                         dtype_name(b.dtype));
+}
+
+void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what) {
+  if (x.dtype == DType::i32)
+    throw InternalError(std::string(what) + ": the compute dtype is i32, expected a float dtype");
+  const DType want = acc_dtype(x.dtype);
+  if (stat.dtype != want)
+    throw InternalError(std::string(what) + ": dtype " + dtype_name(stat.dtype) + ", expected " +
+                        dtype_name(want) + " (the accumulation dtype of " + dtype_name(x.dtype) +
+                        ")");
 }
 
 }  // namespace moe

@@ -11,7 +11,8 @@ Block::Block(const LayerEnv& env, int layer, int moe_index, Dims dims)
     : env_(env),
       dims_(dims),
       norm1_(env.param("model.layers." + std::to_string(layer) + ".input_layernorm.weight")),
-      norm2_(env.param("model.layers." + std::to_string(layer) + ".post_attention_layernorm.weight")),
+      norm2_(
+          env.param("model.layers." + std::to_string(layer) + ".post_attention_layernorm.weight")),
       attn_(env, "model.layers." + std::to_string(layer) + ".") {
   const std::string p = "model.layers." + std::to_string(layer) + ".";
   if (env.cfg.is_moe_layer(layer))
@@ -23,25 +24,25 @@ Block::Block(const LayerEnv& env, int layer, int moe_index, Dims dims)
 void Block::plan(Arena& acts) {
   const int64_t n = dims_.rows(), d = env_.cfg.hidden_size;
   xn1_ = acts.alloc(env_.dtype, {n, d});
-  rstd1_ = acts.alloc(env_.dtype, {n});
+  rstd1_ = acts.alloc(env_.acc, {n});
   attn_y_ = acts.alloc(env_.dtype, {n, d});
   h_ = acts.alloc(env_.dtype, {n, d});
   xn2_ = acts.alloc(env_.dtype, {n, d});
-  rstd2_ = acts.alloc(env_.dtype, {n});
+  rstd2_ = acts.alloc(env_.acc, {n});
   ffn_y_ = acts.alloc(env_.dtype, {n, d});
   attn_.plan(acts, dims_);
   if (moe_) moe_->plan(acts, n);
   if (dense_) dense_->plan(acts, n);
 }
 
-void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) {
+void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) {
   const double eps = env_.cfg.rms_norm_eps;
   rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_.w, eps);
   attn_.forward(ctx, attn_y_, xn1_, pos);
   add(ctx, h_, x, attn_y_);
   rmsnorm_forward(ctx, xn2_, rstd2_, h_, norm2_.w, eps);
   if (moe_)
-    moe_->forward(ctx, ffn_y_, xn2_, losses);
+    moe_->forward(ctx, ffn_y_, xn2_);
   else
     dense_->forward(ctx, ffn_y_, xn2_, false);
   add(ctx, out, h_, ffn_y_);
@@ -74,25 +75,26 @@ void Block::after_step(Ctx& ctx) {
 
 ParamView LayerEnv::param(const std::string& name) const {
   const ParamInfo& p = model.table().find(name);
-  return ParamView{model.param(p), model.grad(p)};
+  return ParamView{model.work(p), model.grad(p), model.param(p)};
+}
+
+Tensor in_acc_dtype(Ctx& ctx, const LayerEnv& env, Tensor x) {
+  if (!env.mixed()) return x;
+  Tensor x32 = env.scratch.alloc(env.acc, {x.size(0), x.size(1)});
+  convert(ctx, x32, x, false);
+  return x32;
+}
+
+void add_from_acc(Ctx& ctx, Tensor dx, Tensor d) {
+  if (dx.dtype == d.dtype)
+    add(ctx, dx, dx, d);
+  else
+    convert(ctx, dx, d, true);
 }
 
 std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims) {
   if (env.cfg.is_mod_layer(layer)) return std::make_unique<ModBlock>(env, layer, moe_index, dims);
   return std::make_unique<Block>(env, layer, moe_index, dims);
-}
-
-double read_scalar(Tensor t, int64_t i) {
-  Tensor one = t.view({t.numel()}).rows(i, i + 1);
-  if (t.dtype == DType::f64) {
-    double v;
-    copy_to_host(&v, one);
-    return v;
-  }
-  MOE_CHECK(t.dtype == DType::f32, "read_scalar: float tensor expected");
-  float v;
-  copy_to_host(&v, one);
-  return v;
 }
 
 }  // namespace moe

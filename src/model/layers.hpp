@@ -11,20 +11,34 @@
 
 namespace moe {
 
-// A parameter with its gradient (same shape, in the gradient buffer).
+// A parameter: w the compute copy the ops read, g its gradient and `master` the weights the
+// optimizer updates (in the gradient's dtype; the same memory as w in f32 / f64 models).
 struct ParamView {
-  Tensor w, g;
+  Tensor w, g, master;
 };
 
 // What every layer needs to know about its surroundings.
 struct LayerEnv {
   const ModelConfig& cfg;
-  DType dtype;
+  DType dtype;  // compute: activations and w
+  DType acc;    // statistics, routing, losses and gradients: acc_dtype(dtype)
   Model& model;
   Arena& scratch;
   Tensor rope_cos, rope_sin;
+  Tensor stats;  // f64 [4] device sums of the losses: lm, aux, z, mod_pred
   ParamView param(const std::string& name) const;
+  RoutingStats& routing() const { return model.routing_; }
+  bool mixed() const { return dtype != acc; }
 };
+
+// Index of each loss in LayerEnv::stats.
+enum StatIndex : int64_t { kStatLm = 0, kStatAux = 1, kStatZ = 2, kStatModPred = 3, kStats = 4 };
+
+// x in the accumulation dtype for the fp32 router and predictor paths: x itself when the model
+// computes in it, else a converted copy in `scratch` (the caller releases it).
+Tensor in_acc_dtype(Ctx& ctx, const LayerEnv& env, Tensor x);
+// dx += d (d in the accumulation dtype, dx in the compute dtype; a plain add when they agree).
+void add_from_acc(Ctx& ctx, Tensor dx, Tensor d);
 
 // Rows of a layer's input: B sequences of T tokens (T = C inside a MoD block).
 struct Dims {
@@ -53,7 +67,7 @@ class MoeFfn {
  public:
   MoeFfn(const LayerEnv& env, int layer, int moe_index);
   void plan(Arena& acts, int64_t rows);
-  void forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses);
+  void forward(Ctx& ctx, Tensor y, Tensor x);
   void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale);
   void after_step(Ctx& ctx);
   Tensor bias() const { return bias_; }
@@ -64,13 +78,15 @@ class MoeFfn {
   int64_t rows_ = 0;
   ParamView gate_, w1_, w3_, w2_;
   std::vector<std::unique_ptr<DenseFfn>> shared_;
-  Tensor bias_, load_;                        // aux-loss-free bias and its step load: [E]
+  // Router, statistics and routing weights in the accumulation dtype (fp32 in mixed precision).
+  Tensor bias_, load_;                         // aux-loss-free bias; slots per expert since reset
   Tensor logits_, probs_, topk_idx_, topk_w_;  // [N, E], [N, E], [N, K], [N, K]
   Tensor counts_, aux_losses_;                 // [E] i32, [2]
   Tensor offsets_, row_token_, slot_row_;      // [E+1], [N*K], [N*K]
-  Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]
-  std::vector<int32_t> host_counts_;           // reused host copies (no allocation per step)
-  std::vector<float> host_load_f32_;
+  Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]: compute dtype
+
+ public:
+  Tensor load() const { return load_; }
 };
 
 // Causal GQA self-attention with RoPE: y = Wo attn(rope(Wq x), rope(Wk x), Wv x).
@@ -93,12 +109,14 @@ class Layer {
  public:
   virtual ~Layer() = default;
   virtual void plan(Arena& acts) = 0;
-  virtual void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) = 0;
+  virtual void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) = 0;
   virtual void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
                         double grad_scale) = 0;
   virtual void after_step(Ctx&) {}
   // Appends the layer's non-parameter persistent state (router biases).
   virtual void collect_state(std::vector<Tensor>& out) const = 0;
+  // Appends the layer's device load tensor ([E], slots per expert since reset) if it routes.
+  virtual void collect_loads(std::vector<Tensor>& out) const = 0;
 };
 
 // Pre-norm transformer block: h = x + Attn(norm1(x)); out = h + FFN(norm2(h)).
@@ -106,12 +124,14 @@ class Block : public Layer {
  public:
   Block(const LayerEnv& env, int layer, int moe_index, Dims dims);
   void plan(Arena& acts) override;
-  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) override;
-  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
-                double grad_scale) override;
+  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) override;
+  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) override;
   void after_step(Ctx& ctx) override;
   void collect_state(std::vector<Tensor>& out) const override {
     if (moe_) out.push_back(moe_->bias());
+  }
+  void collect_loads(std::vector<Tensor>& out) const override {
+    if (moe_) out.push_back(moe_->load());
   }
 
  private:
@@ -130,11 +150,11 @@ class ModBlock : public Layer {
  public:
   ModBlock(const LayerEnv& env, int layer, int moe_index, Dims dims);
   void plan(Arena& acts) override;
-  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos, Losses& losses) override;
-  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
-                double grad_scale) override;
+  void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) override;
+  void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) override;
   void after_step(Ctx& ctx) override { inner_.after_step(ctx); }
   void collect_state(std::vector<Tensor>& out) const override { inner_.collect_state(out); }
+  void collect_loads(std::vector<Tensor>& out) const override { inner_.collect_loads(out); }
 
  private:
   const LayerEnv& env_;
@@ -142,13 +162,11 @@ class ModBlock : public Layer {
   int64_t keep_;  // C
   ParamView router_, fc1_, fc2_;
   Block inner_;
-  Tensor scores_, sel_, mask_, xs_, ys_;        // [B*T,1], [B,C], [B,T], [B*C,d] x2
+  // scores, mask and the predictor in the accumulation dtype; xs, ys in the compute dtype
+  Tensor scores_, sel_, mask_, xs_, ys_;             // [B*T,1], [B,C], [B,T], [B*C,d] x2
   Tensor pred_h_, pred_a_, pred_logit_, pred_loss_;  // [B*T,P] x2, [B*T,1], [1]
 };
 
 std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims);
-
-// Reads a tensor's first element(s) to the host as doubles (losses, small statistics).
-double read_scalar(Tensor t, int64_t i = 0);
 
 }  // namespace moe

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "model/layers.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/mod.hpp"
@@ -32,36 +33,44 @@ ModBlock::ModBlock(const LayerEnv& env, int layer, int moe_index, Dims dims)
 
 void ModBlock::plan(Arena& acts) {
   const int64_t n = dims_.rows(), d = env_.cfg.hidden_size, p = fc1_.w.size(0);
-  const DType dt = env_.dtype;
-  scores_ = acts.alloc(dt, {n, 1});
+  const DType dt = env_.dtype, acc = env_.acc;
+  scores_ = acts.alloc(acc, {n, 1});
   sel_ = acts.alloc(DType::i32, {dims_.B, keep_});
-  mask_ = acts.alloc(dt, {dims_.B, dims_.T});
+  mask_ = acts.alloc(acc, {dims_.B, dims_.T});
   xs_ = acts.alloc(dt, {dims_.B * keep_, d});
   ys_ = acts.alloc(dt, {dims_.B * keep_, d});
-  pred_h_ = acts.alloc(dt, {n, p});
-  pred_a_ = acts.alloc(dt, {n, p});
-  pred_logit_ = acts.alloc(dt, {n, 1});
-  pred_loss_ = acts.alloc(dt, {1});
+  pred_h_ = acts.alloc(acc, {n, p});
+  pred_a_ = acts.alloc(acc, {n, p});
+  pred_logit_ = acts.alloc(acc, {n, 1});
+  pred_loss_ = acts.alloc(acc, {1});
   inner_.plan(acts);
 }
 
-void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/, Losses& losses) {
+// The MoD router and the predictor run in the accumulation dtype (fp32 in mixed precision) on
+// the master weights: selection by top-C is sensitive to rounding of the scores.
+void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   const Tensor scores = scores_.view({dims_.B, dims_.T});
   const Tensor sel_pos = sel_.view({dims_.B * keep_});  // positions of the kept tokens
-  linear_forward(ctx, scores_, x, router_.w, false);
+  Arena& s = env_.scratch;
+  const size_t mark = s.mark();
+  const Tensor xa = in_acc_dtype(ctx, env_, x);
+  linear_forward(ctx, scores_, xa, router_.master, false);
   mod_select(ctx, sel_, mask_, scores);
-  mod_gather_forward(ctx, xs_, x, sel_);
-  inner_.forward(ctx, ys_, xs_, sel_pos, losses);
-  mod_scatter_forward(ctx, out, x, ys_, scores, sel_);
   // causal predictor on stop-gradient x
-  linear_forward(ctx, pred_h_, x, fc1_.w, false);
+  linear_forward(ctx, pred_h_, xa, fc1_.master, false);
+  s.release(mark);
   silu_forward(ctx, pred_a_, pred_h_);
-  linear_forward(ctx, pred_logit_, pred_a_, fc2_.w, false);
+  linear_forward(ctx, pred_logit_, pred_a_, fc2_.master, false);
   bce_with_logits_forward(ctx, pred_loss_, pred_logit_.view({dims_.rows()}),
                           mask_.view({dims_.rows()}));
+  accumulate_sum(ctx, env_.stats.rows(kStatModPred, kStatModPred + 1), pred_loss_,
+                 env_.cfg.mod.predictor_loss_coef);
+  // the block on the selected tokens
+  mod_gather_forward(ctx, xs_, x, sel_);
+  inner_.forward(ctx, ys_, xs_, sel_pos);
+  mod_scatter_forward(ctx, out, x, ys_, scores, sel_);
   if (ctx.dry_run) return;
-  losses.mod_pred += env_.cfg.mod.predictor_loss_coef * read_scalar(pred_loss_);
-  auto& r = env_.model.routing();
+  RoutingStats& r = env_.routing();  // shapes only: known on the host
   r.mod_kept += static_cast<double>(dims_.B * keep_);
   r.mod_seen += static_cast<double>(dims_.rows());
 }
@@ -71,25 +80,32 @@ void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos
   Arena& s = env_.scratch;
   const size_t mark = s.mark();
   const int64_t n = dims_.rows(), d = env_.cfg.hidden_size, p = fc1_.w.size(0);
-  const DType dt = env_.dtype;
+  const DType dt = env_.dtype, acc = env_.acc;
   const Tensor scores = scores_.view({dims_.B, dims_.T});
   const Tensor sel_pos = sel_.view({dims_.B * keep_});
   Tensor dys = s.alloc(dt, {dims_.B * keep_, d});
   Tensor dxs = s.alloc(dt, {dims_.B * keep_, d});
-  Tensor dscores = s.alloc(dt, {n, 1});
-  Tensor dlogit = s.alloc(dt, {n, 1});
-  Tensor dpa = s.alloc(dt, {n, p});
-  Tensor dph = s.alloc(dt, {n, p});
+  Tensor dscores = s.alloc(acc, {n, 1});
+  Tensor dlogit = s.alloc(acc, {n, 1});
+  Tensor dpa = s.alloc(acc, {n, p});
+  Tensor dph = s.alloc(acc, {n, p});
   mod_scatter_backward(ctx, dx, dys, dscores.view({dims_.B, dims_.T}), dout, x, ys_, scores, sel_);
   inner_.backward(ctx, dxs, dys, xs_, sel_pos, grad_scale);
   mod_gather_backward(ctx, dx, dxs, sel_);
-  linear_backward(ctx, dx, router_.g, dscores, x, router_.w, true);
+  const Tensor xa = in_acc_dtype(ctx, env_, x);
+  if (env_.mixed()) {
+    Tensor dxa = s.alloc(acc, {n, d});
+    linear_backward(ctx, dxa, router_.g, dscores, xa, router_.master, false);
+    add_from_acc(ctx, dx, dxa);
+  } else {
+    linear_backward(ctx, dx, router_.g, dscores, x, router_.w, true);
+  }
   // predictor: parameters only (x is stop-gradient)
   bce_with_logits_backward(ctx, dlogit.view({n}), pred_logit_.view({n}), mask_.view({n}),
                            grad_scale * env_.cfg.mod.predictor_loss_coef);
-  linear_backward(ctx, dpa, fc2_.g, dlogit, pred_a_, fc2_.w, false);
+  linear_backward(ctx, dpa, fc2_.g, dlogit, pred_a_, fc2_.master, false);
   silu_backward(ctx, dph, dpa, pred_h_);
-  linear_backward(ctx, Tensor(), fc1_.g, dph, x, fc1_.w, false);
+  linear_backward(ctx, Tensor(), fc1_.g, dph, xa, fc1_.master, false);
   s.release(mark);
 }
 

@@ -12,14 +12,43 @@
 #include "moe/ops/loss.hpp"
 #include "moe/ops/norm.hpp"
 #include "moe/ops/rope.hpp"
+#include "moe/cuda_runtime.hpp"
 #include "moe/rng.hpp"
 
 namespace moe {
 
-Model::Model(const ModelConfig& cfg, DType dtype, Device dev, int batch, int seq_len,
+// Page-locked host slots for micro-batch uploads. A slot is rewritten only after the device has
+// consumed its previous upload (its event), so the host may run up to kSlots micro-batches
+// ahead of the device and never waits for the device to drain.
+struct Model::Staging {
+  static constexpr int kSlots = 2;
+  explicit Staging(size_t tokens) : n(tokens) {
+    for (int i = 0; i < kSlots; ++i) {
+      host[i] = static_cast<int32_t*>(gpu::malloc_pinned(2 * n * sizeof(int32_t)));
+      event[i] = gpu::event_create();
+    }
+  }
+  ~Staging() {
+    for (int i = 0; i < kSlots; ++i) {
+      if (used[i]) gpu::event_synchronize(event[i]);  // the copy may still read the slot
+      gpu::free_pinned(host[i]);
+      gpu::event_destroy(event[i]);
+    }
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  size_t n;  // tokens per micro-batch (each slot holds ids then targets)
+  int next = 0;
+  int32_t* host[kSlots] = {};
+  void* event[kSlots] = {};
+  bool used[kSlots] = {};
+};
+
+Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
              bool allocate)
     : cfg_(cfg),
-      dtype_(dtype),
+      compute_(compute),
+      param_dtype_(acc_dtype(compute)),
       dev_(dev),
       batch_(batch),
       seq_len_(seq_len),
@@ -27,11 +56,15 @@ Model::Model(const ModelConfig& cfg, DType dtype, Device dev, int batch, int seq
       table_(build_param_table(cfg)),
       acts_(dev),
       scratch_(dev) {
+  MOE_CHECK(!allocate || compute_ == param_dtype_ || dev.type == DeviceType::cuda,
+            std::string("Model: ") + dtype_name(compute_) + " compute needs a GPU");
   if (allocate) {
-    param_buf_ = Buffer(dev, table_.total * dtype_size(dtype));
-    grad_buf_ = Buffer(dev, table_.total * dtype_size(dtype));
+    param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
+    grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
+    if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
   }
-  env_ = std::make_unique<LayerEnv>(LayerEnv{cfg_, dtype_, *this, scratch_, Tensor(), Tensor()});
+  env_ = std::make_unique<LayerEnv>(
+      LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_, Tensor(), Tensor(), Tensor()});
   const Dims dims{batch, seq_len};
   int moe_index = 0;
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -40,21 +73,23 @@ Model::Model(const ModelConfig& cfg, DType dtype, Device dev, int batch, int seq
   }
   routing_.expert_load.assign(moe_index, std::vector<double>(cfg.num_local_experts, 0.0));
   plan();  // measure
+  Ctx dry{dev, nullptr, nullptr, true};
   if (!allocate) {
-    Ctx dry{dev, nullptr, nullptr, true};
-    backward(dry, 1.0, 1);
+    run_layers(dry, true, 1.0);  // measure scratch
     return;
   }
   acts_.allocate();
-  plan();  // place
+  plan();                      // place
+  run_layers(dry, true, 1.0);  // measure scratch (forward and backward)
+  scratch_.allocate();
+  if (dev.type == DeviceType::cuda)
+    staging_ = std::make_unique<Staging>(static_cast<size_t>(batch) * seq_len);
   Ctx ctx = make_ctx(dev);
   rope_table(ctx, rope_cos_, rope_sin_, cfg.rope_theta);
   std::vector<int32_t> pos(static_cast<size_t>(batch) * seq_len);
   for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i % seq_len);
   copy_from_host(pos_, pos.data());
-  Ctx dry{dev, nullptr, nullptr, true};
-  backward(dry, 1.0, 1);  // measure scratch
-  scratch_.allocate();
+  reset_stats(ctx);
 }
 
 Model::~Model() = default;
@@ -62,27 +97,40 @@ Model::~Model() = default;
 void Model::plan() {
   const int64_t n = static_cast<int64_t>(batch_) * seq_len_, d = cfg_.hidden_size;
   const int64_t half = cfg_.resolved_head_dim() / 2;
+  const DType dt = compute_, acc = param_dtype_;
   ids_ = acts_.alloc(DType::i32, {n});
   targets_ = acts_.alloc(DType::i32, {n});
   pos_ = acts_.alloc(DType::i32, {n});
-  rope_cos_ = acts_.alloc(dtype_, {cfg_.max_position_embeddings, half});
-  rope_sin_ = acts_.alloc(dtype_, {cfg_.max_position_embeddings, half});
+  rope_cos_ = acts_.alloc(acc, {cfg_.max_position_embeddings, half});
+  rope_sin_ = acts_.alloc(acc, {cfg_.max_position_embeddings, half});
+  stats_ = acts_.alloc(DType::f64, {kStats});
   env_->rope_cos = rope_cos_;
   env_->rope_sin = rope_sin_;
+  env_->stats = stats_;
   stream_.clear();
-  for (int l = 0; l <= cfg_.num_hidden_layers; ++l) stream_.push_back(acts_.alloc(dtype_, {n, d}));
-  dstream_a_ = acts_.alloc(dtype_, {n, d});
-  dstream_b_ = acts_.alloc(dtype_, {n, d});
-  xf_ = acts_.alloc(dtype_, {n, d});
-  rstdf_ = acts_.alloc(dtype_, {n});
-  logits_ = acts_.alloc(dtype_, {n, cfg_.vocab_size});
-  losses_ = acts_.alloc(dtype_, {n});
-  lse_ = acts_.alloc(dtype_, {n});
+  for (int l = 0; l <= cfg_.num_hidden_layers; ++l) stream_.push_back(acts_.alloc(dt, {n, d}));
+  dstream_a_ = acts_.alloc(dt, {n, d});
+  dstream_b_ = acts_.alloc(dt, {n, d});
+  xf_ = acts_.alloc(dt, {n, d});
+  rstdf_ = acts_.alloc(acc, {n});
+  logits_ = acts_.alloc(dt, {n, cfg_.vocab_size});
+  losses_ = acts_.alloc(acc, {n});
+  lse_ = acts_.alloc(acc, {n});
   for (auto& layer : layers_) layer->plan(acts_);
 }
 
-Tensor Model::params() const { return param_buf_.as(dtype_, {static_cast<int64_t>(table_.total)}); }
-Tensor Model::grads() const { return grad_buf_.as(dtype_, {static_cast<int64_t>(table_.total)}); }
+size_t Model::weight_bytes() const {
+  size_t per = 2 * dtype_size(param_dtype_);
+  if (compute_ != param_dtype_) per += dtype_size(compute_);
+  return table_.total * per;
+}
+
+Tensor Model::params() const {
+  return param_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
+}
+Tensor Model::grads() const {
+  return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
+}
 
 static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev,
                          const ParamInfo& p) {
@@ -96,13 +144,24 @@ static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev
 }
 
 Tensor Model::param(const ParamInfo& p) const {
-  return param_view(param_buf_, allocated_, dtype_, dev_, p);
+  return param_view(param_buf_, allocated_, param_dtype_, dev_, p);
 }
 Tensor Model::grad(const ParamInfo& p) const {
-  return param_view(grad_buf_, allocated_, dtype_, dev_, p);
+  return param_view(grad_buf_, allocated_, param_dtype_, dev_, p);
+}
+Tensor Model::work(const ParamInfo& p) const {
+  if (compute_ == param_dtype_) return param(p);
+  return param_view(work_buf_, allocated_, compute_, dev_, p);
 }
 
-void Model::zero_grads(Ctx& ctx) { fill(ctx, grads(), 0.0); }
+void Model::zero_grads(Ctx& ctx) {
+  fill(ctx, grads(), 0.0);
+}
+
+void Model::weights_changed(Ctx& ctx) {
+  if (compute_ == param_dtype_) return;
+  convert(ctx, work_buf_.as(compute_, {static_cast<int64_t>(table_.total)}), params(), false);
+}
 
 // Normal(0, initializer_range) for matrices, scaled by 1/sqrt(2L) for residual output
 // projections (GPT-2), ones for norms. Each parameter draws from its own stream seeded by its
@@ -121,7 +180,7 @@ void Model::init_weights(uint64_t seed) {
       for (auto& v : host) v = s * rng.normal();
     }
     Tensor t = param(p);
-    if (dtype_ == DType::f64) {
+    if (param_dtype_ == DType::f64) {
       copy_from_host(t, host.data());
     } else {
       std::vector<float> f(host.begin(), host.end());
@@ -129,69 +188,123 @@ void Model::init_weights(uint64_t seed) {
     }
   }
   zero_grads(ctx);
+  weights_changed(ctx);
 }
 
-Losses Model::forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets,
-                               double grad_scale) {
-  return run(ctx, ids, targets, true, grad_scale);
+void Model::reset_stats(Ctx& ctx) {
+  fill(ctx, stats_, 0.0);
+  std::vector<Tensor> loads;
+  for (const auto& layer : layers_) layer->collect_loads(loads);
+  for (Tensor l : loads) fill(ctx, l, 0.0);
+  routing_.reset();
+  micro_batches_ = 0;
 }
 
-Losses Model::forward(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
-  return run(ctx, ids, targets, false, 0.0);
-}
-
-Losses Model::run(Ctx& ctx, const int32_t* ids, const int32_t* targets, bool backward_too,
-                  double grad_scale) {
+void Model::upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
   const int64_t n = static_cast<int64_t>(batch_) * seq_len_;
   const int vocab = cfg_.vocab_size;
   for (int64_t i = 0; i < n; ++i)
     if (ids[i] < 0 || ids[i] >= vocab)
-      throw InputError("token id " + std::to_string(ids[i]) + " at position " +
-                       std::to_string(i) + " is outside the vocabulary [0, " +
-                       std::to_string(vocab) + ")");
-  int64_t valid = 0;
-  for (int64_t i = 0; i < n; ++i) valid += targets[i] >= 0 ? 1 : 0;
-  copy_from_host(ids_, ids);
-  copy_from_host(targets_, targets);
-
-  Losses losses;
-  const auto& embed = table_.find("model.embed_tokens.weight");
-  embedding_forward(ctx, stream_[0], ids_, param(embed));
-  for (size_t l = 0; l < layers_.size(); ++l)
-    layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_, losses);
-  const auto& normf = table_.find("model.norm.weight");
-  const auto& head = table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight"
-                                                          : "lm_head.weight");
-  rmsnorm_forward(ctx, xf_, rstdf_, stream_.back(), param(normf), cfg_.rms_norm_eps);
-  linear_forward(ctx, logits_, xf_, param(head), false);
-  cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
-
-  double sum = 0;
-  if (dtype_ == DType::f64) {
-    host_losses_f64_.resize(static_cast<size_t>(n));
-    copy_to_host(host_losses_f64_.data(), losses_);
-    for (double v : host_losses_f64_) sum += v;
-  } else {
-    host_losses_f32_.resize(static_cast<size_t>(n));
-    copy_to_host(host_losses_f32_.data(), losses_);
-    for (float v : host_losses_f32_) sum += v;
+      throw InputError("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
+                       " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
+  valid_targets_ = 0;
+  for (int64_t i = 0; i < n; ++i) valid_targets_ += targets[i] >= 0 ? 1 : 0;
+  if (!staging_) {
+    copy_from_host(ids_, ids);
+    copy_from_host(targets_, targets);
+    return;
   }
-  losses.lm = valid > 0 ? sum / static_cast<double>(valid) : 0.0;
-  if (backward_too) backward(ctx, grad_scale, valid);
-  return losses;
+  Staging& st = *staging_;
+  const int slot = st.next;
+  st.next = (slot + 1) % Staging::kSlots;
+  if (st.used[slot]) gpu::event_synchronize(st.event[slot]);  // its previous upload has landed
+  std::copy(ids, ids + n, st.host[slot]);
+  std::copy(targets, targets + n, st.host[slot] + n);
+  const size_t bytes = static_cast<size_t>(n) * sizeof(int32_t);
+  gpu::copy_to_device_async(ids_.data, st.host[slot], bytes, ctx.stream);
+  gpu::copy_to_device_async(targets_.data, st.host[slot] + n, bytes, ctx.stream);
+  gpu::event_record(st.event[slot], ctx.stream);
+  st.used[slot] = true;
 }
 
-void Model::backward(Ctx& ctx, double grad_scale, int64_t valid) {
+void Model::queue_forward_backward(Ctx& ctx, double grad_scale) {
+  run_layers(ctx, true, grad_scale);
+  ++micro_batches_;
+}
+
+void Model::queue_forward(Ctx& ctx) {
+  run_layers(ctx, false, 0.0);
+  ++micro_batches_;
+}
+
+Losses Model::forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets,
+                               double grad_scale) {
+  reset_stats(ctx);
+  upload_batch(ctx, ids, targets);
+  queue_forward_backward(ctx, grad_scale);
+  return read_stats(ctx);
+}
+
+Losses Model::forward(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
+  reset_stats(ctx);
+  upload_batch(ctx, ids, targets);
+  queue_forward(ctx);
+  return read_stats(ctx);
+}
+
+Losses Model::read_stats(Ctx& ctx) {
+  double sums[kStats];
+  copy_to_host(sums, stats_);  // waits for the device
+  const double m = micro_batches_ > 0 ? static_cast<double>(micro_batches_) : 1.0;
+  Losses l;
+  l.lm = sums[kStatLm] / m;
+  l.aux = sums[kStatAux] / m;
+  l.z = sums[kStatZ] / m;
+  l.mod_pred = sums[kStatModPred] / m;
+  std::vector<Tensor> loads;
+  for (const auto& layer : layers_) layer->collect_loads(loads);
+  std::vector<float> f32;
+  for (size_t i = 0; i < loads.size(); ++i) {
+    auto& out = routing_.expert_load[i];
+    if (loads[i].dtype == DType::f64) {
+      copy_to_host(out.data(), loads[i]);
+    } else {
+      f32.resize(out.size());
+      copy_to_host(f32.data(), loads[i]);
+      out.assign(f32.begin(), f32.end());
+    }
+  }
+  return l;
+}
+
+// Embedding -> layers -> final norm -> head -> per-token losses (summed into stats_ as this
+// micro-batch's mean), then the backward when asked. Works in dry-run mode too (the planning
+// pass that measures the scratch arena).
+void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale) {
+  const auto& embed = table_.find("model.embed_tokens.weight");
+  embedding_forward(ctx, stream_[0], ids_, work(embed));
+  for (size_t l = 0; l < layers_.size(); ++l)
+    layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
+  const auto& normf = table_.find("model.norm.weight");
+  const auto& head =
+      table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  rmsnorm_forward(ctx, xf_, rstdf_, stream_.back(), work(normf), cfg_.rms_norm_eps);
+  linear_forward(ctx, logits_, xf_, work(head), false);
+  cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
+  const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
+  accumulate_sum(ctx, stats_.rows(kStatLm, kStatLm + 1), losses_, per_valid);
+  if (backward_too) backward(ctx, grad_scale, grad_scale * per_valid);
+}
+
+// ce_scale = grad_scale / valid targets: d loss / d logits = (softmax - onehot) / valid.
+void Model::backward(Ctx& ctx, double grad_scale, double ce_scale) {
   const auto& embed = table_.find("model.embed_tokens.weight");
   const auto& normf = table_.find("model.norm.weight");
-  const auto& head = table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight"
-                                                          : "lm_head.weight");
-  // loss = mean over valid targets: d loss / d logits = (softmax - onehot) / valid
-  const double ce_scale = valid > 0 ? grad_scale / static_cast<double>(valid) : 0.0;
+  const auto& head =
+      table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
   cross_entropy_backward(ctx, logits_, logits_, lse_, targets_, ce_scale);
-  linear_backward(ctx, dstream_b_, grad(head), logits_, xf_, param(head), false);
-  rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), param(normf),
-                   rstdf_);
+  linear_backward(ctx, dstream_b_, grad(head), logits_, xf_, work(head), false);
+  rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), work(normf), rstdf_);
   Tensor dout = dstream_a_, dx = dstream_b_;
   for (size_t l = layers_.size(); l-- > 0;) {
     layers_[l]->backward(ctx, dx, dout, stream_[l], pos_, grad_scale);

@@ -31,16 +31,16 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   const auto& c = env_.cfg;
   const int64_t e = c.num_local_experts, k = c.num_experts_per_tok, d = c.hidden_size;
   const int64_t f = c.intermediate_size, r = rows * k;
-  const DType dt = env_.dtype;
+  const DType dt = env_.dtype, acc = env_.acc;
   rows_ = rows;
-  bias_ = acts.alloc(dt, {e});
-  load_ = acts.alloc(dt, {e});
-  logits_ = acts.alloc(dt, {rows, e});
-  probs_ = acts.alloc(dt, {rows, e});
+  bias_ = acts.alloc(acc, {e});
+  load_ = acts.alloc(acc, {e});
+  logits_ = acts.alloc(acc, {rows, e});
+  probs_ = acts.alloc(acc, {rows, e});
   topk_idx_ = acts.alloc(DType::i32, {rows, k});
-  topk_w_ = acts.alloc(dt, {rows, k});
+  topk_w_ = acts.alloc(acc, {rows, k});
   counts_ = acts.alloc(DType::i32, {e});
-  aux_losses_ = acts.alloc(dt, {2});
+  aux_losses_ = acts.alloc(acc, {2});
   offsets_ = acts.alloc(DType::i32, {e + 1});
   row_token_ = acts.alloc(DType::i32, {r});
   slot_row_ = acts.alloc(DType::i32, {r});
@@ -52,10 +52,13 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   for (auto& s : shared_) s->plan(acts, rows);
 }
 
-void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses) {
+void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   const auto& c = env_.cfg;
-  // route
-  linear_forward(ctx, logits_, x, gate_.w, false);
+  Arena& s = env_.scratch;
+  // route, in the accumulation dtype (fp32 router math with the master gate weights)
+  const size_t mark = s.mark();
+  linear_forward(ctx, logits_, in_acc_dtype(ctx, env_, x), gate_.master, false);
+  s.release(mark);
   Tensor bias = c.router_bias_update_rate > 0 ? bias_ : Tensor();
   router_topk_forward(ctx, probs_, topk_idx_, topk_w_, counts_, logits_, bias, c.norm_topk_prob);
   router_aux_loss_forward(ctx, aux_losses_, logits_, probs_, counts_, c.num_experts_per_tok,
@@ -70,30 +73,26 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Losses& losses) {
   grouped_linear_forward(ctx, yp_, hact_, w2_.w, offsets_);
   // combine
   combine_forward(ctx, y, yp_, topk_w_, slot_row_);
-  for (auto& s : shared_) s->forward(ctx, y, x, true);
-
-  if (ctx.dry_run) return;
-  losses.aux += read_scalar(aux_losses_, 0);
-  losses.z += read_scalar(aux_losses_, 1);
-  auto& load = env_.model.routing().expert_load[moe_index_];
-  host_counts_.resize(c.num_local_experts);
-  copy_to_host(host_counts_.data(), counts_);
-  for (size_t e = 0; e < host_counts_.size(); ++e) load[e] += host_counts_[e];
+  for (auto& sh : shared_) sh->forward(ctx, y, x, true);
+  // statistics stay on the device: no read-back inside the step
+  accumulate_sum(ctx, env_.stats.rows(kStatAux, kStatAux + 1), aux_losses_.rows(0, 1), 1.0);
+  accumulate_sum(ctx, env_.stats.rows(kStatZ, kStatZ + 1), aux_losses_.rows(1, 2), 1.0);
+  add_counts(ctx, load_, counts_);
 }
 
 void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale) {
   const auto& c = env_.cfg;
   Arena& s = env_.scratch;
   const size_t mark = s.mark();
-  const DType dt = env_.dtype;
+  const DType dt = env_.dtype, acc = env_.acc;
   Tensor dyp = s.alloc(dt, {yp_.size(0), yp_.size(1)});
-  Tensor dtopk_w = s.alloc(dt, {topk_w_.size(0), topk_w_.size(1)});
+  Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
   Tensor dact = s.alloc(dt, {hact_.size(0), hact_.size(1)});
   Tensor dgate = s.alloc(dt, {hact_.size(0), hact_.size(1)});
   Tensor dup = s.alloc(dt, {hact_.size(0), hact_.size(1)});
   Tensor dxp = s.alloc(dt, {xp_.size(0), xp_.size(1)});
   Tensor dxp_up = s.alloc(dt, {xp_.size(0), xp_.size(1)});
-  Tensor dlogits = s.alloc(dt, {logits_.size(0), logits_.size(1)});
+  Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   // combine
   combine_backward(ctx, dyp, dtopk_w, dy, yp_, topk_w_, slot_row_);
   // experts
@@ -108,21 +107,21 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
   router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,
                            c.router_aux_loss_coef, c.router_z_loss_coef, grad_scale);
-  linear_backward(ctx, dx, gate_.g, dlogits, x, gate_.w, true);
+  if (env_.mixed()) {
+    Tensor x32 = in_acc_dtype(ctx, env_, x);  // recomputed rather than kept: one cheap pass
+    Tensor dx32 = s.alloc(acc, {x.size(0), x.size(1)});
+    linear_backward(ctx, dx32, gate_.g, dlogits, x32, gate_.master, false);
+    add_from_acc(ctx, dx, dx32);
+  } else {
+    linear_backward(ctx, dx, gate_.g, dlogits, x, gate_.w, true);
+  }
   for (auto& sh : shared_) sh->backward(ctx, dx, dy, x, true);
   s.release(mark);
 }
 
 void MoeFfn::after_step(Ctx& ctx) {
   const auto& c = env_.cfg;
-  if (c.router_bias_update_rate <= 0 || ctx.dry_run) return;
-  const auto& load = env_.model.routing().expert_load[moe_index_];
-  if (env_.dtype == DType::f32) {
-    host_load_f32_.assign(load.begin(), load.end());
-    copy_from_host(load_, host_load_f32_.data());
-  } else {
-    copy_from_host(load_, load.data());
-  }
+  if (c.router_bias_update_rate <= 0) return;
   router_bias_update(ctx, bias_, load_, c.router_bias_update_rate);
 }
 

@@ -22,12 +22,17 @@ void SelfAttention::plan(Arena& acts, Dims dims) {
   k_ = acts.alloc(env_.dtype, {dims.B, dims.T, nkv, hd});
   v_ = acts.alloc(env_.dtype, {dims.B, dims.T, nkv, hd});
   att_ = acts.alloc(env_.dtype, {dims.B, dims.T, nh, hd});
-  lse_ = acts.alloc(env_.dtype, {dims.B, nh, dims.T});
+  lse_ = acts.alloc(env_.acc, {dims.B, nh, dims.T});
 }
 
-// Views of a [B, T, heads, hd] tensor as matmul rows [B*T, heads*hd] and RoPE rows [B*T, heads, hd].
-static Tensor as_rows(Tensor t) { return t.view({t.size(0) * t.size(1), t.size(2) * t.size(3)}); }
-static Tensor as_heads(Tensor t) { return t.view({t.size(0) * t.size(1), t.size(2), t.size(3)}); }
+// Views of a [B, T, heads, hd] tensor as matmul rows [B*T, heads*hd] and RoPE rows [B*T, heads,
+// hd].
+static Tensor as_rows(Tensor t) {
+  return t.view({t.size(0) * t.size(1), t.size(2) * t.size(3)});
+}
+static Tensor as_heads(Tensor t) {
+  return t.view({t.size(0) * t.size(1), t.size(2), t.size(3)});
+}
 
 void SelfAttention::forward(Ctx& ctx, Tensor y, Tensor x, Tensor pos) {
   linear_forward(ctx, as_rows(q_), x, wq_.w, false);

@@ -22,10 +22,14 @@ double learning_rate(const SchedulerConfig& s, double base_lr, int step, int max
   return base_lr * (s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
 }
 
-double global_grad_norm(Ctx& ctx, const Model& model, Tensor acc) {
-  double host = 0;
-  copy_from_host(acc, &host);
+void queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
+  fill(ctx, acc, 0.0);
   sum_squares(ctx, acc, model.grads());
+}
+
+double global_grad_norm(Ctx& ctx, const Model& model, Tensor acc) {
+  queue_grad_norm_sq(ctx, model, acc);
+  double host = 0;
   copy_to_host(&host, acc);
   return std::sqrt(host);
 }
@@ -57,7 +61,8 @@ Tensor AdamW::moment2() const {
   return v_.as(dtype_, {static_cast<int64_t>(v_.bytes() / dtype_size(dtype_))});
 }
 
-void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale) {
+void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                 double max_norm) {
   ++step_;
   const int64_t total = static_cast<int64_t>(model.table().total);
   Tensor p = model.params(), g = model.grads();
@@ -71,6 +76,8 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale) {
     a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
     a.step = step_;
     a.grad_scale = grad_scale;
+    a.norm_sq = norm_sq;
+    a.max_norm = max_norm;
     const int64_t b = static_cast<int64_t>(s.offset), e = b + static_cast<int64_t>(s.numel);
     adamw_step(ctx, p.rows(b, e), g.rows(b, e), m.rows(b, e), v.rows(b, e), a);
   }

@@ -31,10 +31,24 @@ double mean_loss(Ctx& ctx, Model& model, int batches, Fill&& fill) {
   return done > 0 ? sum / done : kNaN;
 }
 
+// The Markov source keeps vocab_size^2 contexts (262k at 512) and iterates over them to find its
+// exact entropy; beyond this size "random" is the synthetic choice.
+constexpr int kMaxSyntheticVocab = 512;
+
+const Config& checked_for_synthetic(const Config& cfg) {
+  if (cfg.model.vocab_size > kMaxSyntheticVocab)
+    throw ConfigError("data.source",
+                      "the synthetic Markov source keeps a table over vocab_size^2 contexts and "
+                      "allows model.vocab_size <= " +
+                          std::to_string(kMaxSyntheticVocab) + " (got " +
+                          std::to_string(cfg.model.vocab_size) + "); use \"random\" or \"shards\"");
+  return cfg;
+}
+
 class SyntheticData : public TrainData {
  public:
   SyntheticData(const Config& cfg, int rank)
-      : cfg_(cfg),
+      : cfg_(checked_for_synthetic(cfg)),
         source_(cfg.model.vocab_size, cfg.data.synthetic.branching,
                 static_cast<uint64_t>(cfg.data.synthetic.seed)),
         rng_(hash_name("train-rank" + std::to_string(rank), cfg.train.seed)) {}
@@ -64,6 +78,49 @@ class SyntheticData : public TrainData {
  private:
   const Config& cfg_;
   MarkovSource source_;
+  Rng rng_;
+};
+
+// Independent uniform tokens: nothing to learn (the best loss is log V), no set-up cost at any
+// vocabulary size; what the PyTorch peers train on when measuring speed.
+class RandomData : public TrainData {
+ public:
+  RandomData(const Config& cfg, int rank)
+      : cfg_(cfg), rng_(hash_name("random-rank" + std::to_string(rank), cfg.train.seed)) {}
+
+  void next(int32_t* ids, int32_t* targets) override { sample(rng_, ids, targets); }
+  void save(TrainerState& s) const override { s.rng_state = rng_.state(); }
+  void restore(const TrainerState& s) override { rng_ = Rng(s.rng_state); }
+  double evaluate(Ctx& ctx, Model& model, int batches) override {
+    Rng rng(hash_name("random-eval", cfg_.train.seed));
+    return mean_loss(ctx, model, batches, [&](int32_t* ids, int32_t* targets) {
+      sample(rng, ids, targets);
+      return true;
+    });
+  }
+  std::string describe() const override { return "uniform random tokens (for benchmarks)"; }
+  double optimal_loss() const override {
+    return std::log(static_cast<double>(cfg_.model.vocab_size));
+  }
+  std::string tokenizer_dir() const override { return ""; }
+
+ private:
+  // Each row is T+1 tokens: ids = the first T, targets = the last T (next-token prediction).
+  void sample(Rng& rng, int32_t* ids, int32_t* targets) const {
+    const int b = cfg_.train_micro_batch_size_per_gpu, t = cfg_.data.seq_len;
+    const auto v = static_cast<uint64_t>(cfg_.model.vocab_size);
+    for (int r = 0; r < b; ++r) {
+      int32_t prev = static_cast<int32_t>(rng.below(v));
+      for (int i = 0; i < t; ++i) {
+        const int32_t next = static_cast<int32_t>(rng.below(v));
+        ids[r * t + i] = prev;
+        targets[r * t + i] = next;
+        prev = next;
+      }
+    }
+  }
+
+  const Config& cfg_;
   Rng rng_;
 };
 
@@ -114,6 +171,7 @@ class ShardData : public TrainData {
 
 std::unique_ptr<TrainData> make_train_data(const Config& cfg, int rank, int world) {
   if (cfg.data.source == "shards") return std::make_unique<ShardData>(cfg, rank, world);
+  if (cfg.data.source == "random") return std::make_unique<RandomData>(cfg, rank);
   return std::make_unique<SyntheticData>(cfg, rank);
 }
 

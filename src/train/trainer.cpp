@@ -19,6 +19,7 @@
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
 #include "moe/trainer.hpp"
+#include "train/loss_scaler.hpp"
 #include "train/train_data.hpp"
 
 namespace moe {
@@ -39,8 +40,8 @@ Device resolve_device(const std::string& spec) {
                                           "with nvcc); use \"cpu\" or \"auto\"");
   const int index = spec == "cuda" ? 0 : std::stoi(spec.substr(5));
   if (index >= gpus)
-    throw ConfigError("train.device", "\"" + spec + "\": this machine has " +
-                                          std::to_string(gpus) + " GPU(s)");
+    throw ConfigError("train.device",
+                      "\"" + spec + "\": this machine has " + std::to_string(gpus) + " GPU(s)");
   std::string why;
   if (!gpu::has_code_for(index, &why)) throw ConfigError("train.device", why);
   return Device{DeviceType::cuda, index};
@@ -82,8 +83,8 @@ std::string checkpoint_to_resume(const TrainConfig& t, std::ostream& out) {
   if (t.resume.empty()) return "";
   if (t.resume == "auto") {
     std::string dir = find_latest_checkpoint(t.out_dir, &out);
-    if (dir.empty()) out << "resume auto: no complete checkpoint in " << t.out_dir
-                         << ", starting fresh\n";
+    if (dir.empty())
+      out << "resume auto: no complete checkpoint in " << t.out_dir << ", starting fresh\n";
     return dir;
   }
   std::string dir = find_latest_checkpoint(t.resume, &out);
@@ -91,27 +92,30 @@ std::string checkpoint_to_resume(const TrainConfig& t, std::ostream& out) {
   return dir;
 }
 
+// wall: seconds since the previous log line (the device has finished every step in it, since
+// each step ends by reading its statistics), so tokens / wall is the true throughput.
 nlohmann::json train_record(int step, const Losses& l, double lr, double gnorm,
-                            const PhaseTimes& ph, Model& model) {
+                            const PhaseTimes& ph, double wall, const Model& model) {
   const RoutingStats& r = model.routing();
-  nlohmann::json j = {{"kind", "train"},
-                      {"step", step},
-                      {"loss", l.lm},
-                      {"aux_loss", l.aux},
-                      {"z_loss", l.z},
-                      {"mod_pred_loss", l.mod_pred},
-                      {"lr", lr},
-                      {"grad_norm", gnorm},
-                      {"tokens_per_s", ph.tokens / std::max(1e-9, ph.data + ph.forward_backward +
-                                                                      ph.optimizer)},
-                      {"maxvio_mean", r.maxvio_mean()},
-                      {"maxvio_max", r.maxvio_max()},
-                      {"mod_kept", r.mod_seen > 0 ? r.mod_kept / r.mod_seen : 1.0},
-                      {"peak_rss_mib", peak_rss_mib()},
-                      {"time_s",
-                       {{"data", ph.data / ph.steps},
-                        {"forward_backward", ph.forward_backward / ph.steps},
-                        {"optimizer", ph.optimizer / ph.steps}}}};
+  nlohmann::json j = {
+      {"kind", "train"},
+      {"step", step},
+      {"loss", l.lm},
+      {"aux_loss", l.aux},
+      {"z_loss", l.z},
+      {"mod_pred_loss", l.mod_pred},
+      {"lr", lr},
+      {"grad_norm", gnorm},
+      {"tokens_per_s", ph.tokens / std::max(1e-9, wall)},
+      {"maxvio_mean", r.maxvio_mean()},
+      {"maxvio_max", r.maxvio_max()},
+      {"mod_kept", r.mod_seen > 0 ? r.mod_kept / r.mod_seen : 1.0},
+      {"peak_rss_mib", peak_rss_mib()},
+      {"peak_gpu_mib", static_cast<double>(gpu::peak_allocated_bytes()) / 1048576.0},
+      {"time_s",
+       {{"data", ph.data / ph.steps},
+        {"forward_backward", ph.forward_backward / ph.steps},
+        {"optimizer", ph.optimizer / ph.steps}}}};
   // Per MoE layer: each expert's share of the routed slots in the logged step.
   nlohmann::json load = nlohmann::json::array();
   for (const auto& layer : r.expert_load) {
@@ -127,8 +131,28 @@ nlohmann::json train_record(int step, const Losses& l, double lr, double gnorm,
 
 }  // namespace
 
+// The compute dtype of a run: bf16 or fp16 when enabled (GPU only; bf16 needs sm_80+), else f32.
+DType compute_dtype(const Config& cfg, Device dev) {
+  if (!cfg.bf16_enabled && !cfg.fp16.enabled) return DType::f32;
+  const char* key = cfg.bf16_enabled ? "bf16.enabled" : "fp16.enabled";
+  if (dev.type != DeviceType::cuda)
+    throw ConfigError(key,
+                      "mixed precision runs on a GPU only; this run uses the CPU "
+                      "(train.device): set it to false or train on a GPU");
+  if (cfg.bf16_enabled) {
+    const gpu::DeviceInfo info = gpu::device_info(dev.index);
+    if (info.major < 8)
+      throw ConfigError(key, info.name + " (sm_" + std::to_string(info.major) +
+                                 std::to_string(info.minor) +
+                                 ") has no bf16 arithmetic: use fp16.enabled instead");
+    return DType::bf16;
+  }
+  return DType::f16;
+}
+
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt) {
   const Device dev = resolve_device(cfg.train.device);
+  const DType compute = compute_dtype(cfg, dev);
   Ctx ctx = make_ctx(dev);
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
   const int accum = cfg.gradient_accumulation_steps;
@@ -136,18 +160,19 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   std::unique_ptr<Model> model_owner;
   std::unique_ptr<AdamW> optimizer_owner;
   try {
-    model_owner = std::make_unique<Model>(cfg.model, DType::f32, dev, b, t);
+    model_owner = std::make_unique<Model>(cfg.model, compute, dev, b, t);
     optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner);
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     // Out of GPU memory at start-up: say what the run needs and what to change.
-    Model plan(cfg.model, DType::f32, dev, b, t, /*allocate=*/false);
-    const double params = static_cast<double>(plan.table().total) * 4;
-    const double need = params * 4 + static_cast<double>(plan.activation_bytes()) +
+    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false);
+    const double optimizer_bytes = static_cast<double>(plan.table().total) * 8;
+    const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
+                        static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
     throw std::runtime_error(std::string(e.what()) + "; this run needs about " +
                              std::to_string(static_cast<long>(need / 1048576)) +
-                             " MiB (fp32 parameters, gradients, AdamW state, activations): "
+                             " MiB (weights, gradients, AdamW state, activations): "
                              "lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
                              "smaller model");
   }
@@ -155,7 +180,9 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   AdamW& optimizer = *optimizer_owner;
   model.init_weights(cfg.train.seed);
   std::unique_ptr<TrainData> data = make_train_data(cfg, 0, 1);
-  Buffer norm_acc(dev, sizeof(double));
+  Buffer norm_sq(dev, sizeof(double));
+  const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
+  LossScaler scaler(cfg.fp16);
 
   TrainResult result;
   TrainerState state;
@@ -163,14 +190,16 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   if (!resume_dir.empty()) {
     load_checkpoint(resume_dir, 0, model, optimizer, state);
     data->restore(state);
+    if (scaler.enabled())
+      scaler.restore({state.loss_scale, static_cast<int>(state.loss_scale_hysteresis),
+                      state.loss_scale_iteration, state.loss_scale_last_overflow});
     result.resumed_from = static_cast<int>(state.step);
     out << "resumed from " << resume_dir << " at step " << state.step << "\n";
   } else if (!cfg.model.init_from.empty()) {
     init_from_hf(model, cfg.model.init_from);
     out << "initialised weights from " << cfg.model.init_from << "\n";
   }
-  MetricsWriter metrics(cfg.train.out_dir + "/metrics.jsonl",
-                        resume_dir.empty() ? -1 : state.step);
+  MetricsWriter metrics(cfg.train.out_dir + "/metrics.jsonl", resume_dir.empty() ? -1 : state.step);
   SaveOptions save_opt;
   save_opt.run_dir = cfg.train.out_dir;
   save_opt.keep_last = cfg.train.keep_checkpoints;
@@ -181,73 +210,104 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
   char line[640];
   std::snprintf(line, sizeof line,
                 "model: %.3fM parameters (%.3fM active per token), activations %.1f MiB | device "
-                "%s | data: %s | run dir: %s\n",
+                "%s %s | data: %s | run dir: %s\n",
                 counts.total / 1e6, counts.active_per_token / 1e6,
                 static_cast<double>(model.activation_bytes() + model.scratch_bytes()) / 1048576.0,
-                dev.str().c_str(), data->describe().c_str(), cfg.train.out_dir.c_str());
+                dev.str().c_str(), dtype_name(compute), data->describe().c_str(),
+                cfg.train.out_dir.c_str());
   out << line << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
   std::vector<int32_t> ids(n), targets(n);
   const auto start = Clock::now();
+  auto last_log = start;
   const int first_step = static_cast<int>(state.step);
   PhaseTimes phase;
+  int skipped = 0;  // fp16 overflow steps since the last log line
   bool warned_no_eval = false;
   const int max_steps = cfg.train.max_steps;
   for (int step = first_step; step < max_steps; ++step) {
+    // The step is queued without reading anything back; its statistics are read once at the
+    // end (one wait per optimizer step, after all of its work is queued).
     model.zero_grads(ctx);
-    model.routing().reset();
-    Losses sum;
+    model.reset_stats(ctx);
+    const double loss_scale = scaler.scale();
     for (int micro = 0; micro < accum; ++micro) {
       auto t0 = Clock::now();
       data->next(ids.data(), targets.data());
       phase.data += seconds_since(t0);
       t0 = Clock::now();
-      Losses l = model.forward_backward(ctx, ids.data(), targets.data(), 1.0 / accum);
+      model.upload_batch(ctx, ids.data(), targets.data());
+      model.queue_forward_backward(ctx, loss_scale / accum);
       phase.forward_backward += seconds_since(t0);
-      sum.lm += l.lm / accum;
-      sum.aux += l.aux / accum;
-      sum.z += l.z / accum;
-      sum.mod_pred += l.mod_pred / accum;
     }
-    if (!std::isfinite(sum.total()))
-      throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
-                               "; lower optimizer.params.lr or enable gradient_clipping");
     auto t0 = Clock::now();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
-    const double gnorm = global_grad_norm(ctx, model, norm_acc.as(DType::f64, {1}));
-    optimizer.step(ctx, model, lr, clip_factor(gnorm, cfg.gradient_clipping));
+    queue_grad_norm_sq(ctx, model, norm_sq_t);
+    optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     model.after_step(ctx);
+    model.weights_changed(ctx);
+    const Losses sum = model.read_stats(ctx);  // waits for the step
+    double gnorm_sq = 0;
+    copy_to_host(&gnorm_sq, norm_sq_t);
+    const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
+    const bool overflow = !std::isfinite(gnorm) || !std::isfinite(sum.total());
+    if (overflow && !scaler.enabled())
+      throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
+                               "; lower optimizer.params.lr or enable gradient_clipping");
+    if (overflow) {
+      optimizer.undo_step();  // the device skipped the update (non-finite norm)
+      ++skipped;
+    }
+    scaler.update(overflow);
     phase.steps += 1;
     phase.tokens += static_cast<double>(n) * accum;
     state.step = step + 1;
     state.tokens_seen += static_cast<int64_t>(n) * accum;
+    state.loss_scale = scaler.state().scale;
+    state.loss_scale_hysteresis = scaler.state().hysteresis_left;
+    state.loss_scale_iteration = scaler.state().iteration;
+    state.loss_scale_last_overflow = scaler.state().last_overflow;
     result.losses.push_back(sum.lm);
     result.last_loss = sum.lm;
     result.steps = step + 1;
+    result.skipped_steps += overflow ? 1 : 0;
 
     const bool last = step + 1 == max_steps;
     if ((step + 1) % cfg.train.log_interval == 0 || last) {
-      nlohmann::json rec = train_record(step + 1, sum, lr, gnorm, phase, model);
+      const double wall = seconds_since(last_log);
+      last_log = Clock::now();
+      nlohmann::json rec = train_record(step + 1, sum, lr, gnorm, phase, wall, model);
+      std::string extra;
+      if (dev.type == DeviceType::cuda)
+        extra = " | gpu " + std::to_string(static_cast<long>(rec["peak_gpu_mib"].get<double>())) +
+                " MiB";
+      if (scaler.enabled()) {
+        rec["loss_scale"] = scaler.scale();
+        rec["skipped_steps"] = skipped;
+        extra += " | scale " + std::to_string(static_cast<long long>(scaler.scale())) +
+                 " skipped " + std::to_string(skipped);
+      }
       const double tps = rec["tokens_per_s"].get<double>();
       const double eta = seconds_since(start) / (step + 1 - first_step) * (max_steps - step - 1);
       std::snprintf(line, sizeof line,
                     "step %6d/%d | loss %.4f | aux %.4f | z %.4f | mod_pred %.4f | lr %.3e | "
-                    "grad_norm %.3f | tok/s %.0f | maxvio %.3f/%.3f | mod_kept %.3f | eta %s\n",
+                    "grad_norm %.3f | tok/s %.0f | maxvio %.3f/%.3f | mod_kept %.3f%s | eta %s\n",
                     step + 1, max_steps, sum.lm, sum.aux, sum.z, sum.mod_pred, lr, gnorm, tps,
                     rec["maxvio_mean"].get<double>(), rec["maxvio_max"].get<double>(),
-                    rec["mod_kept"].get<double>(), format_eta(eta).c_str());
+                    rec["mod_kept"].get<double>(), extra.c_str(), format_eta(eta).c_str());
       out << line << std::flush;
       metrics.write(rec);
       result.tokens_per_second = tps;
       phase = PhaseTimes{};
+      skipped = 0;
     }
     if (last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0)) {
       const double eval = data->evaluate(ctx, model, cfg.train.eval_batches);
       if (!std::isfinite(eval) && !cfg.data.val_files.empty() && !warned_no_eval) {
-        out << "eval skipped: " << cfg.data.val_files << " holds fewer than batch * seq_len + 1 = "
-            << n + 1 << " tokens\n";
+        out << "eval skipped: " << cfg.data.val_files
+            << " holds fewer than batch * seq_len + 1 = " << n + 1 << " tokens\n";
         warned_no_eval = true;
       }
       if (std::isfinite(eval)) {
@@ -258,14 +318,18 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
                           ? (" | best achievable " + std::to_string(result.optimal_loss)).c_str()
                           : "");
         out << line << std::flush;
-        metrics.write({{"kind", "eval"}, {"step", step + 1}, {"loss", eval}, {"ppl", std::exp(eval)}});
+        metrics.write(
+            {{"kind", "eval"}, {"step", step + 1}, {"loss", eval}, {"ppl", std::exp(eval)}});
       }
+      last_log = Clock::now();  // evaluation time is not training throughput
     }
     const bool stop_now = opt.stop_after_step > 0 && step + 1 == opt.stop_after_step;
-    if (last || (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
+    if ((last && cfg.train.save_at_end) ||
+        (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
       data->save(state);
       const std::string dir = save_checkpoint(save_opt, cfg, model, optimizer, state);
       out << "saved " << dir << "\n" << std::flush;
+      last_log = Clock::now();
     }
     if (stop_now) break;
   }

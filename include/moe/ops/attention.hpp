@@ -7,11 +7,11 @@
 
 namespace moe {
 
-// out: [B, T, nh, hd], lse: [B, nh, T] (log-sum-exp of each scaled score row),
+// out: [B, T, nh, hd], lse: [B, nh, T] (log-sum-exp of each scaled score row, in acc_dtype(q)),
 // q: [B, T, nh, hd], k, v: [B, T, nkv, hd]
 MOE_OP(attention_forward, (Ctx & ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v),
        (ctx, out, lse, q, k, v))
-// dq: [B, T, nh, hd], dk, dv: [B, T, nkv, hd] (overwritten)
+// dq: [B, T, nh, hd], dk, dv: [B, T, nkv, hd] (overwritten); lse: the forward's, acc_dtype(q)
 MOE_OP(attention_backward,
        (Ctx & ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
         Tensor out, Tensor lse),

@@ -4,9 +4,15 @@
 // from ctx.device.
 //
 // Conventions shared by every op:
-// - Parameter gradients (dw, dtable, ...) ACCUMULATE (+=), so micro-batches and tied weights add up.
+// - Parameter gradients (dw, dtable, ...) ACCUMULATE (+=), so micro-batches and tied weights
+//   add up.
 // - Activation gradients (dx, dq, ...) OVERWRITE unless an argument says otherwise.
-// - Float tensors of one call share one dtype: f32 (training) or f64 (CPU only: gradient checks).
+// - Float tensors of one call share one compute dtype T: f32 or f64 (gradient checks) on both
+//   backends, f16 / bf16 on CUDA (mixed precision). The exceptions are named in each op's comment
+//   as "in acc_dtype(T)": statistics (rstd, lse, losses), routing weights (topk_w, MoD scores),
+//   rope tables and parameter gradients (dw, dtable) are kept in acc_dtype(T) (f32 for f32 / f16 /
+//   bf16, f64 for f64), so 16-bit activations never round a statistic or a sum over rows to 16
+//   bits. For f32 and f64 acc_dtype(T) == T: those calls look exactly as before.
 // - Index tensors are i32. Shapes are checked; a mismatch throws with the op and argument name.
 #pragma once
 #include "moe/tensor.hpp"
@@ -30,12 +36,12 @@ struct Ctx {
 // CUDA kernels register themselves (kernels/cuda/*.cu, linked whole-archive) in a function pointer
 // of the op's exact signature; an op without a CUDA kernel yet throws when called on a GPU.
 #ifdef MOE_WITH_CUDA
-#define MOE_OP_CUDA_DECL(name, params)             \
-  namespace cuda {                                 \
+#define MOE_OP_CUDA_DECL(name, params)               \
+  namespace cuda {                                   \
   inline decltype(&::moe::cpu::name) name = nullptr; \
   }
-#define MOE_OP_CUDA_CALL(name, args)          \
-  if (cuda::name) return cuda::name args;     \
+#define MOE_OP_CUDA_CALL(name, args)      \
+  if (cuda::name) return cuda::name args; \
   throw_no_backend(#name, ctx.device)
 #else
 #define MOE_OP_CUDA_DECL(name, params)

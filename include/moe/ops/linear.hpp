@@ -8,6 +8,7 @@ namespace moe {
 MOE_OP(linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, bool accumulate),
        (ctx, y, x, w, accumulate))
 // dx = dy w (or dx += when accumulate_dx; skipped when dx is empty), dw += dy^T x
+// dw in acc_dtype(x): a 16-bit product is accumulated into the fp32 gradient with one rounding.
 MOE_OP(linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, bool accumulate_dx),
        (ctx, dx, dw, dy, x, w, accumulate_dx))
@@ -17,7 +18,8 @@ MOE_OP(linear_backward,
 // resident on ctx's device (never copied to the host by the CUDA backend). Empty groups are fine.
 MOE_OP(grouped_linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor offsets),
        (ctx, y, x, w, offsets))
-// dx = dy w[e] per group (overwritten), dw[e] += dy_e^T x_e (an expert with no rows gets += 0)
+// dx = dy w[e] per group (overwritten), dw[e] += dy_e^T x_e (an expert with no rows gets += 0),
+// dw in acc_dtype(x).
 MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets),
        (ctx, dx, dw, dy, x, w, offsets))

@@ -8,7 +8,7 @@
 namespace moe {
 
 // sel: [B, C] i32, mask: [B, T] float (1 where selected, else 0: the predictor's target),
-// scores: [B, T]
+// scores: [B, T], of mask's dtype (fp32 in the model)
 MOE_OP(mod_select, (Ctx & ctx, Tensor sel, Tensor mask, Tensor scores), (ctx, sel, mask, scores))
 // The gather and scatter ops require sel strictly ascending inside [0, T) per sequence (as
 // mod_select writes it) and check it; T = x.size(0) / B.
@@ -16,14 +16,14 @@ MOE_OP(mod_select, (Ctx & ctx, Tensor sel, Tensor mask, Tensor scores), (ctx, se
 MOE_OP(mod_gather_forward, (Ctx & ctx, Tensor xs, Tensor x, Tensor sel), (ctx, xs, x, sel))
 // dx[b*T + sel[b, c], :] += dxs[b*C + c, :]
 MOE_OP(mod_gather_backward, (Ctx & ctx, Tensor dx, Tensor dxs, Tensor sel), (ctx, dx, dxs, sel))
-// out: [B*T, d] = x, then the gated update on the selected rows; ys: [B*C, d], scores: [B, T].
-// out may alias x.
-MOE_OP(mod_scatter_forward,
-       (Ctx & ctx, Tensor out, Tensor x, Tensor ys, Tensor scores, Tensor sel),
+// out: [B*T, d] = x, then the gated update on the selected rows; ys: [B*C, d], scores: [B, T]
+// in acc_dtype(x). out may alias x.
+MOE_OP(mod_scatter_forward, (Ctx & ctx, Tensor out, Tensor x, Tensor ys, Tensor scores, Tensor sel),
        (ctx, out, x, ys, scores, sel))
 // dx: [B*T, d] (overwritten: dout on skipped rows, (1-g)*dout on selected rows),
 // dys: [B*C, d] (overwritten: g*dout),
 // dscores: [B, T] (overwritten: g(1-g)<dout, ys-x>, 0 if skipped). dx may alias dout.
+// scores, dscores: acc_dtype(x).
 MOE_OP(mod_scatter_backward,
        (Ctx & ctx, Tensor dx, Tensor dys, Tensor dscores, Tensor dout, Tensor x, Tensor ys,
         Tensor scores, Tensor sel),

@@ -1,6 +1,13 @@
 // AdamW with decoupled weight decay over a contiguous segment of the parameter buffer.
-//   g' = grad_scale * g;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2
+//   g' = s * g;  m = b1 m + (1-b1) g';  v = b2 v + (1-b2) g'^2
 //   p -= lr * (m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps) + weight_decay * p)
+// with s = grad_scale, or, when norm_sq is given (global-norm clipping decided on the device, no
+// host read of the norm):
+//   norm = grad_scale * sqrt(norm_sq[0])        (the norm of the gradient grad_scale * g)
+//   norm not finite (fp16 overflow):  the step is skipped: p, m and v stay bitwise unchanged
+//   max_norm > 0 and norm > max_norm: s = grad_scale * max_norm / (norm + 1e-6)
+//   otherwise:                        s = grad_scale
+// (the same factor as moe::clip_factor, so s equals grad_scale * clip_factor(norm, max_norm)).
 #pragma once
 #include "moe/ops/common.hpp"
 
@@ -10,9 +17,14 @@ struct AdamWArgs {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
   long step = 1;            // t, 1-based, for bias correction
   double grad_scale = 1.0;  // applied to g first (clipping, loss-scale and accumulation factor)
+  // Empty, or a 1-element f64 tensor on p's device holding sum(g^2) of the whole gradient as stored
+  // (sum_squares over every segment), read by the op itself: clip and overflow skip on the device.
+  Tensor norm_sq;
+  double max_norm = 0;  // clip threshold on grad_scale * sqrt(norm_sq[0]); <= 0: no clipping
 };
 
-// p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1
+// p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1. The trainer runs it
+// over fp32 master weights, gradients and moments.
 MOE_OP(adamw_step, (Ctx & ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a),
        (ctx, p, g, m, v, a))
 

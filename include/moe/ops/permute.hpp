@@ -17,11 +17,13 @@ MOE_OP(permute_forward, (Ctx & ctx, Tensor xp, Tensor x, Tensor row_token), (ctx
 // dx[n, :] = sum_k dxp[slot_row[n*K+k], :] (overwritten; gathers, no atomics)
 MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor slot_row),
        (ctx, dx, dxp, slot_row))
-// y[n, :] = sum_k w[n, k] * yp[slot_row[n*K+k], :]      y: [N, d] (overwritten), yp: [N*K, d]
+// y[n, :] = sum_k w[n, k] * yp[slot_row[n*K+k], :]      y: [N, d] (overwritten), yp: [N*K, d],
+// topk_w: [N, K] in acc_dtype(y) (the router's fp32 weights)
 MOE_OP(combine_forward, (Ctx & ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row),
        (ctx, y, yp, topk_w, slot_row))
 // dyp[slot_row[s], :] = w[s] * dy[n, :],  dtopk_w[n, k] = <dy[n, :], yp[slot_row[s], :]>
-// (both overwritten; slot_row must be the plan's permutation, so each dyp row is written once)
+// (both overwritten; slot_row must be the plan's permutation, so each dyp row is written once).
+// topk_w, dtopk_w: acc_dtype(dy); dyp, yp: dy's dtype.
 MOE_OP(combine_backward,
        (Ctx & ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
         Tensor slot_row),

@@ -45,4 +45,8 @@ MOE_OP(router_aux_loss_backward,
 MOE_OP(router_bias_update, (Ctx & ctx, Tensor bias, Tensor load, double rate),
        (ctx, bias, load, rate))
 
+// acc[e] += counts[e]    acc: [E] f32 or f64, counts: [E] i32 (router_topk_forward's counts).
+// Sums the expert loads of a step's micro-batches on the device (exact below 2^24 in f32).
+MOE_OP(add_counts, (Ctx & ctx, Tensor acc, Tensor counts), (ctx, acc, counts))
+
 }  // namespace moe

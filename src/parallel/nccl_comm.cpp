@@ -1,0 +1,311 @@
+// NcclComm: the collectives on GPU tensors over NCCL. MPI starts the job: rank 0 creates the
+// NCCL unique id and an MpiComm broadcasts it; the local rank picks the GPU (pick_local_gpu).
+//
+// Collectives are enqueued on the comm's stream and return at once. The watchdog watches them
+// in two ways: host calls that can block (communicator setup, the first use of a connection,
+// barrier) are armed like MpiComm's; for the GPU side, an event recorded after each collective
+// must complete within the timeout, and ncclCommGetAsyncError is polled about every 100 ms. On
+// failure it prints one line, calls ncclCommAbort (frees the GPU from the stuck kernels) and then
+// MPI_Abort (ends every rank).
+#if defined(MOE_WITH_NCCL) && defined(MOE_WITH_MPI)
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "parallel/comm_impl.hpp"
+#include "parallel/mpi_runtime.hpp"
+#include "parallel/watchdog.hpp"
+#include "moe/cuda_runtime.hpp"
+#include "moe/error.hpp"
+
+namespace moe::dist {
+
+namespace {
+
+// NCCL's last-error text (2.13+) and communicator finalisation (2.14+), where the library has them.
+const char* nccl_last_error(ncclComm_t comm) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 13, 0)
+  return ncclGetLastError(comm);
+#else
+  (void)comm;
+  return "";
+#endif
+}
+
+ncclResult_t nccl_finalize(ncclComm_t comm) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0)
+  return ncclCommFinalize(comm);
+#else
+  (void)comm;
+  return ncclSuccess;  // ncclCommDestroy waits for the pending work itself
+#endif
+}
+
+[[noreturn]] void throw_nccl(ncclResult_t r, ncclComm_t comm, const char* call, const char* op,
+                             int rank, const char* file, int line) {
+  mpi_mark_failed();
+  const char* last = nccl_last_error(comm);
+  throw CommError("NCCL error in " + std::string(op) + " (" + call + ") on rank " +
+                  std::to_string(rank) + " at " + file + ":" + std::to_string(line) + ": " +
+                  ncclGetErrorString(r) + (last && *last ? std::string(": ") + last : ""));
+}
+
+[[noreturn]] void throw_cuda(cudaError_t e, const char* call, const char* op, int rank,
+                             const char* file, int line) {
+  mpi_mark_failed();
+  throw CommError("CUDA error in " + std::string(op) + " (" + call + ") on rank " +
+                  std::to_string(rank) + " at " + file + ":" + std::to_string(line) + ": " +
+                  cudaGetErrorString(e));
+}
+
+#define MOE_NCCL_CHECK(call, op)                                             \
+  do {                                                                       \
+    ncclResult_t r_ = (call);                                                \
+    if (r_ != ncclSuccess && r_ != ncclInProgress)                           \
+      throw_nccl(r_, comm_.load(), #call, (op), rank(), __FILE__, __LINE__); \
+  } while (0)
+
+#define MOE_COMM_CUDA_CHECK(call, op)                                               \
+  do {                                                                              \
+    cudaError_t e_ = (call);                                                        \
+    if (e_ != cudaSuccess) throw_cuda(e_, #call, (op), rank(), __FILE__, __LINE__); \
+  } while (0)
+
+bool nccl_accepts(DType, DTypeUse) {
+  return true;
+}  // f32, f64, f16, bf16, i32
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::f32:
+      return ncclFloat32;
+    case DType::f64:
+      return ncclFloat64;
+    case DType::f16:
+      return ncclFloat16;
+    case DType::bf16:
+      return ncclBfloat16;
+    case DType::i32:
+      return ncclInt32;
+  }
+  throw InternalError("nccl_type: unknown dtype");
+}
+
+char* bytes(const Tensor& t) {
+  return static_cast<char*>(t.data);
+}
+
+class NcclComm final : public Comm {
+ public:
+  NcclComm(const RankInfo& info, int gpu, double timeout_s, std::unique_ptr<Comm> bootstrap)
+      : Comm(info, Device{DeviceType::cuda, gpu}, timeout_s), bootstrap_(std::move(bootstrap)) {
+    gpu::set_device(gpu);
+    stream_ = static_cast<cudaStream_t>(gpu::default_stream(gpu));
+    watchdog_ = std::make_unique<Watchdog>(
+        info.rank, timeout_s,
+        [this] {
+          if (ncclComm_t c = comm_.load()) ncclCommAbort(c);
+          mpi_abort_job(kCommAbortExitCode);
+        },
+        [this] { return poll(); });
+
+    static_assert(sizeof(ncclUniqueId) % sizeof(int32_t) == 0, "unique id in 32-bit words");
+    ncclUniqueId id{};
+    if (info.rank == 0) MOE_NCCL_CHECK(ncclGetUniqueId(&id), "comm setup");
+    bootstrap_->broadcast(
+        Tensor(&id, DType::i32, Device{}, {static_cast<int64_t>(sizeof id / sizeof(int32_t))}), 0);
+    ncclComm_t comm = nullptr;
+    {
+      auto guard = watchdog_->watch("ncclCommInitRank");
+      MOE_NCCL_CHECK(ncclCommInitRank(&comm, info.world, id, info.rank), "comm setup");
+    }
+    comm_.store(comm);
+  }
+
+  ~NcclComm() override {
+    bool failing = std::uncaught_exceptions() > 0;
+    if (failing) mpi_mark_failed();
+    ncclComm_t comm = comm_.load();
+    if (comm && !failing) {
+      // Waits for this rank's collectives; a dead peer makes the watchdog end it.
+      auto guard = watchdog_->watch("ncclCommFinalize");
+      if (nccl_finalize(comm) != ncclSuccess) failing = true;
+    }
+    watchdog_.reset();  // joins the thread: nothing polls comm_ or the events below any more
+    if (comm) (void)(failing ? ncclCommAbort(comm) : ncclCommDestroy(comm));
+    for (const Pending& p : pending_) cudaEventDestroy(p.event);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+  }
+
+  const char* backend() const override { return "nccl"; }
+
+  void set_stream(void* stream) override {
+    stream_ = stream ? static_cast<cudaStream_t>(stream)
+                     : static_cast<cudaStream_t>(gpu::default_stream(device().index));
+  }
+
+  void all_reduce_sum(Tensor t) override {
+    const char* op = "all_reduce_sum";
+    check_tensor(*this, t, op, "inout", nccl_accepts, DTypeUse::reduce);
+    auto guard = watchdog_->watch(op);
+    MOE_NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
+                                 ncclSum, comm_.load(), stream_),
+                   op);
+    enqueued(op);
+  }
+
+  void reduce_scatter_sum(Tensor out, Tensor in) override {
+    const char* op = "reduce_scatter_sum";
+    check_tensor(*this, out, op, "out", nccl_accepts, DTypeUse::reduce);
+    check_tensor(*this, in, op, "in", nccl_accepts, DTypeUse::reduce);
+    check_reduce_scatter(*this, out, in, op);  // NCCL's in-place layout is ours
+    auto guard = watchdog_->watch(op);
+    MOE_NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()),
+                                     nccl_type(in.dtype), ncclSum, comm_.load(), stream_),
+                   op);
+    enqueued(op);
+  }
+
+  void all_gather(Tensor out, Tensor in) override {
+    const char* op = "all_gather";
+    check_tensor(*this, out, op, "out", nccl_accepts, DTypeUse::move);
+    check_tensor(*this, in, op, "in", nccl_accepts, DTypeUse::move);
+    check_all_gather(*this, out, in, op);
+    auto guard = watchdog_->watch(op);
+    MOE_NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()),
+                                 nccl_type(in.dtype), comm_.load(), stream_),
+                   op);
+    enqueued(op);
+  }
+
+  void all_to_all_v(Tensor out, const std::vector<int64_t>& out_counts, Tensor in,
+                    const std::vector<int64_t>& in_counts) override {
+    const char* op = "all_to_all_v";
+    check_tensor(*this, out, op, "out", nccl_accepts, DTypeUse::move);
+    check_tensor(*this, in, op, "in", nccl_accepts, DTypeUse::move);
+    AllToAllPlan plan = check_all_to_all_v(*this, out, out_counts, in, in_counts, op);
+    const size_t row_bytes = static_cast<size_t>(plan.row_elems) * dtype_size(in.dtype);
+    const ncclDataType_t type = nccl_type(in.dtype);
+    auto guard = watchdog_->watch(op);
+    // This rank's own rows are a local copy; zero counts post nothing (both sides agree on them).
+    copy_bytes(device(), bytes(out) + plan.recv_offsets[rank()] * row_bytes,
+               bytes(in) + plan.send_offsets[rank()] * row_bytes, in_counts[rank()] * row_bytes,
+               stream_);
+    MOE_NCCL_CHECK(ncclGroupStart(), op);
+    for (int p = 0; p < world(); ++p) {
+      if (p == rank()) continue;
+      if (in_counts[p] > 0)
+        MOE_NCCL_CHECK(ncclSend(bytes(in) + plan.send_offsets[p] * row_bytes,
+                                static_cast<size_t>(in_counts[p] * plan.row_elems), type, p,
+                                comm_.load(), stream_),
+                       op);
+      if (out_counts[p] > 0)
+        MOE_NCCL_CHECK(ncclRecv(bytes(out) + plan.recv_offsets[p] * row_bytes,
+                                static_cast<size_t>(out_counts[p] * plan.row_elems), type, p,
+                                comm_.load(), stream_),
+                       op);
+    }
+    MOE_NCCL_CHECK(ncclGroupEnd(), op);
+    enqueued(op);
+  }
+
+  void broadcast(Tensor t, int root) override {
+    const char* op = "broadcast";
+    check_tensor(*this, t, op, "t", nccl_accepts, DTypeUse::move);
+    check_root(*this, root, op);
+    auto guard = watchdog_->watch(op);
+    MOE_NCCL_CHECK(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
+                                 root, comm_.load(), stream_),
+                   op);
+    enqueued(op);
+  }
+
+  void barrier() override {
+    {
+      auto guard = watchdog_->watch("barrier");
+      MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_), "barrier");
+    }
+    bootstrap_->barrier();
+  }
+
+ private:
+  struct Pending {
+    const char* op;
+    cudaEvent_t event;
+    std::chrono::steady_clock::time_point enqueued_at;
+  };
+
+  // Records an event after `op` on the stream, for the watchdog's GPU-side deadline.
+  void enqueued(const char* op) {
+    if (timeout_s() <= 0) return;
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    cudaEvent_t event = nullptr;
+    if (!free_events_.empty()) {
+      event = free_events_.back();
+      free_events_.pop_back();
+    } else {
+      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op);
+    }
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(event, stream_), op);
+    pending_.push_back({op, event, std::chrono::steady_clock::now()});
+  }
+
+  // The watchdog's hook: "" while healthy, else the line to print before aborting.
+  std::string poll() {
+    const std::string who = "moe-train: rank " + std::to_string(rank()) + ": ";
+    if (ncclComm_t comm = comm_.load()) {
+      ncclResult_t async = ncclSuccess;
+      ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+      if (r != ncclSuccess) async = r;
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const char* last = nccl_last_error(comm);
+        return who + "NCCL error: " + ncclGetErrorString(async) +
+               (last && *last ? std::string(" (") + last + ")" : "") + "; aborting";
+      }
+    }
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    if (pending_.empty()) return "";
+    cudaSetDevice(device().index);  // this thread's current device, for the event queries
+    while (!pending_.empty()) {
+      const Pending& p = pending_.front();
+      cudaError_t e = cudaEventQuery(p.event);
+      if (e == cudaSuccess) {
+        free_events_.push_back(p.event);
+        pending_.pop_front();
+        continue;
+      }
+      if (e != cudaErrorNotReady)
+        return who + p.op + " failed on the GPU: " + cudaGetErrorString(e) + "; aborting";
+      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - p.enqueued_at;
+      if (waited.count() >= timeout_s()) return timeout_line(rank(), p.op, timeout_s());
+      break;
+    }
+    return "";
+  }
+
+  std::unique_ptr<Comm> bootstrap_;  // MpiComm: the unique id, the host side of barrier
+  std::atomic<ncclComm_t> comm_{nullptr};
+  cudaStream_t stream_ = nullptr;
+  std::mutex pending_mu_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::unique_ptr<Watchdog> watchdog_;  // last: stopped first, while the rest still exists
+};
+
+}  // namespace
+
+std::unique_ptr<Comm> make_nccl_comm(const RankInfo& info, double timeout_s) {
+  const int gpu = pick_local_gpu(info, gpu::device_count());         // before any MPI traffic
+  std::unique_ptr<Comm> bootstrap = make_mpi_comm(info, timeout_s);  // checks the MPI job
+  return std::make_unique<NcclComm>(info, gpu, timeout_s, std::move(bootstrap));
+}
+
+}  // namespace moe::dist
+#endif

@@ -1,0 +1,39 @@
+# Multi-rank tests (included by tests/CMakeLists.txt when MOE_MPI is on). The executable has its
+# own main and runs only under mpirun, through run_mpi.sh; it is not a test_*.cpp of tests/, so
+# the one-executable-per-file loop there does not pick it up. Labels "cpu;mpi": `ctest -L mpi`.
+add_executable(test_comm_mpi ${CMAKE_CURRENT_LIST_DIR}/test_comm_mpi.cpp)
+target_link_libraries(test_comm_mpi PRIVATE ${MOE_CORE_LINK})
+target_include_directories(test_comm_mpi PRIVATE ${CMAKE_SOURCE_DIR}/src)
+target_compile_options(test_comm_mpi PRIVATE ${MOE_WARNINGS})
+
+set(MOE_RUN_MPI bash ${CMAKE_CURRENT_LIST_DIR}/run_mpi.sh ${MPIEXEC_EXECUTABLE})
+set(MOE_COMM_MPI $<TARGET_FILE:test_comm_mpi>)
+
+# Every collective against local references, with 2 and 4 ranks.
+foreach(np 2 4)
+  add_test(NAME mpi_comm_np${np} COMMAND ${MOE_RUN_MPI} ${np} ${MOE_COMM_MPI} check)
+  set_tests_properties(mpi_comm_np${np} PROPERTIES PROCESSORS ${np})
+endforeach()
+
+# Rank 1 hangs: the watchdog (2 s) of another rank prints its line and the job ends.
+set(MOE_HANG_LINE "moe-train: rank [023]: all_reduce_sum did not complete within 2 s ")
+string(APPEND MOE_HANG_LINE "\\(a peer rank died or hangs\\); aborting")
+add_test(NAME mpi_comm_hang
+         COMMAND ${MOE_RUN_MPI} 4 ${MOE_COMM_MPI} hang --expect-failure "${MOE_HANG_LINE}" 15)
+# Rank 1 throws mid-run (timeout 60 s): mpirun ends the job long before any watchdog would.
+add_test(NAME mpi_comm_rank_exit
+         COMMAND ${MOE_RUN_MPI} 4 ${MOE_COMM_MPI} exit --expect-failure
+                 "error: rank 1: deliberate failure on rank 1 mid-run" 15 --not "did not complete")
+# A failed MPI call is a CommError naming the operation, and the job ends.
+add_test(NAME mpi_comm_mpi_error
+         COMMAND ${MOE_RUN_MPI} 2 ${MOE_COMM_MPI} mpi_error --expect-failure
+                 "error: rank 1: MPI error in broadcast \\(MPI_Bcast" 15 --not "did not complete")
+
+set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_rank_exit mpi_comm_mpi_error)
+set_tests_properties(${MOE_MPI_TESTS} PROPERTIES LABELS "cpu;mpi" TIMEOUT 150)
+set_tests_properties(mpi_comm_hang mpi_comm_rank_exit PROPERTIES PROCESSORS 4)
+set_tests_properties(mpi_comm_mpi_error PROPERTIES PROCESSORS 2)
+if(MOE_SANITIZE)
+  # Open MPI's own allocations at exit are not ours to fix.
+  set_tests_properties(${MOE_MPI_TESTS} PROPERTIES ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+endif()
