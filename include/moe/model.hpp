@@ -99,6 +99,11 @@ class Model {
   // Waits for the device: mean losses over the micro-batches since reset_stats(), and routing()
   // refreshed with the loads summed since then.
   Losses read_stats(Ctx& ctx);
+  // The device tensors behind read_stats, for data parallelism to sum across ranks first:
+  // f64 [4] loss sums (lm, aux, z, mod_pred; each a sum of micro-batch means) and, per MoE
+  // layer, its [E] expert loads (the router-bias update reads these in after_step).
+  Tensor loss_sums() const { return stats_; }
+  std::vector<Tensor> expert_loads() const;
 
   // ---- conveniences (each reads back, so each waits for the device) ----
   Losses forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets, double grad_scale);

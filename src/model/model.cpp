@@ -191,11 +191,15 @@ void Model::init_weights(uint64_t seed) {
   weights_changed(ctx);
 }
 
-void Model::reset_stats(Ctx& ctx) {
-  fill(ctx, stats_, 0.0);
+std::vector<Tensor> Model::expert_loads() const {
   std::vector<Tensor> loads;
   for (const auto& layer : layers_) layer->collect_loads(loads);
-  for (Tensor l : loads) fill(ctx, l, 0.0);
+  return loads;
+}
+
+void Model::reset_stats(Ctx& ctx) {
+  fill(ctx, stats_, 0.0);
+  for (Tensor l : expert_loads()) fill(ctx, l, 0.0);
   routing_.reset();
   micro_batches_ = 0;
 }
@@ -261,8 +265,7 @@ Losses Model::read_stats(Ctx& ctx) {
   l.aux = sums[kStatAux] / m;
   l.z = sums[kStatZ] / m;
   l.mod_pred = sums[kStatModPred] / m;
-  std::vector<Tensor> loads;
-  for (const auto& layer : layers_) layer->collect_loads(loads);
+  const std::vector<Tensor> loads = expert_loads();
   std::vector<float> f32;
   for (size_t i = 0; i < loads.size(); ++i) {
     auto& out = routing_.expert_load[i];
