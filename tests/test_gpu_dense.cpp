@@ -479,6 +479,10 @@ const GroupedCase kGroupedCases[] = {
     {150, 80, 136, {0, 0, 150, 150}},
     {77, 48, 40, {0, 77}},
     {150, 80, 136, {0, 64, 65, 129, 130, 150}},
+    // several 128-row tiles and 32-deep K steps per expert (the tensor-core path's tiles), and a
+    // feature count that is not a multiple of 8 (no 16-byte loads)
+    {700, 256, 192, {0, 10, 10, 400, 700}},
+    {300, 52, 70, {0, 130, 300}},
 };
 }  // namespace
 

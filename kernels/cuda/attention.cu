@@ -1,6 +1,8 @@
 // Causal grouped-query attention on CUDA (training forward/backward) and single-query decode
-// attention over a key/value cache. Same math as kernels/cpu/attention.cpp and decode.cpp, first
-// version: correct, deterministic, O(T^2 hd) work, no T x T matrix anywhere.
+// attention over a key/value cache. Same math as kernels/cpu/attention.cpp and decode.cpp.
+// f16 / bf16 with head_dim 64 run the flash-style tensor-core kernels of attention_mma.cu; the
+// SIMT kernels here cover everything else: correct, deterministic, O(T^2 hd) work, no T x T
+// matrix anywhere.
 //
 // Layout of the work: one warp owns one row (a query row, or in the dk/dv kernel a key row). A
 // row of hd <= 256 elements is spread over the warp's 32 lanes, lane l holding elements
@@ -33,6 +35,7 @@
 
 #include "common/attention_checks.hpp"
 #include "common/decode_checks.hpp"
+#include "cuda/attention_mma.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/warp_reduce.cuh"
 #include "moe/ops/attention.hpp"
@@ -368,6 +371,11 @@ void attention_forward_cuda(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k
   check_on_gpu({&out, &lse, &q, &k, &v}, "attention_forward");
   const int64_t rows = s.batch * s.heads * s.seq;
   if (rows == 0) return;
+  if (attention_mma_available(q.dtype, s.hd)) {  // tensor cores: f16 / bf16, head_dim 64
+    attention_mma_forward(ctx, q.dtype, out.data, data_of<float>(lse), q.data, k.data, v.data,
+                          {s.batch, s.seq, s.heads, s.kv_heads});
+    return;
+  }
   dispatch_storage(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     using A = acc_t<T>;
@@ -389,6 +397,12 @@ void attention_backward_cuda(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor d
   check_on_gpu({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, "attention_backward");
   const int64_t q_rows = s.batch * s.heads * s.seq, kv_rows = s.batch * s.kv_heads * s.seq;
   if (q_rows == 0) return;
+  if (attention_mma_available(q.dtype, s.hd)) {  // tensor cores: f16 / bf16, head_dim 64
+    attention_mma_backward(ctx, q.dtype, dq.data, dk.data, dv.data, dout.data, q.data, k.data,
+                           v.data, out.data, data_of<float>(lse),
+                           {s.batch, s.seq, s.heads, s.kv_heads});
+    return;
+  }
   dispatch_storage(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     using A = acc_t<T>;

@@ -13,9 +13,11 @@
 // rounded once, instead of being rounded to 16 bits before and after the add.
 //
 // grouped_linear_forward / grouped_linear_backward: rows [offsets[e], offsets[e+1]) use w[e], with
-// the offsets on the device, never copied to the host (no synchronisation). They are tiled SIMT
-// kernels: 64x64 output tiles, 256 threads with 4x4 outputs each, K in steps of 16 staged in shared
-// memory as fp32 (double for f64), a fixed summation order (deterministic), one rounding on store.
+// the offsets on the device, never copied to the host (no synchronisation). f16 / bf16 run on
+// tensor cores (grouped_mma.cu) when the device code has them; otherwise (f32, f64, and bf16 in a
+// build for sm_75) these tiled SIMT kernels run: 64x64 output tiles, 256 threads with 4x4 outputs
+// each, K in steps of 16 staged in shared memory as fp32 (double for f64), a fixed summation order
+// (deterministic), one rounding on store.
 // - y = x w[e]^T and dx = dy w[e] (overwritten): the row tiles are cut per expert, so a tile never
 //   mixes experts. The host sizes the grid from what it knows, ceil(R/64) + E row tiles (each
 //   expert wastes at most one partial tile), x out-column tiles. A block's first warp scans the
@@ -33,6 +35,8 @@
 
 #include "common/linear_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/grouped_mma.cuh"
+#include "cuda/grouped_tiles.cuh"
 #include "moe/ops/linear.hpp"
 
 namespace moe::cuda_detail {
@@ -99,46 +103,6 @@ __device__ __forceinline__ void tile_product(acc_t<T> (&acc)[kSub][kSub], const 
   }
 }
 
-__device__ __forceinline__ int64_t clamp_offset(int32_t v, int64_t rows) {
-  return v < 0 ? 0 : (v > rows ? rows : v);
-}
-
-// The expert and row range [r0, r1) of row tile `tile`, where expert e's rows are cut into
-// ceil(count_e / kTile) tiles, experts in order. Run by one full warp; returns false past the last
-// tile.
-__device__ bool find_row_tile(const int32_t* offsets, int experts, int64_t rows, int64_t tile,
-                              int* expert, int64_t* r0, int64_t* r1) {
-  const int lane = threadIdx.x & 31;
-  int64_t before = 0;  // tiles of the experts scanned so far
-  for (int e0 = 0; e0 < experts; e0 += 32) {
-    const int e = e0 + lane;
-    int64_t start = 0, count = 0;
-    if (e < experts) {
-      start = clamp_offset(offsets[e], rows);
-      count = std::max<int64_t>(0, clamp_offset(offsets[e + 1], rows) - start);
-    }
-    const int64_t tiles = (count + kTile - 1) / kTile;
-    int64_t incl = tiles;  // inclusive prefix sum over the lanes
-    for (int d = 1; d < 32; d <<= 1) {
-      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
-      if (lane >= d) incl += v;
-    }
-    const int64_t first = before + incl - tiles;
-    const bool mine = tiles > 0 && tile >= first && tile < before + incl;
-    const unsigned owner = __ballot_sync(0xffffffffu, mine);
-    if (owner) {  // the same for every lane
-      const int src = __ffs(owner) - 1;
-      const int64_t begin = start + (tile - first) * kTile;
-      *expert = __shfl_sync(0xffffffffu, e, src);
-      *r0 = __shfl_sync(0xffffffffu, begin, src);
-      *r1 = __shfl_sync(0xffffffffu, std::min(begin + kTile, start + count), src);
-      return true;
-    }
-    before += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  return false;
-}
-
 // C[r, :] = A[r, :] B_e over expert row tiles: grid (ceil(R/64) + E, ceil(n/64)).
 // Forward: A = x [R, in], B_e(k, n) = w[e][n, k] (kBKN false), n = out, k = in.
 // dx:      A = dy [R, out], B_e(k, n) = w[e][k, n] (kBKN true), n = in, k = out.
@@ -151,7 +115,7 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x < 32) {
     int e = -1;
     int64_t r0 = 0, r1 = 0;
-    const bool found = find_row_tile(offsets, experts, rows, blockIdx.x, &e, &r0, &r1);
+    const bool found = find_row_tile<kTile>(offsets, experts, rows, blockIdx.x, &e, &r0, &r1);
     if (threadIdx.x == 0) {
       s_expert = found ? e : -1;
       s_r0 = r0;
@@ -329,6 +293,11 @@ void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor 
   const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_forward");
   check_grouped_linear_forward_args(s, y, x, w);
   if (s.rows == 0 || s.out == 0 || s.experts == 0) return;
+  if (grouped_mma_available(x.dtype)) {  // tensor cores (f16 / bf16)
+    grouped_mma_rows(ctx, x.dtype, y.data, x.data, w.data, data_of<int32_t>(offsets),
+                     static_cast<int>(s.experts), s.rows, s.out, s.in, s.out * s.in, true);
+    return;
+  }
   dispatch_storage(x.dtype, "grouped_linear_forward", [&](auto zero) {
     using T = decltype(zero);
     const dim3 grid(static_cast<unsigned>(blocks_for(s.rows, kTile) + s.experts),
@@ -346,6 +315,15 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
   const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_backward");
   check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
   if (s.rows == 0 || s.experts == 0 || s.in == 0) return;  // nothing to write; dw += 0
+  if (grouped_mma_available(x.dtype)) {  // tensor cores (f16 / bf16); dw is fp32 (acc dtype)
+    const int32_t* off = data_of<int32_t>(offsets);
+    grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
+                     s.rows, s.in, s.out, s.out * s.in, false);
+    if (s.out > 0)
+      grouped_mma_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
+                     static_cast<int>(s.experts), s.rows, s.out, s.in);
+    return;
+  }
   dispatch_storage(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);
     // dx = dy w[e] per expert row tile (k = out; out = 0 gives zeros).

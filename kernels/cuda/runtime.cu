@@ -212,6 +212,17 @@ void* event_create() {
   MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   return e;
 }
+void* event_create_timed() {
+  cudaEvent_t e = nullptr;
+  MOE_CUDA_CHECK(cudaEventCreate(&e));
+  return e;
+}
+float event_elapsed_ms(void* start, void* stop) {
+  float ms = 0;
+  MOE_CUDA_CHECK(
+      cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start), static_cast<cudaEvent_t>(stop)));
+  return ms;
+}
 void event_destroy(void* event) {
   if (event) cudaEventDestroy(static_cast<cudaEvent_t>(event));
 }

@@ -1,12 +1,16 @@
 // `train` and `info`.
 #include <cmath>
 #include <cstdio>
+#include <algorithm>
 #include <iostream>
+#include <map>
 #include <memory>
 
 #include "cli/commands.hpp"
+#include "moe/comm.hpp"
 #include "moe/config.hpp"
 #include "moe/model.hpp"
+#include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
 
 namespace moe::cli {
@@ -24,13 +28,41 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
   Config cfg = load_config(f.config_path, overrides);
   std::cout << build_info() << "\nresolved config:\n" << config_to_json(cfg) << "\n" << std::flush;
   TrainResult r = train(cfg, std::cout);
+  if (profile::enabled() && r.steps > r.resumed_from)
+    std::cout << profile::format(profile::take(), r.steps - r.resumed_from) << std::flush;
   std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
   if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
   if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);
   std::printf("\n");
 }
 
-void run_info(const ConfigFlags& f) {
+// The parameters of the largest decoder layer (ZeRO-3 gathers one layer at a time).
+double largest_layer_params(const ParamTable& table) {
+  std::map<std::string, double> per_layer;
+  for (const ParamInfo& p : table.params) {
+    const std::string prefix = "model.layers.";
+    if (p.name.rfind(prefix, 0) != 0) {
+      per_layer[p.name] += static_cast<double>(p.numel());  // embeddings, head, final norm
+      continue;
+    }
+    const size_t dot = p.name.find('.', prefix.size());
+    per_layer[p.name.substr(0, dot)] += static_cast<double>(p.numel());
+  }
+  double largest = 0;
+  for (const auto& kv : per_layer) largest = std::max(largest, kv.second);
+  return largest;
+}
+
+// Data-parallel ranks for the per-rank table: --world, else train_batch_size / (micro * accum)
+// when the config states it, else the ranks this process was launched with.
+int info_world(const Config& cfg, int flag) {
+  if (flag > 0) return flag;
+  const int per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps;
+  if (cfg.train_batch_size > 0) return cfg.train_batch_size / per_rank;
+  return detect_ranks().world;
+}
+
+void run_info(const ConfigFlags& f, int world_flag) {
   Config cfg = load_config(f.config_path, f.overrides);
   const ModelConfig& m = cfg.model;
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
@@ -63,6 +95,44 @@ void run_info(const ConfigFlags& f) {
   std::printf("  backward scratch  %10.1f MiB\n", mib(scratch_bytes));
   std::printf("  total             %10.1f MiB\n",
               mib(param_bytes + grad_bytes + optim_bytes + act_bytes + scratch_bytes));
+
+  // Per rank (per GPU) under data parallelism, as DeepSpeed's estimate_zero*_model_states_mem_needs
+  // count it, with this trainer's buffers: P parameters, N ranks, c = compute-copy bytes per
+  // parameter (0 in f32, 2 in bf16 / fp16), L = the largest layer's parameters, A = activations
+  // + scratch (not sharded).
+  //   stage 0            (4 + c) P + 4 P + 8 P                   + A
+  //   stage 1            (4 + c) P + 4 P + 8 P / N               + A
+  //   stage 2            as stage 1 here: the gradient buffer stays full-size (it accumulates
+  //                      across micro-batches); DeepSpeed's figure 4 P / N for it is the ideal
+  //   stage 3 (planned)  (4 + c + 4 + 8) P / N + 2 (4 + c) L     + A  (L gathered, one prefetched)
+  //   2 + offload        GPU: (4 + c) P + 4 P + A; CPU: 12 P / N (master copy for the update,
+  //   (planned)          m, v) per rank
+  const int world = info_world(cfg, world_flag);
+  const double n = std::max(1, world), p = c.total, cb = copy_bytes / std::max(1.0, c.total);
+  const double layer = largest_layer_params(plan.table());
+  const double a = act_bytes + scratch_bytes;
+  struct Row {
+    const char* name;
+    double weights, grads, optim, gathered, cpu;
+    const char* note;
+  };
+  const Row rows[] = {
+      {"0", (4 + cb) * p, 4 * p, 8 * p, 0, 0, ""},
+      {"1", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0, ""},
+      {"2", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0,
+       "full gradient buffer (DeepSpeed ideal: grads / N)"},
+      {"3", (4 + cb) * p / n, 4 * p / n, 8 * p / n, 2 * (4 + cb) * layer, 0, "not available yet"},
+      {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 12 * p / n, "not available yet"},
+  };
+  std::printf("per rank with %d data-parallel rank(s) (--world N; MiB):\n", world);
+  std::printf("  %-10s %10s %10s %10s %10s %10s %10s  %s\n", "ZeRO", "weights", "gradients",
+              "optimizer", "gathered", "act+scr", "GPU total", "CPU (offload)");
+  for (const Row& r : rows) {
+    const double gpu = r.weights + r.grads + r.optim + r.gathered + a;
+    std::printf("  %-10s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f  %10.1f %s\n", r.name,
+                mib(r.weights), mib(r.grads), mib(r.optim), mib(r.gathered), mib(a), mib(gpu),
+                mib(r.cpu), r.note);
+  }
 }
 
 }  // namespace
@@ -71,21 +141,33 @@ void add_train_command(CLI::App& app) {
   auto flags = std::make_shared<ConfigFlags>();
   auto device = std::make_shared<std::string>();
   auto resume = std::make_shared<std::string>();
+  auto profile = std::make_shared<bool>(false);
   CLI::App* cmd = app.add_subcommand("train", "train a model as the config describes");
   add_config_flags(cmd, *flags);
   cmd->add_option("--device", *device, "cpu | cuda | cuda:N | auto (overrides train.device)");
   cmd->add_option("--resume", *resume,
                   "auto (newest complete checkpoint in train.out_dir) or a checkpoint path "
                   "(overrides train.resume)");
-  register_runner("train", [flags, device, resume] { run_train(*flags, *device, *resume); });
+  cmd->add_flag("--profile", *profile,
+                "time every op (CUDA events on the GPU, NVTX ranges for Nsight Systems) and print "
+                "the time per step of each op at the end (also MOE_PROFILE=1)");
+  register_runner("train", [flags, device, resume, profile] {
+    if (*profile) profile::enable(true);
+    run_train(*flags, *device, *resume);
+  });
 }
 
 void add_info_command(CLI::App& app) {
   auto flags = std::make_shared<ConfigFlags>();
+  auto world = std::make_shared<int>(0);
   CLI::App* cmd = app.add_subcommand(
       "info", "print parameter counts, FLOPs per token and a memory estimate for a config");
   add_config_flags(cmd, *flags);
-  register_runner("info", [flags] { run_info(*flags); });
+  cmd->add_option("--world", *world,
+                  "data-parallel ranks for the per-rank ZeRO table (default: train_batch_size / "
+                  "(micro * accumulation), else the launched ranks)")
+      ->check(CLI::Range(1, 1 << 20));
+  register_runner("info", [flags, world] { run_info(*flags, *world); });
 }
 
 }  // namespace moe::cli

@@ -15,6 +15,7 @@
 //   bits. For f32 and f64 acc_dtype(T) == T: those calls look exactly as before.
 // - Index tensors are i32. Shapes are checked; a mismatch throws with the op and argument name.
 #pragma once
+#include "moe/profiler.hpp"
 #include "moe/tensor.hpp"
 
 namespace moe {
@@ -49,13 +50,18 @@ struct Ctx {
 #endif
 
 // MOE_OP(name, (Ctx& ctx, ...params), (ctx, ...args)): the first parameter must be `ctx`.
-#define MOE_OP(name, params, args)                                 \
-  namespace cpu {                                                  \
-  void name params;                                                \
-  }                                                                \
-  MOE_OP_CUDA_DECL(name, params)                                   \
-  inline void name params {                                        \
-    if (ctx.dry_run) return;                                       \
-    if (ctx.device.type == DeviceType::cpu) return cpu::name args; \
-    MOE_OP_CUDA_CALL(name, args);                                  \
+#define MOE_OP(name, params, args)                                   \
+  namespace cpu {                                                    \
+  void name params;                                                  \
+  }                                                                  \
+  MOE_OP_CUDA_DECL(name, params)                                     \
+  inline void name params {                                          \
+    if (ctx.dry_run) return;                                         \
+    if (profile::enabled()) {                                        \
+      profile::Scope moe_profile_scope(#name, ctx);                  \
+      if (ctx.device.type == DeviceType::cpu) return cpu::name args; \
+      MOE_OP_CUDA_CALL(name, args);                                  \
+    }                                                                \
+    if (ctx.device.type == DeviceType::cpu) return cpu::name args;   \
+    MOE_OP_CUDA_CALL(name, args);                                    \
   }

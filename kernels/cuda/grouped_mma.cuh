@@ -1,0 +1,28 @@
+// Tensor-core grouped (per-expert) GEMMs for f16 and bf16 storage, fp32 accumulation
+// (kernels/cuda/grouped_mma.cu). Used by grouped_linear_forward / grouped_linear_backward when the
+// code that runs on the device has tensor-core instructions for the dtype (f16: compiled for
+// sm_70+, which includes the sm_75 / T4 build; bf16: sm_80+); otherwise the SIMT kernels of
+// linear.cu run. Offsets stay on the device, as there.
+#pragma once
+#include <cstdint>
+
+#include "moe/ops/common.hpp"
+
+namespace moe::cuda_detail {
+
+// Whether the tensor-core path exists in this binary for dtype t on the current device.
+bool grouped_mma_available(DType t);
+
+// c[r, :] = a[r, :] B_e (overwritten) over the rows of each expert, B_e(k, n) read from w + e *
+// expert_stride: w[n * k_total + k] when b_k_fast (forward: y = x w_e^T) else w[k * n_total + n]
+// (dx = dy w_e). a: [rows, k_total], c: [rows, n_total], all of dtype t.
+void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
+                      const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
+                      int64_t k_total, int64_t expert_stride, bool b_k_fast);
+
+// dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
+// An expert without rows leaves dw[e] untouched.
+void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+                    const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
+
+}  // namespace moe::cuda_detail

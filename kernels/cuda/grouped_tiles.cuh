@@ -1,0 +1,56 @@
+// Row tiles over expert segments, shared by the grouped (per-expert) GEMM kernels: expert e's
+// rows [offsets[e], offsets[e+1]) are cut into ceil(count_e / kRowTile) tiles, experts in order,
+// so a tile never mixes experts. The offsets live on the device; every block finds its own tile
+// with one warp-wide scan (no host-side schedule, no synchronisation).
+#pragma once
+#include <cstdint>
+
+#include "cuda/cuda_common.cuh"
+
+namespace moe::cuda_detail {
+
+// Offsets are clamped to [0, rows]: malformed offsets (a caller bug; the CPU op checks them) can
+// leave rows unwritten but never read or write out of bounds.
+__device__ __forceinline__ int64_t clamp_offset(int32_t v, int64_t rows) {
+  return v < 0 ? 0 : (v > rows ? rows : v);
+}
+
+// The expert and row range [r0, r1) of row tile `tile`. Run by one full warp (32 experts per
+// step with a warp prefix sum); returns false past the last tile.
+template <int kRowTile>
+__device__ bool find_row_tile(const int32_t* offsets, int experts, int64_t rows, int64_t tile,
+                              int* expert, int64_t* r0, int64_t* r1) {
+  const int lane = threadIdx.x & 31;
+  int64_t before = 0;  // tiles of the experts scanned so far
+  for (int e0 = 0; e0 < experts; e0 += 32) {
+    const int e = e0 + lane;
+    int64_t start = 0, count = 0;
+    if (e < experts) {
+      start = clamp_offset(offsets[e], rows);
+      count = clamp_offset(offsets[e + 1], rows) - start;
+      if (count < 0) count = 0;
+    }
+    const int64_t tiles = (count + kRowTile - 1) / kRowTile;
+    int64_t incl = tiles;  // inclusive prefix sum over the lanes
+    for (int d = 1; d < 32; d <<= 1) {
+      const int64_t v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int64_t first = before + incl - tiles;
+    const bool mine = tiles > 0 && tile >= first && tile < before + incl;
+    const unsigned owner = __ballot_sync(0xffffffffu, mine);
+    if (owner) {  // the same for every lane
+      const int src = __ffs(owner) - 1;
+      const int64_t begin = start + (tile - first) * kRowTile;
+      const int64_t end = start + count;
+      *expert = __shfl_sync(0xffffffffu, e, src);
+      *r0 = __shfl_sync(0xffffffffu, begin, src);
+      *r1 = __shfl_sync(0xffffffffu, begin + kRowTile < end ? begin + kRowTile : end, src);
+      return true;
+    }
+    before += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  return false;
+}
+
+}  // namespace moe::cuda_detail
