@@ -63,6 +63,12 @@ void copy_to_device_async(void*, const void*, size_t, void*) {
 void* event_create() {
   absent("event_create");
 }
+void* event_create_timed() {
+  absent("event_create_timed");
+}
+float event_elapsed_ms(void*, void*) {
+  absent("event_elapsed_ms");
+}
 void event_destroy(void*) {}
 void event_record(void*, void*) {
   absent("event_record");
