@@ -56,6 +56,29 @@ std::vector<float> host_copy(Tensor t) {
   return v;
 }
 
+// A 4-layer model with dense, MoE (shared expert) and MoD layers trained for `steps` steps on
+// the synthetic source (no checkpoint at the end).
+std::vector<std::string> small_run_overrides(int steps) {
+  return {"train_micro_batch_size_per_gpu=4",
+          "model.vocab_size=61",
+          "model.hidden_size=64",
+          "model.intermediate_size=48",
+          "model.num_hidden_layers=4",
+          "model.num_attention_heads=4",
+          "model.num_key_value_heads=2",
+          "model.max_position_embeddings=64",
+          "model.num_local_experts=8",
+          "model.num_shared_experts=1",
+          "model.moe_layer_freq=2",
+          "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
+          "data.seq_len=32",
+          "optimizer.params.lr=3e-3",
+          "train.max_steps=" + std::to_string(steps),
+          "train.log_interval=10",
+          "train.eval_batches=1",
+          "train.save_at_end=false"};
+}
+
 }  // namespace
 
 TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[gpu][model]") {
@@ -91,25 +114,7 @@ TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[g
 }
 
 TEST_CASE("gpu model: a training run tracks the CPU run", "[gpu][train]") {
-  std::vector<std::string> o = {"train_micro_batch_size_per_gpu=4",
-                                "model.vocab_size=61",
-                                "model.hidden_size=64",
-                                "model.intermediate_size=48",
-                                "model.num_hidden_layers=4",
-                                "model.num_attention_heads=4",
-                                "model.num_key_value_heads=2",
-                                "model.max_position_embeddings=64",
-                                "model.num_local_experts=8",
-                                "model.num_shared_experts=1",
-                                "model.moe_layer_freq=2",
-                                "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
-                                "data.seq_len=32",
-                                "optimizer.params.lr=3e-3",
-                                "train.max_steps=30",
-                                "train.log_interval=10",
-                                "train.eval_batches=1",
-                                "train.save_interval=0",
-                                "train.keep_checkpoints=1"};
+  const std::vector<std::string> o = small_run_overrides(30);
   TempDir cpu_dir, gpu_dir;
   Config c = parse_config("{}", o, "test"), g = c;
   c.train.device = "cpu";
@@ -184,35 +189,11 @@ TEST_CASE("gpu model: bf16 and fp16 gradients track the fp32 model", "[gpu][mode
   }
 }
 
-namespace {
-
-std::vector<std::string> small_run_overrides() {
-  return {"train_micro_batch_size_per_gpu=4",
-          "model.vocab_size=61",
-          "model.hidden_size=64",
-          "model.intermediate_size=48",
-          "model.num_hidden_layers=4",
-          "model.num_attention_heads=4",
-          "model.num_key_value_heads=2",
-          "model.max_position_embeddings=64",
-          "model.num_local_experts=8",
-          "model.num_shared_experts=1",
-          "model.moe_layer_freq=2",
-          "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
-          "data.seq_len=32",
-          "optimizer.params.lr=3e-3",
-          "train.max_steps=40",
-          "train.log_interval=10",
-          "train.eval_batches=1",
-          "train.save_at_end=false",
-          "train.device=\"cuda\""};
-}
-
-}  // namespace
 
 TEST_CASE("gpu model: bf16 and fp16 training runs track the fp32 run", "[gpu][train][mixed]") {
   TempDir dir;
-  std::vector<std::string> o = small_run_overrides();
+  std::vector<std::string> o = small_run_overrides(40);
+  o.push_back("train.device=\"cuda\"");
   o.push_back("train.out_dir=\"" + dir.path.string() + "\"");
   std::ostringstream log;
   const TrainResult r32 = train(parse_config("{}", o, "test"), log);
@@ -243,7 +224,8 @@ TEST_CASE("gpu model: bf16 and fp16 training runs track the fp32 run", "[gpu][tr
 TEST_CASE("gpu model: fp16 dynamic loss scaling skips overflowing steps and recovers",
           "[gpu][train][mixed]") {
   TempDir dir;
-  std::vector<std::string> o = small_run_overrides();
+  std::vector<std::string> o = small_run_overrides(40);
+  o.push_back("train.device=\"cuda\"");
   o.push_back("train.out_dir=\"" + dir.path.string() + "\"");
   o.push_back("fp16={\"enabled\": true, \"initial_scale_power\": 32, \"hysteresis\": 1}");
   std::ostringstream log;

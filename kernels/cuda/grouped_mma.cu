@@ -143,22 +143,11 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ alignas(128) T as[kStageElems];
     __shared__ alignas(128) T bs[kStageElems];
     __shared__ alignas(128) float staging[kThreads / 32][256];
-    __shared__ int s_expert;
-    __shared__ int64_t s_r0, s_r1;
-    if (threadIdx.x < 32) {
-      int e = -1;
-      int64_t r0 = 0, r1 = 0;
-      const bool found = find_row_tile<kBM>(offsets, experts, rows, blockIdx.x, &e, &r0, &r1);
-      if (threadIdx.x == 0) {
-        s_expert = found ? e : -1;
-        s_r0 = r0;
-        s_r1 = r1;
-      }
-    }
-    __syncthreads();
-    if (s_expert < 0) return;  // uniform over the block
-    const int64_t r0 = s_r0, r1 = s_r1, n0 = int64_t(blockIdx.y) * kBN;
-    const T* b = w + s_expert * expert_stride;
+    int64_t r0 = 0, r1 = 0;
+    const int expert = block_row_tile<kBM>(offsets, experts, rows, &r0, &r1);
+    if (expert < 0) return;  // uniform over the block
+    const int64_t n0 = int64_t(blockIdx.y) * kBN;
+    const T* b = w + expert * expert_stride;
     Acc acc[kFragM][kFragN];
 #pragma unroll
     for (int i = 0; i < kFragM; ++i)

@@ -110,22 +110,11 @@ template <class T, bool kBKN>
 __global__ void __launch_bounds__(kThreads)
     grouped_rows_kernel(T* c, const T* a, const T* w, const int32_t* offsets, int experts,
                         int64_t rows, int64_t n, int64_t k, int64_t expert_stride) {
-  __shared__ int s_expert;
-  __shared__ int64_t s_r0, s_r1;
-  if (threadIdx.x < 32) {
-    int e = -1;
-    int64_t r0 = 0, r1 = 0;
-    const bool found = find_row_tile<kTile>(offsets, experts, rows, blockIdx.x, &e, &r0, &r1);
-    if (threadIdx.x == 0) {
-      s_expert = found ? e : -1;
-      s_r0 = r0;
-      s_r1 = r1;
-    }
-  }
-  __syncthreads();
-  if (s_expert < 0) return;  // uniform over the block
-  const int64_t r0 = s_r0, r1 = s_r1, n0 = int64_t(blockIdx.y) * kTile;
-  const T* b = w + s_expert * expert_stride;
+  int64_t r0 = 0, r1 = 0;
+  const int expert = block_row_tile<kTile>(offsets, experts, rows, &r0, &r1);
+  if (expert < 0) return;  // uniform over the block
+  const int64_t n0 = int64_t(blockIdx.y) * kTile;
+  const T* b = w + expert * expert_stride;
   acc_t<T> acc[kSub][kSub];
   // A(m, k) = a[m*k_total + k]; B(k, n) = b[k*n_total + n] (kBKN) or b[n*k_total + k].
   tile_product<T, false, kBKN>(acc, a, k, r0, r1, b, kBKN ? n : k, n0, n, 0, k);
