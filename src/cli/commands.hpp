@@ -15,6 +15,7 @@ void add_prepare_command(CLI::App& app);
 void add_eval_command(CLI::App& app);
 void add_sample_command(CLI::App& app);
 void add_export_command(CLI::App& app);
+void add_bench_command(CLI::App& app);
 // Runs whichever subcommand the command line selected.
 void run_selected(CLI::App& app);
 

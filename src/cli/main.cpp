@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   moe::cli::add_prepare_command(app);
   moe::cli::add_export_command(app);
   moe::cli::add_info_command(app);
+  moe::cli::add_bench_command(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

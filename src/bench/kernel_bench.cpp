@@ -1,0 +1,292 @@
+// The kernel benchmark behind `moe-train bench` (see kernel_bench.hpp). Each family runs the
+// trainer's own ops on buffers shaped like one micro-batch of the config; bytes and FLOPs are
+// counted from the shapes (the minimum traffic: every input read once, every output written once).
+#include "bench/kernel_bench.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+
+#include "moe/cuda_runtime.hpp"
+#include "moe/memory.hpp"
+#include "moe/ops/attention.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/loss.hpp"
+#include "moe/ops/mod.hpp"
+#include "moe/ops/norm.hpp"
+#include "moe/ops/optim.hpp"
+#include "moe/ops/permute.hpp"
+#include "moe/ops/router.hpp"
+#include "moe/ops/swiglu.hpp"
+
+namespace moe {
+namespace {
+
+// Device buffers that own their memory, filled with random values.
+class Pool {
+ public:
+  Pool(Ctx& ctx, uint64_t seed) : ctx_(ctx), rng_(seed) {}
+
+  Tensor zeros(DType t, std::initializer_list<int64_t> dims) {
+    Tensor shape(nullptr, t, ctx_.device, dims);
+    buffers_.push_back(std::make_unique<Buffer>(ctx_.device, shape.nbytes()));
+    shape.data = buffers_.back()->data();
+    return shape;
+  }
+  // Uniform in [lo, hi), never exactly zero, in any float dtype.
+  Tensor random(DType t, std::initializer_list<int64_t> dims, float lo = -1, float hi = 1) {
+    Tensor out = zeros(t, dims);
+    std::vector<float> host(static_cast<size_t>(out.numel()));
+    std::uniform_real_distribution<float> u(lo, hi);
+    for (float& v : host) {
+      v = u(rng_);
+      if (v == 0) v = 0.25f * hi;
+    }
+    if (t == DType::f32) {
+      copy_from_host(out, host.data());
+    } else {
+      Buffer staging(ctx_.device, host.size() * sizeof(float));
+      Tensor f = staging.as(DType::f32, {out.numel()});
+      copy_from_host(f, host.data());
+      convert(ctx_, out.view({out.numel()}), f, false);
+      gpu_sync();
+    }
+    return out;
+  }
+  Tensor ints(std::initializer_list<int64_t> dims, const std::vector<int32_t>& values) {
+    Tensor out = zeros(DType::i32, dims);
+    copy_from_host(out, values.data());
+    return out;
+  }
+  std::mt19937_64& rng() { return rng_; }
+
+ private:
+  void gpu_sync() {
+    if (ctx_.device.type == DeviceType::cuda) gpu::stream_synchronize(ctx_.stream);
+  }
+  Ctx& ctx_;
+  std::mt19937_64 rng_;
+  std::vector<std::unique_ptr<Buffer>> buffers_;
+};
+
+// Median time of fn over `iters` calls after one warm-up call: CUDA events on the op stream on
+// a GPU (device time, no host overhead), a steady clock on the CPU.
+double median_ms(Ctx& ctx, int iters, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> times;
+  if (ctx.device.type == DeviceType::cuda) {
+    void* start = gpu::event_create_timed();
+    void* stop = gpu::event_create_timed();
+    for (int i = 0; i < iters; ++i) {
+      gpu::event_record(start, ctx.stream);
+      fn();
+      gpu::event_record(stop, ctx.stream);
+      gpu::event_synchronize(stop);
+      times.push_back(gpu::event_elapsed_ms(start, stop));
+    }
+    gpu::event_destroy(start);
+    gpu::event_destroy(stop);
+  } else {
+    for (int i = 0; i < iters; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      fn();
+      times.push_back(
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Expert offsets [E+1] for R rows with the given maxvio: expert 0 takes (1 + maxvio) times the
+// mean (at most all R), the others share the rest evenly.
+std::vector<int32_t> skewed_offsets(int64_t rows, int64_t experts, double maxvio) {
+  const double mean = static_cast<double>(rows) / static_cast<double>(experts);
+  const int64_t top = std::min<int64_t>(rows, std::llround((1 + maxvio) * mean));
+  std::vector<int32_t> off(static_cast<size_t>(experts) + 1, 0);
+  int64_t rest = rows - top, at = top;
+  off[1] = static_cast<int32_t>(top);
+  for (int64_t e = 1; e < experts; ++e) {
+    const int64_t share = rest / (experts - e);
+    at += share;
+    rest -= share;
+    off[static_cast<size_t>(e) + 1] = static_cast<int32_t>(at);
+  }
+  return off;
+}
+
+std::string shape(std::initializer_list<int64_t> dims) {
+  std::string s;
+  for (int64_t v : dims) s += (s.empty() ? "" : "x") + std::to_string(v);
+  return s;
+}
+
+}  // namespace
+
+std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_len, DType dt,
+                                       Device dev, const BenchOptions& opt) {
+  Ctx ctx = make_ctx(dev);
+  Pool pool(ctx, 7);
+  const DType acc = acc_dtype(dt);
+  const int64_t n = int64_t(batch) * seq_len, d = m.hidden_size, e = m.num_local_experts;
+  const int64_t k = m.num_experts_per_tok, f = m.intermediate_size, r = n * k;
+  const int64_t es = static_cast<int64_t>(dtype_size(dt)),
+                as = static_cast<int64_t>(dtype_size(acc));
+  const int iters = std::max(1, opt.iters);
+  std::vector<BenchRow> rows;
+  auto add = [&](std::string family, std::string detail, double work, bool flops, double roof,
+                 double target, const std::function<void()>& fn) {
+    BenchRow row{
+        std::move(family), std::move(detail), median_ms(ctx, iters, fn), work, flops, roof, target};
+    rows.push_back(row);
+    return row;
+  };
+
+  // ---- references: copy bandwidth, dense GEMM rate at the expert GEMM's shape ----
+  const int64_t copy_elems = std::max<int64_t>(r * d, int64_t{1} << 22);
+  Tensor src = pool.random(dt, {copy_elems}), dst = pool.zeros(dt, {copy_elems});
+  const double copy_bytes = 2.0 * static_cast<double>(copy_elems * es);
+  BenchRow copy_row = add("copy", shape({copy_elems}) + " " + dtype_name(dt), copy_bytes, false, 0,
+                          0, [&] { copy(ctx, dst, src); });
+  const double bw = copy_bytes / (copy_row.ms * 1e-3);
+  rows.back().roofline = bw;
+
+  Tensor x = pool.random(dt, {r, d}), w = pool.random(dt, {e, f, d}, -0.05f, 0.05f);
+  Tensor y = pool.zeros(dt, {r, f});
+  Tensor w0 = w.rows(0, 1).view({f, d});
+  const double gemm_flops = 2.0 * double(r) * double(d) * double(f);
+  BenchRow dense = add("dense_gemm", shape({r, d}) + " x " + shape({f, d}) + "^T", gemm_flops, true,
+                       0, 0, [&] { linear_forward(ctx, y, x, w0, false); });
+  const double gemm_rate = gemm_flops / (dense.ms * 1e-3);
+  rows.back().roofline = gemm_rate;
+  Tensor dy = pool.random(dt, {r, f}), dx = pool.zeros(dt, {r, d});
+  Tensor dw0 = pool.zeros(acc, {f, d}), dw = pool.zeros(acc, {e, f, d});
+  BenchRow dense_bwd = add("dense_gemm_bwd", "dx and dw of the above", 2 * gemm_flops, true, 0, 0,
+                           [&] { linear_backward(ctx, dx, dw0, dy, x, w0, false); });
+  const double gemm_bwd_rate = 2 * gemm_flops / (dense_bwd.ms * 1e-3);
+  rows.back().roofline = gemm_bwd_rate;
+
+  // ---- router: softmax + top-K + renormalisation + counts in one launch ----
+  Tensor logits = pool.random(acc, {n, e}, -3, 3), probs = pool.zeros(acc, {n, e});
+  Tensor topk_idx = pool.zeros(DType::i32, {n, k}), topk_w = pool.zeros(acc, {n, k});
+  Tensor counts = pool.zeros(DType::i32, {e});
+  add("router", shape({n, e}) + " top-" + std::to_string(k),
+      double(n * e * as * 2 + n * k * (4 + as) + e * 4), false, bw, 0.6,
+      [&] { router_topk_forward(ctx, probs, topk_idx, topk_w, counts, logits, Tensor(), true); });
+
+  // ---- permute and combine over the router's real plan ----
+  Tensor offsets = pool.zeros(DType::i32, {e + 1}), row_token = pool.zeros(DType::i32, {r});
+  Tensor slot_row = pool.zeros(DType::i32, {r});
+  moe_permute_plan(ctx, offsets, row_token, slot_row, topk_idx);
+  Tensor tokens = pool.random(dt, {n, d});
+  add("permute", shape({n, d}) + " -> " + shape({r, d}), double(2 * r * d * es + r * 4), false, bw,
+      0.6, [&] { permute_forward(ctx, x, tokens, row_token); });
+  Tensor yp = pool.random(dt, {r, d}), combined = pool.zeros(dt, {n, d});
+  add("combine", shape({r, d}) + " -> " + shape({n, d}),
+      double(r * d * es + n * d * es + r * (4 + as)), false, bw, 0.6,
+      [&] { combine_forward(ctx, combined, yp, topk_w, slot_row); });
+
+  // ---- grouped expert GEMM at several skews, against the dense GEMM at the same FLOPs ----
+  for (double skew : opt.skews) {
+    const double capped = std::min(skew, double(e - 1));
+    Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, capped));
+    char detail[96];
+    std::snprintf(detail, sizeof detail, "%s x [%lld, %lld, %lld]^T maxvio %.3g",
+                  shape({r, d}).c_str(), static_cast<long long>(e), static_cast<long long>(f),
+                  static_cast<long long>(d), capped);
+    add("grouped_gemm", detail, gemm_flops, true, gemm_rate, 0.75,
+        [&] { grouped_linear_forward(ctx, y, x, w, off); });
+    add("grouped_gemm_bwd", std::string(detail) + " (dx, dw)", 2 * gemm_flops, true, gemm_bwd_rate,
+        0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
+  }
+
+  // ---- SwiGLU, RMSNorm ----
+  Tensor gate = pool.random(dt, {r, f}), up = pool.random(dt, {r, f}), act = pool.zeros(dt, {r, f});
+  add("swiglu", shape({r, f}), double(3 * r * f * es), false, bw, 0,
+      [&] { swiglu_forward(ctx, act, gate, up); });
+  Tensor gain = pool.random(dt, {d}, 0.5f, 1.5f), normed = pool.zeros(dt, {n, d});
+  Tensor rstd = pool.zeros(acc, {n});
+  add("rmsnorm", shape({n, d}), double(2 * n * d * es + n * as), false, bw, 0,
+      [&] { rmsnorm_forward(ctx, normed, rstd, tokens, gain, m.rms_norm_eps); });
+
+  // ---- attention forward + backward (causal; FLOPs of the unmasked half) ----
+  const int64_t nh = m.num_attention_heads, nkv = m.num_key_value_heads;
+  const int64_t hd = m.resolved_head_dim(), b = batch, t = seq_len;
+  Tensor q = pool.random(dt, {b, t, nh, hd}), kk = pool.random(dt, {b, t, nkv, hd});
+  Tensor v = pool.random(dt, {b, t, nkv, hd}), att = pool.zeros(dt, {b, t, nh, hd});
+  Tensor lse = pool.zeros(acc, {b, nh, t});
+  const double att_flops = 2.0 * double(b * nh) * double(t) * double(t) * double(hd);
+  add("attention_fwd", shape({b, t, nh, hd}) + " kv " + std::to_string(nkv), att_flops, true,
+      gemm_rate, 0, [&] { attention_forward(ctx, att, lse, q, kk, v); });
+  Tensor datt = pool.random(dt, {b, t, nh, hd}), dq = pool.zeros(dt, {b, t, nh, hd});
+  Tensor dk = pool.zeros(dt, {b, t, nkv, hd}), dv = pool.zeros(dt, {b, t, nkv, hd});
+  add("attention_bwd", shape({b, t, nh, hd}) + " kv " + std::to_string(nkv), 2.5 * att_flops, true,
+      gemm_bwd_rate, 0, [&] { attention_backward(ctx, dq, dk, dv, datt, q, kk, v, att, lse); });
+
+  // ---- MoD: per-sequence top-C selection, gather and gated scatter ----
+  const int64_t keep = std::max<int64_t>(
+      1, std::min<int64_t>(t, static_cast<int64_t>(std::ceil(m.mod.capacity * double(t) - 1e-9))));
+  Tensor scores = pool.random(acc, {b, t}), sel = pool.zeros(DType::i32, {b, keep});
+  Tensor mask = pool.zeros(acc, {b, t});
+  add("mod_select", shape({b, t}) + " keep " + std::to_string(keep),
+      double(b * t * as * 2 + b * keep * 4), false, bw, 0.6,
+      [&] { mod_select(ctx, sel, mask, scores); });
+  Tensor xs = pool.zeros(dt, {b * keep, d}), ys = pool.random(dt, {b * keep, d});
+  Tensor scattered = pool.zeros(dt, {n, d});
+  add("mod_gather", shape({b * keep, d}), double(2 * b * keep * d * es), false, bw, 0.6,
+      [&] { mod_gather_forward(ctx, xs, tokens, sel); });
+  add("mod_scatter", shape({n, d}) + " from " + shape({b * keep, d}),
+      double(2 * n * d * es + b * keep * d * es), false, bw, 0.6,
+      [&] { mod_scatter_forward(ctx, scattered, tokens, ys, scores, sel); });
+
+  // ---- cross-entropy over the vocabulary, AdamW over a parameter slab ----
+  const int64_t vocab = m.vocab_size;
+  Tensor head = pool.random(dt, {n, vocab}, -4, 4), losses = pool.zeros(acc, {n});
+  Tensor ce_lse = pool.zeros(acc, {n});
+  std::vector<int32_t> tg(static_cast<size_t>(n));
+  for (auto& id : tg) id = static_cast<int32_t>(pool.rng()() % static_cast<uint64_t>(vocab));
+  Tensor targets = pool.ints({n}, tg);
+  add("cross_entropy_fwd", shape({n, vocab}), double(n * vocab * es + n * (4 + 2 * as)), false, bw,
+      0, [&] { cross_entropy_forward(ctx, losses, ce_lse, head, targets); });
+  add("cross_entropy_bwd", shape({n, vocab}) + " in place", double(2 * n * vocab * es), false, bw,
+      0, [&] { cross_entropy_backward(ctx, head, head, ce_lse, targets, 1.0 / double(n)); });
+  const int64_t slab = std::min<int64_t>(int64_t{1} << 26, std::max<int64_t>(r * d, 1 << 20));
+  Tensor p = pool.random(DType::f32, {slab}), g = pool.random(DType::f32, {slab});
+  Tensor m1 = pool.zeros(DType::f32, {slab}), m2 = pool.zeros(DType::f32, {slab});
+  AdamWArgs a;
+  add("adamw", shape({slab}) + " f32", double(slab * 4 * 7), false, bw, 0,
+      [&] { adamw_step(ctx, p, g, m1, m2, a); });
+  return rows;
+}
+
+std::string format_bench(const std::vector<BenchRow>& rows) {
+  std::string out;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-18s %-44s %10s %12s %9s %7s\n", "family", "shape", "time us",
+                "achieved", "roofline", "target");
+  out += line;
+  for (const BenchRow& r : rows) {
+    const double rate = r.work / (r.ms * 1e-3);
+    char achieved[32], target[16] = "";
+    if (r.flops)
+      std::snprintf(achieved, sizeof achieved, "%.1f TFLOP/s", rate / 1e12);
+    else
+      std::snprintf(achieved, sizeof achieved, "%.1f GB/s", rate / 1e9);
+    if (r.target > 0) std::snprintf(target, sizeof target, ">= %.0f%%", 100 * r.target);
+    std::snprintf(line, sizeof line, "%-18s %-44s %10.1f %12s %8.1f%% %7s%s\n", r.family.c_str(),
+                  r.detail.substr(0, 44).c_str(), r.ms * 1e3, achieved, 100 * r.fraction(), target,
+                  r.target > 0 && r.fraction() < r.target ? "  below target" : "");
+    out += line;
+  }
+  out +=
+      "roofline: copy rows against the measured copy bandwidth, GEMM-like rows against the "
+      "measured dense GEMM rate (dense_gemm / dense_gemm_bwd) at the same FLOPs and dtype\n";
+  return out;
+}
+
+}  // namespace moe

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# `moe-train bench` on the CPU at configs/tiny.json's shapes: every kernel family gets a row with a
+# time and a roofline fraction, and an expert-load skew above E - 1 is capped (E = 4 here).
+# Usage: bench_smoke.sh MOE_TRAIN_BINARY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+out=$(OMP_NUM_THREADS=1 "$bin" bench --config "$src/configs/tiny.json" --device cpu --iters 1 \
+  --skew 0 --skew 10 2>&1)
+code=$?
+failures=0
+if [ "$code" -ne 0 ]; then
+  echo "FAIL bench exited $code: $out"
+  exit 1
+fi
+for family in copy dense_gemm dense_gemm_bwd router permute combine grouped_gemm grouped_gemm_bwd \
+  swiglu rmsnorm attention_fwd attention_bwd mod_select mod_gather mod_scatter cross_entropy_fwd \
+  cross_entropy_bwd adamw; do
+  if ! grep -Eq "^$family +.+ [0-9.]+%" <<<"$out"; then
+    echo "FAIL no row for $family"
+    failures=$((failures + 1))
+  fi
+done
+grep -q "maxvio 0 " <<<"$out" || { echo "FAIL no balanced grouped_gemm row"; failures=$((failures + 1)); }
+grep -q "maxvio 3 " <<<"$out" || { echo "FAIL skew 10 not capped to E-1 = 3"; failures=$((failures + 1)); }
+out=$("$bin" bench --config "$src/configs/tiny.json" --iters 0 2>&1)
+[ $? -eq 2 ] || { echo "FAIL --iters 0 accepted: $out"; failures=$((failures + 1)); }
+[ "$failures" -eq 0 ] && echo "bench smoke test passed"
+exit "$failures"
