@@ -48,3 +48,23 @@ TEST_CASE("gpu runtime: out-of-memory names the sizes", "[gpu]") {
     CHECK(std::string(e.what()).find("out of GPU memory") != std::string::npos);
   }
 }
+
+TEST_CASE("gpu runtime: the memory limit caps allocations and says so", "[gpu]") {
+  Buffer first(gpu0(), size_t{1} << 20);
+  const size_t held = gpu::allocated_bytes();
+  CHECK(held >= size_t{1} << 20);
+  CHECK(gpu::peak_allocated_bytes() >= held);
+  gpu::set_memory_limit(held + (size_t{1} << 20));  // room for 1 MiB more
+  Buffer fits(gpu0(), size_t{1} << 19);
+  try {
+    Buffer too_big(gpu0(), size_t{1} << 21);
+    gpu::set_memory_limit(0);
+    FAIL("allocated past the limit");
+  } catch (const std::runtime_error& e) {
+    CHECK(std::string(e.what()).find("--gpu-memory-limit") != std::string::npos);
+  }
+  gpu::set_memory_limit(0);
+  CHECK(gpu::memory_limit() == 0);
+  Buffer after(gpu0(), size_t{1} << 21);  // no limit again
+  CHECK(after.data() != nullptr);
+}

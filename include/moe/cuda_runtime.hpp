@@ -24,6 +24,11 @@ bool has_code_for(int index, std::string* why_not);
 void set_device(int index);
 void* malloc_device(size_t bytes, int index);  // throws with sizes on out-of-memory
 void free_device(void* p);
+// A cap on the bytes malloc_device may hold at once (0 = none): a larger card can check that a
+// run fits a smaller one's budget (e.g. a T4's 16 GiB). The CUDA context and library workspaces
+// outside malloc_device are not counted.
+void set_memory_limit(size_t bytes);
+size_t memory_limit();
 // Bytes held by malloc_device now, and the most held at once since the process started.
 size_t allocated_bytes();
 size_t peak_allocated_bytes();

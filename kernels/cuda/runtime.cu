@@ -98,6 +98,7 @@ struct Accounting {
   std::mutex mutex;
   std::unordered_map<void*, size_t> sizes;
   size_t live = 0, peak = 0;
+  size_t limit = 0;  // 0 = the device's own capacity
 };
 Accounting& accounting() {
   static Accounting a;
@@ -114,8 +115,30 @@ size_t peak_allocated_bytes() {
   return accounting().peak;
 }
 
+void set_memory_limit(size_t bytes) {
+  std::lock_guard<std::mutex> lock(accounting().mutex);
+  accounting().limit = bytes;
+}
+size_t memory_limit() {
+  std::lock_guard<std::mutex> lock(accounting().mutex);
+  return accounting().limit;
+}
+
 void* malloc_device(size_t bytes, int index) {
   set_device(index);
+  {
+    Accounting& a = accounting();
+    std::lock_guard<std::mutex> lock(a.mutex);
+    if (a.limit > 0 && a.live + bytes > a.limit) {
+      char msg[256];
+      std::snprintf(msg, sizeof msg,
+                    "out of GPU memory on cuda:%d allocating %.1f MiB: the GPU memory limit of "
+                    "%.1f MiB (--gpu-memory-limit) leaves %.1f MiB",
+                    index, bytes / 1048576.0, a.limit / 1048576.0,
+                    (a.limit - std::min(a.limit, a.live)) / 1048576.0);
+      throw std::runtime_error(msg);
+    }
+  }
   void* p = nullptr;
   cudaError_t err = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
   if (err != cudaSuccess) {

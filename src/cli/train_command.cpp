@@ -9,6 +9,7 @@
 #include "cli/commands.hpp"
 #include "moe/comm.hpp"
 #include "moe/config.hpp"
+#include "moe/cuda_runtime.hpp"
 #include "moe/model.hpp"
 #include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
@@ -104,9 +105,10 @@ void run_info(const ConfigFlags& f, int world_flag) {
   //   stage 1            (4 + c) P + 4 P + 8 P / N               + A
   //   stage 2            as stage 1 here: the gradient buffer stays full-size (it accumulates
   //                      across micro-batches); DeepSpeed's figure 4 P / N for it is the ideal
-  //   stage 3 (planned)  (4 + c + 4 + 8) P / N + 2 (4 + c) L     + A  (L gathered, one prefetched)
-  //   2 + offload        GPU: (4 + c) P + 4 P + A; CPU: 12 P / N (master copy for the update,
-  //   (planned)          m, v) per rank
+  //   stage 3 (planned)  (4 + c + 4 + 8) P / N + 2 w L + A  (the compute weights of the current
+  //                      layer and one prefetched; w = c, or 4 in f32)
+  //   2 + offload        GPU: the compute weights (c P; 4 P in f32) + 4 P gradients + A;
+  //   (planned)          CPU: 12 P / N (fp32 master shard, m, v) per rank
   const int world = info_world(cfg, world_flag);
   const double n = std::max(1, world), p = c.total, cb = copy_bytes / std::max(1.0, c.total);
   const double layer = largest_layer_params(plan.table());
@@ -121,8 +123,9 @@ void run_info(const ConfigFlags& f, int world_flag) {
       {"1", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0, ""},
       {"2", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0,
        "full gradient buffer (DeepSpeed ideal: grads / N)"},
-      {"3", (4 + cb) * p / n, 4 * p / n, 8 * p / n, 2 * (4 + cb) * layer, 0, "not available yet"},
-      {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 12 * p / n, "not available yet"},
+      {"3", (4 + cb) * p / n, 4 * p / n, 8 * p / n, 2 * (cb > 0 ? cb : 4) * layer, 0,
+       "not available yet"},
+      {"2+offload", (cb > 0 ? cb : 4) * p, 4 * p, 0, 0, 12 * p / n, "not available yet"},
   };
   std::printf("per rank with %d data-parallel rank(s) (--world N; MiB):\n", world);
   std::printf("  %-10s %10s %10s %10s %10s %10s %10s  %s\n", "ZeRO", "weights", "gradients",
@@ -142,6 +145,7 @@ void add_train_command(CLI::App& app) {
   auto device = std::make_shared<std::string>();
   auto resume = std::make_shared<std::string>();
   auto profile = std::make_shared<bool>(false);
+  auto memory_limit = std::make_shared<double>(0.0);
   CLI::App* cmd = app.add_subcommand("train", "train a model as the config describes");
   add_config_flags(cmd, *flags);
   cmd->add_option("--device", *device, "cpu | cuda | cuda:N | auto (overrides train.device)");
@@ -151,8 +155,13 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--profile", *profile,
                 "time every op (CUDA events on the GPU, NVTX ranges for Nsight Systems) and print "
                 "the time per step of each op at the end (also MOE_PROFILE=1)");
-  register_runner("train", [flags, device, resume, profile] {
+  cmd->add_option("--gpu-memory-limit", *memory_limit,
+                  "GiB the trainer may allocate on the GPU (0 = all of it): check that a run fits "
+                  "a smaller card, e.g. 16 for a T4")
+      ->check(CLI::Range(0.0, 1e6));
+  register_runner("train", [flags, device, resume, profile, memory_limit] {
     if (*profile) profile::enable(true);
+    gpu::set_memory_limit(static_cast<size_t>(*memory_limit * 1073741824.0));
     run_train(*flags, *device, *resume);
   });
 }

@@ -31,6 +31,10 @@ void* malloc_device(size_t, int) {
   absent("malloc_device");
 }
 void free_device(void*) {}
+void set_memory_limit(size_t) {}
+size_t memory_limit() {
+  return 0;
+}
 size_t allocated_bytes() {
   return 0;
 }
