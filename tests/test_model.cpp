@@ -180,3 +180,42 @@ TEST_CASE("a tiny model overfits one fixed batch", "[model][train]") {
   // random targets are memorisable only by position and context: a stated bound of 0.1 nats
   CHECK(last < 0.1);
 }
+
+// Activation recomputation re-runs each layer's forward from its saved input just before its
+// backward: the same arithmetic in the same order, so losses and every gradient are bitwise those
+// of the stored-activation model, with less activation memory and the losses counted once.
+TEST_CASE("model: recomputing layers gives bitwise the same losses and gradients", "[model]") {
+  ModelConfig m = gradcheck_config();
+  m.router_bias_update_rate = 0.01;  // the step loads feed the bias update: counted once
+  const int b = 2, t = 8;
+  Model stored(m, DType::f32, Device{}, b, t), recomputed(m, DType::f32, Device{}, b, t, true, true);
+  REQUIRE(recomputed.recomputes_layers());
+  CHECK(recomputed.activation_bytes() < stored.activation_bytes());
+  stored.init_weights(3);
+  recomputed.init_weights(3);
+  Ctx ctx;
+  for (uint64_t seed : {5, 6}) {  // two steps: the router biases move between them
+    const TokenBatch data = random_tokens(b * t, m.vocab_size, seed);
+    stored.zero_grads(ctx);
+    recomputed.zero_grads(ctx);
+    const Losses ls = stored.forward_backward(ctx, data.ids.data(), data.targets.data(), 1.0);
+    const Losses lr = recomputed.forward_backward(ctx, data.ids.data(), data.targets.data(), 1.0);
+    CHECK(lr.lm == ls.lm);
+    CHECK(lr.aux == ls.aux);
+    CHECK(lr.z == ls.z);
+    CHECK(lr.mod_pred == ls.mod_pred);
+    CHECK(recomputed.routing().expert_load == stored.routing().expert_load);
+    CHECK(recomputed.routing().mod_kept == stored.routing().mod_kept);
+    const float* gs = stored.grads().ptr<float>();
+    const float* gr = recomputed.grads().ptr<float>();
+    size_t differing = 0;
+    for (size_t i = 0; i < stored.table().total; ++i) differing += gs[i] != gr[i] ? 1 : 0;
+    CHECK(differing == 0);
+    stored.after_step(ctx);
+    recomputed.after_step(ctx);
+    const auto bs = stored.router_biases(), br = recomputed.router_biases();
+    REQUIRE(bs.size() == br.size());
+    for (size_t i = 0; i < bs.size(); ++i)
+      CHECK(std::equal(bs[i].ptr<float>(), bs[i].ptr<float>() + bs[i].numel(), br[i].ptr<float>()));
+  }
+}

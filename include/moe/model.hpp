@@ -76,8 +76,11 @@ class Model {
   // keep one copy of the weights; f16 / bf16 models keep fp32 master weights and gradients (what
   // the optimizer and checkpoints see) plus a compute copy refreshed by weights_changed(), and do
   // router, statistics and loss math in fp32.
+  // recompute_layers: keep only each layer's input between forward and backward and re-run the
+  // layer's forward just before its backward (activation recomputation): one layer's
+  // activations in memory instead of all of them, for about one more forward pass of compute.
   Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-        bool allocate = true);
+        bool allocate = true, bool recompute_layers = false);
   ~Model();
 
   void init_weights(uint64_t seed);
@@ -133,6 +136,7 @@ class Model {
   size_t weight_bytes() const;
   int batch() const { return batch_; }
   int seq_len() const { return seq_len_; }
+  bool recomputes_layers() const { return recompute_; }
 
  private:
   friend struct LayerEnv;
@@ -144,7 +148,7 @@ class Model {
   DType compute_, param_dtype_;
   Device dev_;
   int batch_, seq_len_;
-  bool allocated_;
+  bool allocated_, recompute_;
   ParamTable table_;
   Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
   Arena acts_, scratch_;

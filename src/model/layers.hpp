@@ -26,6 +26,9 @@ struct LayerEnv {
   Arena& scratch;
   Tensor rope_cos, rope_sin;
   Tensor stats;  // f64 [4] device sums of the losses: lm, aux, z, mod_pred
+  // Set while backward re-runs a layer's forward (activation recomputation): the forward then
+  // only rebuilds activations and must not count its losses or loads a second time.
+  bool recomputing = false;
   ParamView param(const std::string& name) const;
   RoutingStats& routing() const { return model.routing_; }
   bool mixed() const { return dtype != acc; }
@@ -66,6 +69,7 @@ class DenseFfn {
 class MoeFfn {
  public:
   MoeFfn(const LayerEnv& env, int layer, int moe_index);
+  void plan_state(Arena& state);  // what lives across steps: router bias, step loads
   void plan(Arena& acts, int64_t rows);
   void forward(Ctx& ctx, Tensor y, Tensor x);
   void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale);
@@ -108,6 +112,10 @@ class SelfAttention {
 class Layer {
  public:
   virtual ~Layer() = default;
+  // Persistent state (router biases, step loads), then the activations the backward reads (with
+  // recomputation, every layer's activations share one region: plan() is called from the same
+  // arena mark for each layer).
+  virtual void plan_state(Arena& state) = 0;
   virtual void plan(Arena& acts) = 0;
   virtual void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) = 0;
   virtual void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
@@ -123,6 +131,9 @@ class Layer {
 class Block : public Layer {
  public:
   Block(const LayerEnv& env, int layer, int moe_index, Dims dims);
+  void plan_state(Arena& state) override {
+    if (moe_) moe_->plan_state(state);
+  }
   void plan(Arena& acts) override;
   void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) override;
   void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) override;
@@ -149,6 +160,7 @@ class Block : public Layer {
 class ModBlock : public Layer {
  public:
   ModBlock(const LayerEnv& env, int layer, int moe_index, Dims dims);
+  void plan_state(Arena& state) override { inner_.plan_state(state); }
   void plan(Arena& acts) override;
   void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) override;
   void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) override;

@@ -63,13 +63,14 @@ void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   linear_forward(ctx, pred_logit_, pred_a_, fc2_.master, false);
   bce_with_logits_forward(ctx, pred_loss_, pred_logit_.view({dims_.rows()}),
                           mask_.view({dims_.rows()}));
-  accumulate_sum(ctx, env_.stats.rows(kStatModPred, kStatModPred + 1), pred_loss_,
-                 env_.cfg.mod.predictor_loss_coef);
+  if (!env_.recomputing)
+    accumulate_sum(ctx, env_.stats.rows(kStatModPred, kStatModPred + 1), pred_loss_,
+                   env_.cfg.mod.predictor_loss_coef);
   // the block on the selected tokens
   mod_gather_forward(ctx, xs_, x, sel_);
   inner_.forward(ctx, ys_, xs_, sel_pos);
   mod_scatter_forward(ctx, out, x, ys_, scores, sel_);
-  if (ctx.dry_run) return;
+  if (ctx.dry_run || env_.recomputing) return;
   RoutingStats& r = env_.routing();  // shapes only: known on the host
   r.mod_kept += static_cast<double>(dims_.B * keep_);
   r.mod_seen += static_cast<double>(dims_.rows());

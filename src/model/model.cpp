@@ -45,7 +45,7 @@ struct Model::Staging {
 };
 
 Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-             bool allocate)
+             bool allocate, bool recompute_layers)
     : cfg_(cfg),
       compute_(compute),
       param_dtype_(acc_dtype(compute)),
@@ -53,6 +53,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
       batch_(batch),
       seq_len_(seq_len),
       allocated_(allocate),
+      recompute_(recompute_layers),
       table_(build_param_table(cfg)),
       acts_(dev),
       scratch_(dev) {
@@ -64,7 +65,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
     if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
   }
   env_ = std::make_unique<LayerEnv>(
-      LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_, Tensor(), Tensor(), Tensor()});
+      LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_, Tensor(), Tensor(), Tensor(), false});
   const Dims dims{batch, seq_len};
   int moe_index = 0;
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -116,7 +117,14 @@ void Model::plan() {
   logits_ = acts_.alloc(dt, {n, cfg_.vocab_size});
   losses_ = acts_.alloc(acc, {n});
   lse_ = acts_.alloc(acc, {n});
-  for (auto& layer : layers_) layer->plan(acts_);
+  for (auto& layer : layers_) layer->plan_state(acts_);
+  // Saved activations: each layer its own, or with recomputation one region all layers share
+  // (planned from the same mark; the arena keeps the largest).
+  const size_t shared = acts_.mark();
+  for (auto& layer : layers_) {
+    if (recompute_) acts_.release(shared);
+    layer->plan(acts_);
+  }
 }
 
 size_t Model::weight_bytes() const {
@@ -310,6 +318,11 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale) {
   rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), work(normf), rstdf_);
   Tensor dout = dstream_a_, dx = dstream_b_;
   for (size_t l = layers_.size(); l-- > 0;) {
+    if (recompute_) {  // rebuild this layer's activations from its saved input
+      env_->recomputing = true;
+      layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
+      env_->recomputing = false;
+    }
     layers_[l]->backward(ctx, dx, dout, stream_[l], pos_, grad_scale);
     std::swap(dx, dout);
   }

@@ -27,14 +27,18 @@ MoeFfn::MoeFfn(const LayerEnv& env, int layer, int moe_index) : env_(env), moe_i
         env, p + "shared_experts." + std::to_string(s) + ".", "w1", "w3", "w2"));
 }
 
+void MoeFfn::plan_state(Arena& state) {
+  const int64_t e = env_.cfg.num_local_experts;
+  bias_ = state.alloc(env_.acc, {e});
+  load_ = state.alloc(env_.acc, {e});
+}
+
 void MoeFfn::plan(Arena& acts, int64_t rows) {
   const auto& c = env_.cfg;
   const int64_t e = c.num_local_experts, k = c.num_experts_per_tok, d = c.hidden_size;
   const int64_t f = c.intermediate_size, r = rows * k;
   const DType dt = env_.dtype, acc = env_.acc;
   rows_ = rows;
-  bias_ = acts.alloc(acc, {e});
-  load_ = acts.alloc(acc, {e});
   logits_ = acts.alloc(acc, {rows, e});
   probs_ = acts.alloc(acc, {rows, e});
   topk_idx_ = acts.alloc(DType::i32, {rows, k});
@@ -75,6 +79,7 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   combine_forward(ctx, y, yp_, topk_w_, slot_row_);
   for (auto& sh : shared_) sh->forward(ctx, y, x, true);
   // statistics stay on the device: no read-back inside the step
+  if (env_.recomputing) return;
   accumulate_sum(ctx, env_.stats.rows(kStatAux, kStatAux + 1), aux_losses_.rows(0, 1), 1.0);
   accumulate_sum(ctx, env_.stats.rows(kStatZ, kStatZ + 1), aux_losses_.rows(1, 2), 1.0);
   add_counts(ctx, load_, counts_);
