@@ -8,11 +8,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <condition_variable>
 #include <functional>
+#include <mutex>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -20,6 +23,7 @@
 #include "catch.hpp"
 #include "checkpoint/float_convert.hpp"
 #include "moe/checkpoint.hpp"
+#include "moe/comm.hpp"
 #include "moe/error.hpp"
 #include "test_util.hpp"
 
@@ -678,4 +682,162 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
   SECTION("export of a directory without checkpoints") {
     require_input_error([&] { export_hf(tok, dir.file("hf3")); }, {tok, "no complete checkpoint"});
   }
+}
+
+// ---- data-parallel checkpoints: N writer ranks, M reader ranks -------------------------------
+
+namespace {
+
+// The ranks of one process's threads: only barrier() is needed by save_checkpoint.
+struct ThreadBarrier {
+  std::mutex mu;
+  std::condition_variable cv;
+  int waiting = 0, generation = 0, world = 1;
+};
+
+class ThreadComm : public Comm {
+ public:
+  ThreadComm(int rank, ThreadBarrier& b) : Comm(info(rank, b.world), Device{}, 0), b_(b) {}
+  const char* backend() const override { return "threads"; }
+  void all_reduce_sum(Tensor) override { unused(); }
+  void reduce_scatter_sum(Tensor, Tensor) override { unused(); }
+  void all_gather(Tensor, Tensor) override { unused(); }
+  void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,
+                    const std::vector<int64_t>&) override {
+    unused();
+  }
+  void broadcast(Tensor, int) override { unused(); }
+  void barrier() override {
+    std::unique_lock<std::mutex> lock(b_.mu);
+    const int gen = b_.generation;
+    if (++b_.waiting == b_.world) {
+      b_.waiting = 0;
+      ++b_.generation;
+      b_.cv.notify_all();
+    } else {
+      b_.cv.wait(lock, [&] { return b_.generation != gen; });
+    }
+  }
+  void set_stream(void*) override {}
+
+ private:
+  static RankInfo info(int rank, int world) {
+    RankInfo i;
+    i.rank = rank;
+    i.world = world;
+    i.local_world = world;
+    i.local_rank = rank;
+    return i;
+  }
+  [[noreturn]] static void unused() { throw std::logic_error("ThreadComm: not a test of this"); }
+  ThreadBarrier& b_;
+};
+
+// One data-parallel rank: a model and the AdamW state of its ZeRO partition, with moments set
+// to a function of the global element index (so any re-slicing error shows).
+struct ShardedTrainee {
+  Config cfg;
+  Model model;
+  AdamW opt;
+  ShardedTrainee(const Config& c, int stage, int rank, int world)
+      : cfg(c),
+        model(c.model, DType::f32, Device{}, 2, 8),
+        opt(c.optimizer, model,
+            stage >= 1 ? ZeroPartition::split(model.table().total, rank, world)
+                       : ZeroPartition::whole(model.table().total)) {
+    model.init_weights(1);
+  }
+  static float m_at(size_t i) { return 0.001f * static_cast<float>(i) + 1; }
+  static float v_at(size_t i) { return 0.002f * static_cast<float>(i) + 2; }
+  void set_moments() {
+    for (const auto& r : opt.partition().ranges())
+      for (size_t k = 0; k < r.count; ++k) {
+        opt.moment1().ptr<float>()[r.local + k] = m_at(r.global + k);
+        opt.moment2().ptr<float>()[r.local + k] = v_at(r.global + k);
+      }
+    opt.set_steps_taken(7);
+  }
+  // Elements whose moments differ from m_at / v_at.
+  size_t wrong_moments() const {
+    size_t wrong = 0;
+    for (const auto& r : opt.partition().ranges())
+      for (size_t k = 0; k < r.count; ++k)
+        wrong += opt.moment1().ptr<float>()[r.local + k] != m_at(r.global + k) ||
+                 opt.moment2().ptr<float>()[r.local + k] != v_at(r.global + k);
+    return wrong;
+  }
+};
+
+// `world` threads save one checkpoint together (ZeRO `stage`); returns the step directory.
+std::string save_on_ranks(const std::string& run, int stage, int world) {
+  ThreadBarrier barrier;
+  barrier.world = world;
+  std::vector<std::string> dirs(world);
+  std::vector<std::exception_ptr> errors(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        ShardedTrainee t(tiny_config(), stage, r, world);
+        t.set_moments();
+        ThreadComm comm(r, barrier);
+        SaveOptions o = save_options(run);
+        o.rank = r;
+        o.world = world;
+        o.zero_stage = stage;
+        o.comm = &comm;
+        dirs[r] = save_checkpoint(o, t.cfg, t.model, t.opt, sample_state(9));
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& th : threads) th.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  for (const auto& d : dirs) REQUIRE(d == dirs[0]);
+  return dirs[0];
+}
+
+}  // namespace
+
+TEST_CASE("a checkpoint written by N ranks loads on M ranks", "[checkpoint][zero]") {
+  TempDir dir;
+  for (int writers : {1, 2, 3}) {
+    for (int stage : {0, 1, 2}) {
+      INFO("written by " << writers << " ranks at ZeRO stage " << stage);
+      const std::string run = dir.file("run_" + std::to_string(writers) + std::to_string(stage));
+      const std::string step_dir = save_on_ranks(run, stage, writers);
+      for (int r = 0; r < writers; ++r) {
+        char name[32];
+        std::snprintf(name, sizeof name, "/rank_%05d.state", r);
+        CHECK(fs::is_regular_file(step_dir + name));
+      }
+      CHECK(fs::is_regular_file(step_dir + "/DONE"));
+      CHECK_FALSE(fs::exists(step_dir + ".tmp"));
+      for (int readers : {1, 2, 4}) {
+        for (int r = 0; r < readers; ++r) {
+          INFO("read as rank " << r << " of " << readers);
+          ShardedTrainee t(tiny_config(), /*stage=*/1, r, readers);
+          t.model.init_weights(99);  // other weights: the load must bring back the saved ones
+          TrainerState st;
+          load_checkpoint(step_dir, r, t.model, t.opt, st);
+          CHECK(t.wrong_moments() == 0);
+          CHECK(t.opt.steps_taken() == 7);
+          check_same_state(st, sample_state(9));
+          ShardedTrainee want(tiny_config(), 0, 0, 1);
+          CHECK(host_bytes(t.model.params()) == host_bytes(want.model.params()));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a sharded checkpoint missing a rank's file is an InputError", "[checkpoint][zero]") {
+  TempDir dir;
+  const std::string step_dir = save_on_ranks(dir.file("run"), 2, 3);
+  fs::remove(step_dir + "/rank_00002.state");
+  ShardedTrainee t(tiny_config(), 0, 0, 1);
+  TrainerState st;
+  require_input_error([&] { load_checkpoint(step_dir, 0, t.model, t.opt, st); },
+                      {step_dir + "/rank_00002.state"});
 }

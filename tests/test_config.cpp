@@ -51,7 +51,7 @@ const char* kFullConfig = R"({
   "fp16": {"enabled": false, "loss_scale": 128.0, "initial_scale_power": 12,
            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5},
   "bf16": {"enabled": false},
-  "zero_optimization": {"stage": 0},
+  "zero_optimization": {"stage": 2},
   "model": {"vocab_size": 512, "hidden_size": 96, "intermediate_size": 160,
             "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
             "head_dim": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -68,7 +68,8 @@ const char* kFullConfig = R"({
            "synthetic": {"seed": 7, "branching": 3}},
   "train": {"max_steps": 20, "log_interval": 5, "eval_interval": 10, "eval_batches": 2,
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
-            "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto"}
+            "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
+            "comm_timeout_s": 30.5}
 })";
 
 }  // namespace
@@ -95,6 +96,8 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train_micro_batch_size_per_gpu == 4);
   CHECK(c.gradient_accumulation_steps == 3);
   CHECK(c.train_batch_size == 12);
+  CHECK(c.train.comm_timeout_s == 30.5);
+  CHECK(c.zero_optimization.stage == 2);
   CHECK(c.gradient_clipping == 0.5);
   CHECK(c.optimizer.lr == 0.001);
   CHECK(c.optimizer.beta1 == 0.8);
@@ -548,11 +551,16 @@ const std::vector<BadCase>& bad_cases() {
        "bf16.enabled",
        {"both true", "at most one"}},
       // features this build does not have
-      {"ZeRO stage 2",
-       R"({"zero_optimization": {"stage": 2}})",
+      {"ZeRO stage 3",
+       R"({"zero_optimization": {"stage": 3}})",
        {},
        "zero_optimization.stage",
-       {"ZeRO stages 1-3", "stage 0"}},
+       {"ZeRO stage 3", "not available yet", "stage 0, 1 or 2"}},
+      {"comm timeout negative",
+       R"({"train": {"comm_timeout_s": -1}})",
+       {},
+       "train.comm_timeout_s",
+       {">= 0"}},
       {"ZeRO stage 5",
        R"({"zero_optimization": {"stage": 5}})",
        {},
@@ -627,6 +635,9 @@ TEST_CASE("config: the bad cases are good once the offending value is fixed") {
   CHECK_NOTHROW(parse(model(R"("mod": {"capacity": 1})")));
   CHECK_NOTHROW(parse(R"({"data": {"seq_len": 4096}})"));
   CHECK_NOTHROW(parse(R"({"train_batch_size": 8})"));
+  CHECK_NOTHROW(parse(R"({"train_batch_size": 32})"));  // 4 ranks: checked by train()
+  CHECK_NOTHROW(parse(R"({"zero_optimization": {"stage": 2}})"));
+  CHECK_NOTHROW(parse(R"({"train": {"comm_timeout_s": 0}})"));
   CHECK_NOTHROW(parse(R"({"train": {"device": "cuda:12"}})"));
   CHECK_NOTHROW(parse(model(R"("hidden_size": 1000, "num_attention_heads": 8,
                                "num_key_value_heads": 8, "head_dim": 124)")));

@@ -5,20 +5,25 @@
 //                         expanded: experts.{j}.w1.weight for each j), dtype of the model (F32)
 //   config.json           MixtralConfig names + MODEL_SPEC's extra keys
 //   trainer_config.json   the trainer's full resolved config
-//   rank_NNNNN.state      per-rank state: magic + version header, then step, RNG state, data
-//                         position, loss scale, router biases, AdamW step and moments, fp32
-//                         master weights
+//   rank_NNNNN.state      one per data-parallel rank: magic + version header (with the world
+//                         size and ZeRO stage), then step, RNG state, data position, loss
+//                         scale, router biases, AdamW step, the AdamW moments of the parameter
+//                         ranges this rank holds (ZeRO 1/2: its shard; unsharded: all, in rank
+//                         0's file), and (rank 0 only) the fp32 master weights
 //   moe_tokenizer.json (+ tokenizer.model) when the run has a tokenizer
 //   DONE                  written last: a directory without it is incomplete and never loaded
-// Writes go to step_NNNNNNNN.tmp/ (each file fsync'ed), which is renamed into place, then DONE is
-// written and fsync'ed with its directory. The previous checkpoints are not touched until the new
-// one is complete; then all but the newest `keep_last` complete ones are removed.
+// Writes go to step_NNNNNNNN.tmp/ (each file fsync'ed; with several ranks every rank writes its
+// state file there, then a barrier), which rank 0 renames into place, then DONE is written and
+// fsync'ed with its directory. A checkpoint written by N ranks loads on any number of ranks. The
+// previous checkpoints are not touched until the new one is complete; then all but the newest
+// `keep_last` complete ones are removed.
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "moe/comm.hpp"
 #include "moe/config.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
@@ -27,7 +32,7 @@
 namespace moe {
 
 constexpr uint32_t kStateMagic = 0x4D4F4543;  // "MOEC"
-constexpr uint32_t kStateVersion = 2;         // 2: the fp16 loss scaler state
+constexpr uint32_t kStateVersion = 3;         // 2: the fp16 loss scaler state; 3: sharded moments
 
 // Everything besides model and optimizer that an exact resume needs.
 struct TrainerState {
@@ -75,7 +80,9 @@ struct SaveOptions {
   int keep_last = 3;
   std::string tokenizer_dir;  // copied into the checkpoint when non-empty
   int rank = 0, world = 1;
-  WriteHook hook;  // tests only
+  int zero_stage = 0;    // recorded in the state files' headers
+  Comm* comm = nullptr;  // required when world > 1 (barriers around the shared tmp directory)
+  WriteHook hook;        // tests only
 };
 // Returns the step directory written.
 std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Model& model,
@@ -85,8 +92,9 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
 // directory); "" when none. Incomplete ones (no DONE) are skipped with a warning to `warn`.
 std::string find_latest_checkpoint(const std::string& run_dir, std::ostream* warn);
 
-// Restores model, optimizer and trainer state from a step directory. Throws InputError naming
-// the file when it is corrupt or was written for another model shape.
+// Restores model, optimizer and trainer state from a step directory, whatever the number of
+// ranks that wrote it: the optimizer's partition() says which moments this rank takes. Throws
+// InputError naming the file when it is corrupt or was written for another model shape.
 void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW& optimizer,
                      TrainerState& state);
 // The trainer config stored in a step directory (for eval / sample / export).

@@ -116,12 +116,15 @@ struct TrainConfig {
   bool save_at_end = true;               // checkpoint when the run ends (off for benchmarks)
   int keep_checkpoints = 3;              // newest complete checkpoints kept (0 = all)
   std::string resume;                    // "" | "auto" (newest in out_dir) | a checkpoint path
+  double comm_timeout_s = 600;           // collective watchdog (data parallel); 0 = off
 };
 
 struct Config {
   int train_micro_batch_size_per_gpu = 8;
   int gradient_accumulation_steps = 1;
-  int train_batch_size = 0;        // 0 = micro * accumulation * world size; otherwise must equal it
+  // 0 = micro * accumulation * world size; otherwise must equal it (the config check accepts any
+  // multiple of micro * accumulation; train() checks it against the launched world size).
+  int train_batch_size = 0;
   double gradient_clipping = 1.0;  // 0 disables clipping
   OptimizerConfig optimizer;
   SchedulerConfig scheduler;

@@ -14,10 +14,42 @@ namespace moe {
 // total_num_steps (WarmupCosineLR; 0 = max_steps), constant after.
 double learning_rate(const SchedulerConfig& s, double base_lr, int step, int max_steps);
 
+// Which elements of the flat parameter buffer (P elements) a data-parallel rank updates.
+// ZeRO stages 1 and 2 split the first world * chunk elements (chunk = floor(P / world)) into
+// `world` equal, contiguous chunks: rank r owns [r * chunk, (r + 1) * chunk). The tail
+// [world * chunk, P) (fewer than `world` elements) is owned by every rank: each updates it
+// identically from the same all-reduced gradient. So every collective works in place on the
+// model's own buffers (all_gather / reduce_scatter need world equal chunks) without padding.
+// Stage 0 (and world 1): one rank owns everything.
+struct ZeroPartition {
+  size_t total = 0;       // P
+  size_t chunk = 0;       // elements per rank in the split part (the whole buffer when unsharded)
+  size_t begin = 0;       // this rank's chunk: [begin, begin + chunk)
+  size_t tail_begin = 0;  // [tail_begin, total): updated by every rank (empty when unsharded)
+  int rank = 0, world = 1;
+  bool sharded = false;
+
+  static ZeroPartition whole(size_t total);
+  static ZeroPartition split(size_t total, int rank, int world);
+  size_t split_end() const { return sharded ? chunk * static_cast<size_t>(world) : total; }
+  size_t tail() const { return total - tail_begin; }
+  // Elements of optimizer state this rank keeps: its chunk, then the tail.
+  size_t local() const { return chunk + tail(); }
+  // The global ranges this rank owns, with their offset in the local state.
+  struct Range {
+    size_t global, count, local;
+  };
+  std::vector<Range> ranges() const;
+};
+
 // Queues acc[0] = sum of squared gradients over the whole gradient buffer; `acc` is a 1-element
 // f64 tensor on the model's device (kept by the caller, so a step allocates nothing). Nothing is
 // read back: AdamW::step clips from it on the device.
 void queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc);
+// Queues acc[0] = sum of squared gradients over the given global ranges of the gradient buffer
+// (ZeRO-2: this rank's reduced shard; the caller then sums acc over the ranks).
+void queue_grad_norm_sq_ranges(Ctx& ctx, const Model& model, Tensor acc,
+                               const std::vector<ZeroPartition::Range>& ranges);
 // sqrt(sum of squared gradients), read back (waits for the device).
 double global_grad_norm(Ctx& ctx, const Model& model, Tensor acc);
 // The factor that brings `norm` down to `max_norm` (1 when clipping is off or not needed).
@@ -25,17 +57,23 @@ double clip_factor(double norm, double max_norm);
 
 class AdamW {
  public:
+  // State (m, v) for the elements `part` gives this rank (default: the whole buffer).
   AdamW(const OptimizerConfig& cfg, const Model& model);
-  // One update with learning rate `lr`; gradients are multiplied by grad_scale first. With
-  // `norm_sq` (from queue_grad_norm_sq) the device computes the norm of the scaled gradients,
-  // clips it to max_norm (0 = off) and skips the update when it is not finite (fp16 overflow),
-  // so the host reads nothing. A skipped step must be reported with undo_step().
+  AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part);
+  // One update with learning rate `lr` of the elements this rank owns (the rest of the
+  // parameter buffer is left alone: ZeRO gathers it from the other ranks afterwards); gradients are
+  // multiplied by grad_scale first. With `norm_sq` (from queue_grad_norm_sq) the device computes
+  // the norm of the scaled gradients, clips it to max_norm (0 = off) and skips the update when it
+  // is not finite (fp16 overflow), so the host reads nothing. A skipped step must be reported with
+  // undo_step().
   void step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq = Tensor(),
             double max_norm = 0);
   // The last step() was skipped on the device: its bias-correction count is taken back.
   void undo_step() { --step_; }
   long steps_taken() const { return step_; }
-  // The moments, laid out like the parameter buffer (for checkpoints).
+  const ZeroPartition& partition() const { return part_; }
+  // The moments of the owned elements, laid out as partition().ranges() say (unsharded: like the
+  // parameter buffer).
   Tensor moment1() const;
   Tensor moment2() const;
   void set_steps_taken(long s) { step_ = s; }
@@ -47,6 +85,7 @@ class AdamW {
     bool decay;
   };
   OptimizerConfig cfg_;
+  ZeroPartition part_;
   std::vector<Segment> segments_;
   Buffer m_, v_;
   DType dtype_;

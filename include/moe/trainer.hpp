@@ -1,4 +1,5 @@
-// The training loop: data -> micro-batches (forward + backward) -> clip -> AdamW -> log / eval.
+// The training loop: data -> micro-batches (forward + backward) -> gradient reduce (data parallel,
+// ZeRO 0-2) -> clip -> AdamW -> parameter gather -> log / eval.
 #pragma once
 #include <cmath>
 #include <iosfwd>
@@ -29,7 +30,10 @@ struct TrainOptions {
   int stop_after_step = 0;
 };
 
-// Trains per `cfg`, printing progress lines to `out`. Throws ConfigError / InputError on bad
+// Trains per `cfg`, printing progress lines to `out` (rank 0 only). Under mpirun / srun every rank
+// calls it: data parallel with ZeRO stage zero_optimization.stage (0-2) over the launched ranks
+// (docs/distributed.md); a W-rank run sees the rows of a 1-rank run with W times the gradient
+// accumulation. Throws ConfigError / InputError on bad
 // input and std::runtime_error when training itself fails (e.g. the loss diverges).
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt = {});
 

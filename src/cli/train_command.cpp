@@ -27,8 +27,13 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
   if (!device.empty()) overrides.push_back("train.device=\"" + device + "\"");
   if (!resume.empty()) overrides.push_back("train.resume=\"" + resume + "\"");
   Config cfg = load_config(f.config_path, overrides);
-  std::cout << build_info() << "\nresolved config:\n" << config_to_json(cfg) << "\n" << std::flush;
+  const bool first_rank = detect_ranks().rank == 0;  // the other data-parallel ranks train quietly
+  if (first_rank)
+    std::cout << build_info() << "\nresolved config:\n"
+              << config_to_json(cfg) << "\n"
+              << std::flush;
   TrainResult r = train(cfg, std::cout);
+  if (!first_rank) return;
   if (profile::enabled() && r.steps > r.resumed_from)
     std::cout << profile::format(profile::take(), r.steps - r.resumed_from) << std::flush;
   std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);

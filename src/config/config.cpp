@@ -233,7 +233,8 @@ KeyNode train_section() {
        leaf("seed", AT(train.seed)), leaf("device", AT(train.device)),
        leaf("out_dir", AT(train.out_dir)), leaf("save_interval", AT(train.save_interval)),
        leaf("save_at_end", AT(train.save_at_end)),
-       leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume))});
+       leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume)),
+       leaf("comm_timeout_s", AT(train.comm_timeout_s))});
 }
 
 KeyNode build_schema() {

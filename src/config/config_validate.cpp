@@ -13,10 +13,8 @@ namespace {
 
 // What this build can run. The config already names these features (DeepSpeed layout) so configs
 // stay stable as backends land; flipping a flag removes the matching rejection below.
-constexpr bool kHasDataParallel = false;  // ZeRO stages 1-3 shard across data-parallel ranks
-constexpr bool kHasTokenShards = true;    // llm.c-layout token shards (data.train_files)
-// Data-parallel ranks; train_batch_size must equal micro * accumulation * this.
-constexpr int64_t kWorldSize = 1;
+constexpr int kMaxZeroStage = 2;        // ZeRO stage 3 (parameters sharded) is not built yet
+constexpr bool kHasTokenShards = true;  // llm.c-layout token shards (data.train_files)
 
 std::string num(double v) {
   std::ostringstream s;
@@ -157,15 +155,17 @@ void validate_scheduler(const SchedulerConfig& s) {
 void validate_batch(const Config& c) {
   require_at_least("train_micro_batch_size_per_gpu", c.train_micro_batch_size_per_gpu, 1);
   require_at_least("gradient_accumulation_steps", c.gradient_accumulation_steps, 1);
-  int64_t derived =
-      int64_t{c.train_micro_batch_size_per_gpu} * c.gradient_accumulation_steps * kWorldSize;
-  if (c.train_batch_size != 0 && c.train_batch_size != derived)
+  // The world size is known only once the ranks start: here train_batch_size must be a positive
+  // multiple of micro * accumulation; train() checks the multiple against the world size.
+  const int64_t per_rank =
+      int64_t{c.train_micro_batch_size_per_gpu} * c.gradient_accumulation_steps;
+  if (c.train_batch_size != 0 && (c.train_batch_size < 0 || c.train_batch_size % per_rank != 0))
     fail("train_batch_size",
          "must be 0 (derived) or train_micro_batch_size_per_gpu * gradient_accumulation_steps * "
-         "world size = " +
+         "world size, a multiple of " +
              std::to_string(c.train_micro_batch_size_per_gpu) + " * " +
-             std::to_string(c.gradient_accumulation_steps) + " * " + std::to_string(kWorldSize) +
-             " = " + std::to_string(derived) + ", got " + std::to_string(c.train_batch_size));
+             std::to_string(c.gradient_accumulation_steps) + " = " + std::to_string(per_rank) +
+             ", got " + std::to_string(c.train_batch_size));
   require_non_negative("gradient_clipping", c.gradient_clipping);
 }
 
@@ -226,6 +226,7 @@ void validate_train(const TrainConfig& t) {
   require_at_least("train.save_interval", t.save_interval, 0);
   require_at_least("train.keep_checkpoints", t.keep_checkpoints, 0);
   if (t.out_dir.empty()) fail("train.out_dir", "must name a directory");
+  require_non_negative("train.comm_timeout_s", t.comm_timeout_s);
 }
 
 // Features the layout can express but this build cannot run: refused up front, never ignored.
@@ -233,9 +234,10 @@ void reject_unavailable_features(const Config& c) {
   // (Mixed precision needs a GPU: the trainer checks that once the device is known.)
   if (c.fp16.enabled && c.bf16_enabled)
     fail("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one");
-  if (!kHasDataParallel && c.zero_optimization.stage != 0)
+  if (c.zero_optimization.stage > kMaxZeroStage)
     fail("zero_optimization.stage",
-         "ZeRO stages 1-3 need data parallelism, which is not available yet; use stage 0");
+         "ZeRO stage 3 (parameters sharded across ranks) is not available yet; use stage 0, 1 "
+         "or 2");
   if (!kHasTokenShards && c.data.source != "synthetic")
     fail("data.source",
          "got \"" + c.data.source + "\": token shards are not available yet; use \"synthetic\"");

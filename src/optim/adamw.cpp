@@ -1,5 +1,6 @@
 // AdamW over the parameter buffer in segments of equal decay choice (decided by ParamKind:
 // norms are not decayed), global-norm clipping and the learning-rate schedule.
+#include <algorithm>
 #include <cmath>
 
 #include "moe/ops/elementwise.hpp"
@@ -22,6 +23,44 @@ double learning_rate(const SchedulerConfig& s, double base_lr, int step, int max
   return base_lr * (s.cos_min_ratio + (1.0 - s.cos_min_ratio) * cosine);
 }
 
+ZeroPartition ZeroPartition::whole(size_t total) {
+  ZeroPartition p;
+  p.total = total;
+  p.chunk = total;
+  p.tail_begin = total;
+  return p;
+}
+
+ZeroPartition ZeroPartition::split(size_t total, int rank, int world) {
+  MOE_CHECK(world >= 1 && rank >= 0 && rank < world, "ZeroPartition: bad rank / world");
+  if (world == 1) return whole(total);
+  ZeroPartition p;
+  p.total = total;
+  p.rank = rank;
+  p.world = world;
+  p.sharded = true;
+  p.chunk = total / static_cast<size_t>(world);
+  p.begin = p.chunk * static_cast<size_t>(rank);
+  p.tail_begin = p.chunk * static_cast<size_t>(world);
+  return p;
+}
+
+std::vector<ZeroPartition::Range> ZeroPartition::ranges() const {
+  std::vector<Range> r;
+  if (chunk > 0) r.push_back({begin, chunk, 0});
+  if (tail() > 0) r.push_back({tail_begin, tail(), chunk});
+  return r;
+}
+
+void queue_grad_norm_sq_ranges(Ctx& ctx, const Model& model, Tensor acc,
+                               const std::vector<ZeroPartition::Range>& ranges) {
+  fill(ctx, acc, 0.0);
+  const Tensor g = model.grads();
+  for (const auto& r : ranges)
+    sum_squares(ctx, acc,
+                g.rows(static_cast<int64_t>(r.global), static_cast<int64_t>(r.global + r.count)));
+}
+
 void queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
   fill(ctx, acc, 0.0);
   sum_squares(ctx, acc, model.grads());
@@ -40,10 +79,15 @@ double clip_factor(double norm, double max_norm) {
 }
 
 AdamW::AdamW(const OptimizerConfig& cfg, const Model& model)
+    : AdamW(cfg, model, ZeroPartition::whole(model.table().total)) {}
+
+AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part)
     : cfg_(cfg),
-      m_(model.params().device, model.table().total * dtype_size(model.dtype())),
-      v_(model.params().device, model.table().total * dtype_size(model.dtype())),
+      part_(part),
+      m_(model.params().device, part.local() * dtype_size(model.dtype())),
+      v_(model.params().device, part.local() * dtype_size(model.dtype())),
       dtype_(model.dtype()) {
+  MOE_CHECK(part.total == model.table().total, "AdamW: partition of another parameter buffer");
   for (const auto& p : model.table().params) {
     const bool decay = param_kind_decays(p.kind);
     if (!segments_.empty() && segments_.back().decay == decay &&
@@ -64,23 +108,28 @@ Tensor AdamW::moment2() const {
 void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                  double max_norm) {
   ++step_;
-  const int64_t total = static_cast<int64_t>(model.table().total);
   Tensor p = model.params(), g = model.grads();
-  Tensor m = m_.as(dtype_, {total}), v = v_.as(dtype_, {total});
-  for (const auto& s : segments_) {
-    AdamWArgs a;
-    a.lr = lr;
-    a.beta1 = cfg_.beta1;
-    a.beta2 = cfg_.beta2;
-    a.eps = cfg_.eps;
-    a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
-    a.step = step_;
-    a.grad_scale = grad_scale;
-    a.norm_sq = norm_sq;
-    a.max_norm = max_norm;
-    const int64_t b = static_cast<int64_t>(s.offset), e = b + static_cast<int64_t>(s.numel);
-    adamw_step(ctx, p.rows(b, e), g.rows(b, e), m.rows(b, e), v.rows(b, e), a);
-  }
+  Tensor m = moment1(), v = moment2();
+  // Every (owned range x decay segment) intersection is one fused update.
+  for (const auto& r : part_.ranges())
+    for (const auto& s : segments_) {
+      const size_t b = std::max(r.global, s.offset);
+      const size_t e = std::min(r.global + r.count, s.offset + s.numel);
+      if (b >= e) continue;
+      AdamWArgs a;
+      a.lr = lr;
+      a.beta1 = cfg_.beta1;
+      a.beta2 = cfg_.beta2;
+      a.eps = cfg_.eps;
+      a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
+      a.step = step_;
+      a.grad_scale = grad_scale;
+      a.norm_sq = norm_sq;
+      a.max_norm = max_norm;
+      const auto gb = static_cast<int64_t>(b), ge = static_cast<int64_t>(e);
+      const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + (ge - gb);
+      adamw_step(ctx, p.rows(gb, ge), g.rows(gb, ge), m.rows(lb, le), v.rows(lb, le), a);
+    }
 }
 
 }  // namespace moe

@@ -17,18 +17,20 @@ namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
-// Runs `batches` forward passes over batches drawn by `fill` and averages the LM loss.
+// Draws up to `batches` batches with `fill` and runs a forward pass over those of this rank
+// (index i with i % world == rank), summing their LM losses.
 template <class Fill>
-double mean_loss(Ctx& ctx, Model& model, int batches, Fill&& fill) {
+EvalSums loss_sums(Ctx& ctx, Model& model, int batches, int rank, int world, Fill&& fill) {
   const size_t n = static_cast<size_t>(model.batch()) * model.seq_len();
   std::vector<int32_t> ids(n), targets(n);
-  double sum = 0;
-  int done = 0;
-  for (; done < batches; ++done) {
+  EvalSums s;
+  for (int i = 0; i < batches; ++i) {
     if (!fill(ids.data(), targets.data())) break;
-    sum += model.forward(ctx, ids.data(), targets.data()).lm;
+    if (i % world != rank) continue;
+    s.loss_sum += model.forward(ctx, ids.data(), targets.data()).lm;
+    ++s.batches;
   }
-  return done > 0 ? sum / done : kNaN;
+  return s;
 }
 
 // The Markov source keeps vocab_size^2 contexts (262k at 512) and iterates over them to find its
@@ -47,20 +49,20 @@ const Config& checked_for_synthetic(const Config& cfg) {
 
 class SyntheticData : public TrainData {
  public:
-  SyntheticData(const Config& cfg, int rank)
+  explicit SyntheticData(const Config& cfg)
       : cfg_(checked_for_synthetic(cfg)),
         source_(cfg.model.vocab_size, cfg.data.synthetic.branching,
                 static_cast<uint64_t>(cfg.data.synthetic.seed)),
-        rng_(hash_name("train-rank" + std::to_string(rank), cfg.train.seed)) {}
+        rng_(hash_name("train-rank0", cfg.train.seed)) {}  // the name of the 1-rank stream
 
   void next(int32_t* ids, int32_t* targets) override {
     source_.sample(rng_, cfg_.train_micro_batch_size_per_gpu, cfg_.data.seq_len, ids, targets);
   }
   void save(TrainerState& s) const override { s.rng_state = rng_.state(); }
   void restore(const TrainerState& s) override { rng_ = Rng(s.rng_state); }
-  double evaluate(Ctx& ctx, Model& model, int batches) override {
+  EvalSums evaluate(Ctx& ctx, Model& model, int batches, int rank, int world) override {
     Rng rng(hash_name("eval", cfg_.train.seed));  // the same held-out stream every time
-    return mean_loss(ctx, model, batches, [&](int32_t* ids, int32_t* targets) {
+    return loss_sums(ctx, model, batches, rank, world, [&](int32_t* ids, int32_t* targets) {
       source_.sample(rng, model.batch(), model.seq_len(), ids, targets);
       return true;
     });
@@ -85,15 +87,15 @@ class SyntheticData : public TrainData {
 // vocabulary size; what the PyTorch peers train on when measuring speed.
 class RandomData : public TrainData {
  public:
-  RandomData(const Config& cfg, int rank)
-      : cfg_(cfg), rng_(hash_name("random-rank" + std::to_string(rank), cfg.train.seed)) {}
+  explicit RandomData(const Config& cfg)
+      : cfg_(cfg), rng_(hash_name("random-rank0", cfg.train.seed)) {}
 
   void next(int32_t* ids, int32_t* targets) override { sample(rng_, ids, targets); }
   void save(TrainerState& s) const override { s.rng_state = rng_.state(); }
   void restore(const TrainerState& s) override { rng_ = Rng(s.rng_state); }
-  double evaluate(Ctx& ctx, Model& model, int batches) override {
+  EvalSums evaluate(Ctx& ctx, Model& model, int batches, int rank, int world) override {
     Rng rng(hash_name("random-eval", cfg_.train.seed));
-    return mean_loss(ctx, model, batches, [&](int32_t* ids, int32_t* targets) {
+    return loss_sums(ctx, model, batches, rank, world, [&](int32_t* ids, int32_t* targets) {
       sample(rng, ids, targets);
       return true;
     });
@@ -126,11 +128,11 @@ class RandomData : public TrainData {
 
 class ShardData : public TrainData {
  public:
-  ShardData(const Config& cfg, int rank, int world)
+  explicit ShardData(const Config& cfg)
       : cfg_(cfg),
         files_(expand_glob(cfg.data.train_files)),
-        loader_(files_, cfg.data.seq_len, cfg.train_micro_batch_size_per_gpu, rank, world,
-                cfg.train.seed, cfg.data.shuffle) {
+        loader_(files_, cfg.data.seq_len, cfg.train_micro_batch_size_per_gpu, 0, 1, cfg.train.seed,
+                cfg.data.shuffle) {
     check_vocab(loader_.max_token(), cfg.data.train_files);
     if (!cfg.data.val_files.empty()) val_files_ = expand_glob(cfg.data.val_files);
     const std::string dir = std::filesystem::path(files_.front()).parent_path().string();
@@ -140,10 +142,10 @@ class ShardData : public TrainData {
   void next(int32_t* ids, int32_t* targets) override { loader_.next(ids, targets); }
   void save(TrainerState& s) const override { s.data = loader_.position(); }
   void restore(const TrainerState& s) override { loader_.restore(s.data); }
-  double evaluate(Ctx& ctx, Model& model, int batches) override {
-    if (val_files_.empty()) return kNaN;
+  EvalSums evaluate(Ctx& ctx, Model& model, int batches, int rank, int world) override {
+    if (val_files_.empty()) return {};
     SequentialReader reader(val_files_, model.seq_len(), model.batch());
-    return mean_loss(ctx, model, batches,
+    return loss_sums(ctx, model, batches, rank, world,
                      [&](int32_t* ids, int32_t* targets) { return reader.next(ids, targets); });
   }
   std::string describe() const override {
@@ -169,10 +171,10 @@ class ShardData : public TrainData {
 
 }  // namespace
 
-std::unique_ptr<TrainData> make_train_data(const Config& cfg, int rank, int world) {
-  if (cfg.data.source == "shards") return std::make_unique<ShardData>(cfg, rank, world);
-  if (cfg.data.source == "random") return std::make_unique<RandomData>(cfg, rank);
-  return std::make_unique<SyntheticData>(cfg, rank);
+std::unique_ptr<TrainData> make_train_data(const Config& cfg) {
+  if (cfg.data.source == "shards") return std::make_unique<ShardData>(cfg);
+  if (cfg.data.source == "random") return std::make_unique<RandomData>(cfg);
+  return std::make_unique<SyntheticData>(cfg);
 }
 
 }  // namespace moe

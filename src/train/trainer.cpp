@@ -1,24 +1,28 @@
 // The training loop. Each step: zero gradients, run gradient_accumulation_steps micro-batches
-// (each scaled by 1/accum so the step sees the mean), clip by global norm, AdamW, then router
-// bias updates. Every log_interval steps a progress line and a metrics.jsonl record; every
-// eval_interval steps and at the end a held-out evaluation; every save_interval steps and at the
-// end a checkpoint. A resumed run restores model, optimizer, RNG and data position and continues
-// with bitwise the same losses.
+// (each scaled by 1/(accum * world) so the step sees the mean), reduce gradients, loss sums and
+// expert loads over the data-parallel ranks (ZeRO 0-2, train/data_parallel.hpp), clip by global
+// norm, AdamW (on this rank's shard, then gather the weights), then router bias updates. Every
+// log_interval steps a progress line and a metrics.jsonl record; every eval_interval steps and at
+// the end a held-out evaluation; every save_interval steps and at the end a checkpoint. A resumed
+// run restores model, optimizer, RNG and data position and continues with bitwise the same losses.
 #include <sys/resource.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <ostream>
+#include <streambuf>
 
 #include <nlohmann/json.hpp>
 
 #include "moe/checkpoint.hpp"
+#include "moe/comm.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/metrics.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
 #include "moe/trainer.hpp"
+#include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/train_data.hpp"
 
@@ -129,6 +133,19 @@ nlohmann::json train_record(int step, const Losses& l, double lr, double gnorm,
   return j;
 }
 
+// Mean held-out LM loss: each rank evaluates its share of the batches, the sums are reduced.
+double evaluate(Ctx& ctx, TrainData& data, Model& model, DataParallel& dp, int batches,
+                Tensor sums) {
+  const EvalSums mine = data.evaluate(ctx, model, batches, dp.rank(), dp.world());
+  double host[2] = {mine.loss_sum, static_cast<double>(mine.batches)};
+  if (dp.world() > 1) {
+    copy_from_host(sums, host);
+    dp.all_reduce(sums);
+    copy_to_host(host, sums);
+  }
+  return host[1] > 0 ? host[0] / host[1] : NAN;
+}
+
 }  // namespace
 
 // The compute dtype of a run: bf16 or fp16 when enabled (GPU only; bf16 needs sm_80+), else f32.
@@ -150,23 +167,72 @@ DType compute_dtype(const Config& cfg, Device dev) {
   return DType::f16;
 }
 
-TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt) {
-  const Device dev = resolve_device(cfg.train.device);
+namespace {
+
+// A stream that drops everything: the progress output of ranks other than 0.
+class NullBuffer : public std::streambuf {
+ protected:
+  int overflow(int c) override { return traits_type::not_eof(c); }
+  std::streamsize xsputn(const char*, std::streamsize n) override { return n; }
+};
+
+// The device of this rank: train.device, except that with several ranks on GPUs each rank takes
+// the GPU pick_local_gpu gives it.
+Device rank_device(const Config& cfg, const RankInfo& ranks) {
+  Device dev = resolve_device(cfg.train.device);
+  if (dev.type == DeviceType::cuda && ranks.world > 1)
+    dev.index = pick_local_gpu(ranks, gpu::device_count());
+  return dev;
+}
+
+void check_global_batch(const Config& cfg, int world) {
+  const int64_t per_rank =
+      int64_t{cfg.train_micro_batch_size_per_gpu} * cfg.gradient_accumulation_steps;
+  if (cfg.train_batch_size != 0 && cfg.train_batch_size != per_rank * world)
+    throw ConfigError("train_batch_size",
+                      "must be 0 (derived) or train_micro_batch_size_per_gpu * "
+                      "gradient_accumulation_steps * world size = " +
+                          std::to_string(cfg.train_micro_batch_size_per_gpu) + " * " +
+                          std::to_string(cfg.gradient_accumulation_steps) + " * " +
+                          std::to_string(world) + " = " + std::to_string(per_rank * world) +
+                          ", got " + std::to_string(cfg.train_batch_size) +
+                          " (the world size is the number of launched ranks)");
+}
+
+}  // namespace
+
+TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions& opt) {
+  const RankInfo ranks = detect_ranks();
+  check_global_batch(cfg, ranks.world);
+  const Device dev = rank_device(cfg, ranks);
   const DType compute = compute_dtype(cfg, dev);
   Ctx ctx = make_ctx(dev);
+  // Kept in this scope, so an exception that leaves train() also ends the comm (see comm.hpp).
+  const std::unique_ptr<Comm> comm = make_comm(ranks, dev, cfg.train.comm_timeout_s);
+  comm->set_stream(ctx.stream);
+  NullBuffer null_buffer;
+  std::ostream null_out(&null_buffer);
+  std::ostream& out = ranks.rank == 0 ? rank_out : null_out;  // only rank 0 reports
   const int b = cfg.train_micro_batch_size_per_gpu, t = cfg.data.seq_len;
   const int accum = cfg.gradient_accumulation_steps;
+  const int world = ranks.world;
 
   std::unique_ptr<Model> model_owner;
+  std::unique_ptr<DataParallel> dp_owner;
   std::unique_ptr<AdamW> optimizer_owner;
   try {
     model_owner = std::make_unique<Model>(cfg.model, compute, dev, b, t);
-    optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner);
+    dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
+                                              model_owner->table().total);
+    optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition());
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     // Out of GPU memory at start-up: say what the run needs and what to change.
     Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false);
-    const double optimizer_bytes = static_cast<double>(plan.table().total) * 8;
+    const double state_elems = cfg.zero_optimization.stage >= 1
+                                   ? static_cast<double>(plan.table().total) / world
+                                   : static_cast<double>(plan.table().total);
+    const double optimizer_bytes = state_elems * 8;
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
@@ -177,18 +243,21 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
                              "smaller model");
   }
   Model& model = *model_owner;
+  DataParallel& dp = *dp_owner;
   AdamW& optimizer = *optimizer_owner;
-  model.init_weights(cfg.train.seed);
-  std::unique_ptr<TrainData> data = make_train_data(cfg, 0, 1);
+  model.init_weights(cfg.train.seed);  // the same seed on every rank: the same weights
+  std::unique_ptr<TrainData> data = make_train_data(cfg);
   Buffer norm_sq(dev, sizeof(double));
   const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
+  Buffer eval_sums(dev, 2 * sizeof(double));
+  const Tensor eval_sums_t = eval_sums.as(DType::f64, {2});
   LossScaler scaler(cfg.fp16);
 
   TrainResult result;
   TrainerState state;
   const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
   if (!resume_dir.empty()) {
-    load_checkpoint(resume_dir, 0, model, optimizer, state);
+    load_checkpoint(resume_dir, ranks.rank, model, optimizer, state);
     data->restore(state);
     if (scaler.enabled())
       scaler.restore({state.loss_scale, static_cast<int>(state.loss_scale_hysteresis),
@@ -199,11 +268,18 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
     init_from_hf(model, cfg.model.init_from);
     out << "initialised weights from " << cfg.model.init_from << "\n";
   }
-  MetricsWriter metrics(cfg.train.out_dir + "/metrics.jsonl", resume_dir.empty() ? -1 : state.step);
+  std::unique_ptr<MetricsWriter> metrics;
+  if (ranks.rank == 0)
+    metrics = std::make_unique<MetricsWriter>(cfg.train.out_dir + "/metrics.jsonl",
+                                              resume_dir.empty() ? -1 : state.step);
   SaveOptions save_opt;
   save_opt.run_dir = cfg.train.out_dir;
   save_opt.keep_last = cfg.train.keep_checkpoints;
   save_opt.tokenizer_dir = data->tokenizer_dir();
+  save_opt.rank = ranks.rank;
+  save_opt.world = world;
+  save_opt.zero_stage = cfg.zero_optimization.stage;
+  save_opt.comm = comm.get();
 
   result.optimal_loss = data->optimal_loss();
   const ParamCounts counts = count_params(cfg.model, t);
@@ -215,7 +291,12 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
                 static_cast<double>(model.activation_bytes() + model.scratch_bytes()) / 1048576.0,
                 dev.str().c_str(), dtype_name(compute), data->describe().c_str(),
                 cfg.train.out_dir.c_str());
-  out << line << std::flush;
+  out << line;
+  if (world > 1)
+    out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
+        << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
+        << int64_t{b} * accum * world << " sequences\n";
+  out << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
   std::vector<int32_t> ids(n), targets(n);
@@ -232,22 +313,31 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
     model.zero_grads(ctx);
     model.reset_stats(ctx);
     const double loss_scale = scaler.scale();
-    for (int micro = 0; micro < accum; ++micro) {
+    // Every rank draws the global batch's accum * world micro-batches in order and trains on
+    // its own run of `accum` of them (rank r: r * accum ..); 1/world of the mean is folded into
+    // the gradient scale, so the reduced gradient is the global batch's mean.
+    for (int micro = 0; micro < accum * world; ++micro) {
       auto t0 = Clock::now();
       data->next(ids.data(), targets.data());
       phase.data += seconds_since(t0);
+      if (micro / accum != ranks.rank) continue;
       t0 = Clock::now();
       model.upload_batch(ctx, ids.data(), targets.data());
-      model.queue_forward_backward(ctx, loss_scale / accum);
+      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world));
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
-    queue_grad_norm_sq(ctx, model, norm_sq_t);
+    dp.reduce_gradients_and_stats(model);
+    dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
+    dp.gather_params(model);
     model.after_step(ctx);
     model.weights_changed(ctx);
-    const Losses sum = model.read_stats(ctx);  // waits for the step
+    Losses sum = model.read_stats(ctx);  // waits for the step
+    if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
+      sum.lm /= world, sum.aux /= world, sum.z /= world, sum.mod_pred /= world;
+    }
     double gnorm_sq = 0;
     copy_to_host(&gnorm_sq, norm_sq_t);
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
@@ -262,9 +352,9 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
     }
     scaler.update(overflow);
     phase.steps += 1;
-    phase.tokens += static_cast<double>(n) * accum;
+    phase.tokens += static_cast<double>(n) * accum * world;
     state.step = step + 1;
-    state.tokens_seen += static_cast<int64_t>(n) * accum;
+    state.tokens_seen += static_cast<int64_t>(n) * accum * world;
     state.loss_scale = scaler.state().scale;
     state.loss_scale_hysteresis = scaler.state().hysteresis_left;
     state.loss_scale_iteration = scaler.state().iteration;
@@ -298,13 +388,13 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
                     rec["maxvio_mean"].get<double>(), rec["maxvio_max"].get<double>(),
                     rec["mod_kept"].get<double>(), extra.c_str(), format_eta(eta).c_str());
       out << line << std::flush;
-      metrics.write(rec);
+      if (metrics) metrics->write(rec);
       result.tokens_per_second = tps;
       phase = PhaseTimes{};
       skipped = 0;
     }
     if (last || (cfg.train.eval_interval > 0 && (step + 1) % cfg.train.eval_interval == 0)) {
-      const double eval = data->evaluate(ctx, model, cfg.train.eval_batches);
+      const double eval = evaluate(ctx, *data, model, dp, cfg.train.eval_batches, eval_sums_t);
       if (!std::isfinite(eval) && !cfg.data.val_files.empty() && !warned_no_eval) {
         out << "eval skipped: " << cfg.data.val_files
             << " holds fewer than batch * seq_len + 1 = " << n + 1 << " tokens\n";
@@ -318,8 +408,9 @@ TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt)
                           ? (" | best achievable " + std::to_string(result.optimal_loss)).c_str()
                           : "");
         out << line << std::flush;
-        metrics.write(
-            {{"kind", "eval"}, {"step", step + 1}, {"loss", eval}, {"ppl", std::exp(eval)}});
+        if (metrics)
+          metrics->write(
+              {{"kind", "eval"}, {"step", step + 1}, {"loss", eval}, {"ppl", std::exp(eval)}});
       }
       last_log = Clock::now();  // evaluation time is not training throughput
     }

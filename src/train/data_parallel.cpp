@@ -1,0 +1,62 @@
+// Gradient reduction, norm and parameter gather for data parallelism (see data_parallel.hpp).
+#include "train/data_parallel.hpp"
+
+namespace moe {
+
+namespace {
+
+Tensor span(const Tensor& flat, size_t begin, size_t end) {
+  return flat.rows(static_cast<int64_t>(begin), static_cast<int64_t>(end));
+}
+
+}  // namespace
+
+DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count)
+    : comm_(comm),
+      stage_(zero_stage),
+      part_(zero_stage >= 1 ? ZeroPartition::split(param_count, comm.rank(), comm.world())
+                            : ZeroPartition::whole(param_count)) {
+  MOE_CHECK(zero_stage >= 0 && zero_stage <= 2, "DataParallel: ZeRO stage must be 0, 1 or 2");
+}
+
+void DataParallel::reduce_gradients_and_stats(Model& model) {
+  if (world() == 1) return;
+  const Tensor g = model.grads();
+  if (stage_ == 2 && part_.sharded) {
+    // In place: this rank's chunk of the split part receives the sum; the tail (< world
+    // elements) is all-reduced since every rank updates it.
+    if (part_.chunk > 0)
+      comm_.reduce_scatter_sum(span(g, part_.begin, part_.begin + part_.chunk),
+                               span(g, 0, part_.split_end()));
+    if (part_.tail() > 0) comm_.all_reduce_sum(span(g, part_.tail_begin, part_.total));
+  } else {
+    comm_.all_reduce_sum(g);
+  }
+  comm_.all_reduce_sum(model.loss_sums());
+  for (const Tensor& load : model.expert_loads()) comm_.all_reduce_sum(load);
+}
+
+void DataParallel::queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
+  if (!(stage_ == 2 && part_.sharded)) {
+    moe::queue_grad_norm_sq(ctx, model, acc);
+    return;
+  }
+  // Each rank holds the reduced gradient of its chunk only; the tail is counted once (rank 0).
+  std::vector<ZeroPartition::Range> mine;
+  if (part_.chunk > 0) mine.push_back({part_.begin, part_.chunk, 0});
+  if (rank() == 0 && part_.tail() > 0) mine.push_back({part_.tail_begin, part_.tail(), 0});
+  queue_grad_norm_sq_ranges(ctx, model, acc, mine);
+  comm_.all_reduce_sum(acc);
+}
+
+void DataParallel::gather_params(Model& model) {
+  if (!part_.sharded || part_.chunk == 0) return;
+  const Tensor p = model.params();
+  comm_.all_gather(span(p, 0, part_.split_end()), span(p, part_.begin, part_.begin + part_.chunk));
+}
+
+void DataParallel::all_reduce(Tensor t) {
+  if (world() > 1) comm_.all_reduce_sum(t);
+}
+
+}  // namespace moe
