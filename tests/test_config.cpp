@@ -69,7 +69,7 @@ const char* kFullConfig = R"({
   "train": {"max_steps": 20, "log_interval": 5, "eval_interval": 10, "eval_batches": 2,
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
-            "comm_timeout_s": 30.5}
+            "comm_timeout_s": 30.5, "recompute_layers": true}
 })";
 
 }  // namespace
@@ -159,6 +159,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.out_dir == "runs/x");
   CHECK(c.train.save_interval == 5);
   CHECK_FALSE(c.train.save_at_end);
+  CHECK(c.train.recompute_layers);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }

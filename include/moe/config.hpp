@@ -117,6 +117,7 @@ struct TrainConfig {
   int keep_checkpoints = 3;              // newest complete checkpoints kept (0 = all)
   std::string resume;                    // "" | "auto" (newest in out_dir) | a checkpoint path
   double comm_timeout_s = 600;           // collective watchdog (data parallel); 0 = off
+  bool recompute_layers = false;         // activation recomputation, layer by layer
 };
 
 struct Config {

@@ -37,6 +37,11 @@ struct TrainOptions {
 // input and std::runtime_error when training itself fails (e.g. the loss diverges).
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt = {});
 
+// What train() would refuse before it starts (train_batch_size against the launched ranks, the
+// device, mixed precision on it, the data source), checked without building anything, so a bad
+// config fails before the resolved config is printed.
+void check_runnable(const Config& cfg);
+
 // One line describing the build: version, CUDA archs compiled in, BLAS, MPI, OpenMP threads.
 std::string build_info();
 

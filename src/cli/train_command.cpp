@@ -27,6 +27,7 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
   if (!device.empty()) overrides.push_back("train.device=\"" + device + "\"");
   if (!resume.empty()) overrides.push_back("train.resume=\"" + resume + "\"");
   Config cfg = load_config(f.config_path, overrides);
+  check_runnable(cfg);  // refusals before the config is printed: one message, nothing else
   const bool first_rank = detect_ranks().rank == 0;  // the other data-parallel ranks train quietly
   if (first_rank)
     std::cout << build_info() << "\nresolved config:\n"
@@ -79,7 +80,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
   const double param_bytes = c.total * 4 + copy_bytes, grad_bytes = c.total * 4;
   const double optim_bytes = c.total * 8;
-  Model plan(m, compute, Device{}, b, t, /*allocate=*/false);
+  Model plan(m, compute, Device{}, b, t, /*allocate=*/false, cfg.train.recompute_layers);
   const double act_bytes = static_cast<double>(plan.activation_bytes());
   const double scratch_bytes = static_cast<double>(plan.scratch_bytes());
   std::printf("%s\n", build_info().c_str());
@@ -96,8 +97,8 @@ void run_info(const ConfigFlags& f, int world_flag) {
               copy_bytes > 0 ? " (fp32 master + compute copy)" : "");
   std::printf("  gradients         %10.1f MiB\n", mib(grad_bytes));
   std::printf("  optimizer state   %10.1f MiB (AdamW m, v)\n", mib(optim_bytes));
-  std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d)\n",
-              mib(act_bytes), b);
+  std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d%s)\n",
+              mib(act_bytes), b, cfg.train.recompute_layers ? ", layers recomputed" : "");
   std::printf("  backward scratch  %10.1f MiB\n", mib(scratch_bytes));
   std::printf("  total             %10.1f MiB\n",
               mib(param_bytes + grad_bytes + optim_bytes + act_bytes + scratch_bytes));

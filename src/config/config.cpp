@@ -234,7 +234,8 @@ KeyNode train_section() {
        leaf("out_dir", AT(train.out_dir)), leaf("save_interval", AT(train.save_interval)),
        leaf("save_at_end", AT(train.save_at_end)),
        leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume)),
-       leaf("comm_timeout_s", AT(train.comm_timeout_s))});
+       leaf("comm_timeout_s", AT(train.comm_timeout_s)),
+       leaf("recompute_layers", AT(train.recompute_layers))});
 }
 
 KeyNode build_schema() {

@@ -38,12 +38,7 @@ EvalSums loss_sums(Ctx& ctx, Model& model, int batches, int rank, int world, Fil
 constexpr int kMaxSyntheticVocab = 512;
 
 const Config& checked_for_synthetic(const Config& cfg) {
-  if (cfg.model.vocab_size > kMaxSyntheticVocab)
-    throw ConfigError("data.source",
-                      "the synthetic Markov source keeps a table over vocab_size^2 contexts and "
-                      "allows model.vocab_size <= " +
-                          std::to_string(kMaxSyntheticVocab) + " (got " +
-                          std::to_string(cfg.model.vocab_size) + "); use \"random\" or \"shards\"");
+  check_data_source(cfg);
   return cfg;
 }
 
@@ -170,6 +165,15 @@ class ShardData : public TrainData {
 };
 
 }  // namespace
+
+void check_data_source(const Config& cfg) {
+  if (cfg.data.source == "synthetic" && cfg.model.vocab_size > kMaxSyntheticVocab)
+    throw ConfigError("data.source",
+                      "the synthetic Markov source keeps a table over vocab_size^2 contexts and "
+                      "allows model.vocab_size <= " +
+                          std::to_string(kMaxSyntheticVocab) + " (got " +
+                          std::to_string(cfg.model.vocab_size) + "); use \"random\" or \"shards\"");
+}
 
 std::unique_ptr<TrainData> make_train_data(const Config& cfg) {
   if (cfg.data.source == "shards") return std::make_unique<ShardData>(cfg);

@@ -36,6 +36,10 @@ class TrainData {
   virtual std::string tokenizer_dir() const = 0;
 };
 
+// Throws ConfigError when cfg.data cannot serve cfg.model (the synthetic source at a vocabulary
+// too large for its table), before anything is built.
+void check_data_source(const Config& cfg);
+
 // Builds the source named by cfg.data (the global stream; see TrainData). Throws InputError when
 // shard files are missing or corrupt, or hold token ids outside model.vocab_size.
 std::unique_ptr<TrainData> make_train_data(const Config& cfg);

@@ -201,6 +201,27 @@ void check_global_batch(const Config& cfg, int world) {
 
 }  // namespace
 
+void check_runnable(const Config& cfg) {
+  const RankInfo ranks = detect_ranks();
+  check_global_batch(cfg, ranks.world);
+  compute_dtype(cfg, rank_device(cfg, ranks));
+  check_data_source(cfg);
+}
+
+// Dense bf16/fp16 tensor-core peak of the GPU, for MFU: the datasheet figures the PyTorch peers'
+// MFU uses (989 TFLOP/s for H100/H200 SXM); 0 when the GPU is not in the table (MFU not shown).
+double peak_flops(Device dev) {
+  if (dev.type != DeviceType::cuda) return 0;
+  const std::string name = gpu::device_info(dev.index).name;
+  const std::pair<const char*, double> table[] = {
+      {"H100 PCIe", 756e12}, {"H100", 989e12}, {"H200", 989e12}, {"H800", 989e12},
+      {"A100", 312e12},      {"A800", 312e12}, {"L40S", 362e12}, {"L4", 121e12},
+      {"A10", 125e12},       {"V100", 125e12}, {"T4", 65e12}};
+  for (const auto& [key, flops] : table)
+    if (name.find(key) != std::string::npos) return flops;
+  return 0;
+}
+
 TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions& opt) {
   const RankInfo ranks = detect_ranks();
   check_global_batch(cfg, ranks.world);
@@ -221,14 +242,15 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   std::unique_ptr<DataParallel> dp_owner;
   std::unique_ptr<AdamW> optimizer_owner;
   try {
-    model_owner = std::make_unique<Model>(cfg.model, compute, dev, b, t);
+    model_owner =
+        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
     dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
                                               model_owner->table().total);
     optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition());
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     // Out of GPU memory at start-up: say what the run needs and what to change.
-    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false);
+    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, cfg.train.recompute_layers);
     const double state_elems = cfg.zero_optimization.stage >= 1
                                    ? static_cast<double>(plan.table().total) / world
                                    : static_cast<double>(plan.table().total);
@@ -283,6 +305,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
 
   result.optimal_loss = data->optimal_loss();
   const ParamCounts counts = count_params(cfg.model, t);
+  const double peak = peak_flops(dev);
   char line[640];
   std::snprintf(line, sizeof line,
                 "model: %.3fM parameters (%.3fM active per token), activations %.1f MiB | device "
@@ -370,9 +393,17 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       last_log = Clock::now();
       nlohmann::json rec = train_record(step + 1, sum, lr, gnorm, phase, wall, model);
       std::string extra;
+      if (peak > 0) {  // model FLOPs per token (as `info` counts them) at the measured rate
+        const double mfu =
+            counts.flops_per_token * rec["tokens_per_s"].get<double>() / world / peak;
+        rec["mfu"] = mfu;
+        char buf[32];
+        std::snprintf(buf, sizeof buf, " | mfu %.1f%%", 100 * mfu);
+        extra += buf;
+      }
       if (dev.type == DeviceType::cuda)
-        extra = " | gpu " + std::to_string(static_cast<long>(rec["peak_gpu_mib"].get<double>())) +
-                " MiB";
+        extra += " | gpu " + std::to_string(static_cast<long>(rec["peak_gpu_mib"].get<double>())) +
+                 " MiB";
       if (scaler.enabled()) {
         rec["loss_scale"] = scaler.scale();
         rec["skipped_steps"] = skipped;

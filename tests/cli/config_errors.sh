@@ -51,6 +51,13 @@ expect_error seq_len_too_long "data.seq_len" train --config "$tiny" --set data.s
 expect_error override_unknown "train.max_step" train --config "$tiny" --set train.max_step=3
 expect_error override_syntax "has no '='" train --config "$tiny" --set train.max_steps
 expect_error bad_device "train.device" train --config "$tiny" --device tpu
+expect_error bf16_on_cpu "bf16.enabled" train --config "$tiny" --device cpu --set bf16.enabled=true
+expect_error fp16_on_cpu "runs on a GPU only" train --config "$tiny" --device cpu \
+  --set fp16.enabled=true
+expect_error fp16_and_bf16 "at most one" train --config "$tiny" --set fp16.enabled=true \
+  --set bf16.enabled=true
+expect_error synthetic_big_vocab "use \"random\"" train --config "$tiny" --device cpu \
+  --set model.vocab_size=32000
 expect_error missing_config_flag "--config" train
 expect_error unknown_flag "--bogus" train --config "$tiny" --bogus
 
@@ -60,7 +67,7 @@ for word in train info; do
   grep -q "$word" <<<"$help" || { echo "FAIL help lacks $word"; failures=$((failures + 1)); }
 done
 help=$("$bin" train --help 2>&1)
-for word in --config --set --device; do
+for word in --config --set --device --profile; do
   grep -q -- "$word" <<<"$help" || { echo "FAIL train --help lacks $word"; failures=$((failures + 1)); }
 done
 
