@@ -113,6 +113,9 @@ TrainerState sample_state(int64_t step) {
   s.data.epoch = 3;
   s.data.cursor = 17 + static_cast<uint64_t>(step);
   s.loss_scale = 1024.5;
+  s.loss_scale_hysteresis = 2;
+  s.loss_scale_iteration = 900 + step;
+  s.loss_scale_last_overflow = 850;
   s.tokens_seen = 12345 * step;
   return s;
 }
@@ -123,6 +126,9 @@ void check_same_state(const TrainerState& a, const TrainerState& b) {
   CHECK(a.data.epoch == b.data.epoch);
   CHECK(a.data.cursor == b.data.cursor);
   CHECK(a.loss_scale == b.loss_scale);
+  CHECK(a.loss_scale_hysteresis == b.loss_scale_hysteresis);
+  CHECK(a.loss_scale_iteration == b.loss_scale_iteration);
+  CHECK(a.loss_scale_last_overflow == b.loss_scale_last_overflow);
   CHECK(a.tokens_seen == b.tokens_seen);
 }
 

@@ -484,12 +484,25 @@ const GroupedCase kGroupedCases[] = {
     {700, 256, 192, {0, 10, 10, 400, 700}},
     {300, 52, 70, {0, 130, 300}},
 };
+
+// 40 experts: the device-side tile scan takes two 32-expert passes; a few empty, one large.
+GroupedCase forty_experts() {
+  GroupedCase c{0, 64, 48, {0}};
+  for (int e = 0; e < 40; ++e) {
+    const int rows = e % 7 == 3 ? 0 : (e == 33 ? 300 : 5 + e);
+    c.offsets.push_back(c.offsets.back() + rows);
+  }
+  c.rows = c.offsets.back();
+  return c;
+}
 }  // namespace
 
 TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the device", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   int case_index = 0;
-  for (const GroupedCase& gc : kGroupedCases) {
+  std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
+  cases.push_back(forty_experts());
+  for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, in = gc.in, out = gc.out;
     int64_t max_rows = 0;

@@ -32,7 +32,7 @@
 namespace moe {
 
 constexpr uint32_t kStateMagic = 0x4D4F4543;  // "MOEC"
-constexpr uint32_t kStateVersion = 3;         // 2: the fp16 loss scaler state; 3: sharded moments
+constexpr uint32_t kStateVersion = 4;         // 2: fp16 loss scaler; 3: sharded moments; 4: the whole scaler state
 
 // Everything besides model and optimizer that an exact resume needs.
 struct TrainerState {

@@ -39,7 +39,8 @@ struct OpTime {
   double ms = 0;  // total
 };
 // Waits for the recorded work, then returns the time per op since the last take(), largest
-// first, and clears the record.
+// first, and starts counting afresh. (Records are folded into totals as they accumulate, so a
+// long run holds a bounded number of them.)
 std::vector<OpTime> take();
 // A table of `times` per step (`steps` steps), with each op's share of the total.
 std::string format(const std::vector<OpTime>& times, double steps);

@@ -126,21 +126,22 @@ size_t memory_limit() {
 
 void* malloc_device(size_t bytes, int index) {
   set_device(index);
-  {
-    Accounting& a = accounting();
-    std::lock_guard<std::mutex> lock(a.mutex);
-    if (a.limit > 0 && a.live + bytes > a.limit) {
-      char msg[256];
-      std::snprintf(msg, sizeof msg,
-                    "out of GPU memory on cuda:%d allocating %.1f MiB: the GPU memory limit of "
-                    "%.1f MiB (--gpu-memory-limit) leaves %.1f MiB",
-                    index, bytes / 1048576.0, a.limit / 1048576.0,
-                    (a.limit - std::min(a.limit, a.live)) / 1048576.0);
-      throw std::runtime_error(msg);
-    }
+  const size_t size = bytes == 0 ? 256 : bytes;  // a distinct pointer even for nothing
+  // One lock over the limit check, the allocation and the record, so concurrent callers cannot
+  // both pass the limit.
+  Accounting& a = accounting();
+  std::lock_guard<std::mutex> lock(a.mutex);
+  if (a.limit > 0 && a.live + size > a.limit) {
+    char msg[256];
+    std::snprintf(msg, sizeof msg,
+                  "out of GPU memory on cuda:%d allocating %.1f MiB: the GPU memory limit of "
+                  "%.1f MiB (--gpu-memory-limit) leaves %.1f MiB",
+                  index, size / 1048576.0, a.limit / 1048576.0,
+                  (a.limit - std::min(a.limit, a.live)) / 1048576.0);
+    throw std::runtime_error(msg);
   }
   void* p = nullptr;
-  cudaError_t err = cudaMalloc(&p, bytes == 0 ? 256 : bytes);
+  cudaError_t err = cudaMalloc(&p, size);
   if (err != cudaSuccess) {
     cudaGetLastError();
     size_t free_b = 0, total_b = 0;
@@ -148,13 +149,11 @@ void* malloc_device(size_t bytes, int index) {
     char msg[256];
     std::snprintf(msg, sizeof msg,
                   "out of GPU memory on cuda:%d allocating %.1f MiB (%.1f MiB free of %.1f MiB)",
-                  index, bytes / 1048576.0, free_b / 1048576.0, total_b / 1048576.0);
+                  index, size / 1048576.0, free_b / 1048576.0, total_b / 1048576.0);
     throw std::runtime_error(msg);
   }
-  Accounting& a = accounting();
-  std::lock_guard<std::mutex> lock(a.mutex);
-  a.sizes[p] = bytes;
-  a.live += bytes;
+  a.sizes[p] = size;
+  a.live += size;
   a.peak = std::max(a.peak, a.live);
   return p;
 }

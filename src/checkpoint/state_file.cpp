@@ -6,7 +6,8 @@
 //                      u32 ZeRO stage, u64 parameter-table hash (names, stacks, shapes),
 //                      u64 payload bytes
 //   payload            TrainerState (i64 step, u64 rng state, u64 loader epoch, u64 loader
-//                      cursor, f64 loss scale, i64 tokens seen), i64 AdamW step,
+//                      cursor, f64 loss scale, i64 tokens seen, i64 loss-scale hysteresis
+//                      left, i64 loss-scale iteration, i64 last overflow), i64 AdamW step,
 //                      router biases [MoE layers][E],
 //                      u64 R, R x (u64 offset, u64 count): the ranges of the flat parameter
 //                      buffer whose AdamW moments this file holds, then m of those ranges
@@ -137,6 +138,8 @@ std::string encode_trainer_block(const TrainerState& st, long adam_step) {
   std::string s;
   put(s, int64_t{st.step}), put(s, st.rng_state), put(s, uint64_t{st.data.epoch});
   put(s, uint64_t{st.data.cursor}), put(s, st.loss_scale), put(s, int64_t{st.tokens_seen});
+  put(s, int64_t{st.loss_scale_hysteresis}), put(s, int64_t{st.loss_scale_iteration});
+  put(s, int64_t{st.loss_scale_last_overflow});
   put(s, int64_t{adam_step});
   return s;
 }
@@ -149,6 +152,8 @@ TrainerState decode_trainer_block(const std::string& s, long& adam_step) {
   st.step = get<int64_t>(s, at), st.rng_state = get<uint64_t>(s, at);
   st.data.epoch = get<uint64_t>(s, at), st.data.cursor = get<uint64_t>(s, at);
   st.loss_scale = get<double>(s, at), st.tokens_seen = get<int64_t>(s, at);
+  st.loss_scale_hysteresis = get<int64_t>(s, at), st.loss_scale_iteration = get<int64_t>(s, at);
+  st.loss_scale_last_overflow = get<int64_t>(s, at);
   adam_step = static_cast<long>(get<int64_t>(s, at));
   return st;
 }

@@ -13,7 +13,7 @@
 namespace moe::checkpoint_internal {
 
 constexpr size_t kChunkBytes = size_t{64} << 20;
-constexpr uint64_t kHeaderBytes = 56, kTrainerBlockBytes = 56, kChecksumBytes = 8;
+constexpr uint64_t kHeaderBytes = 56, kTrainerBlockBytes = 80, kChecksumBytes = 8;
 
 struct StateHeader {
   uint32_t magic = kStateMagic, version = kStateVersion;

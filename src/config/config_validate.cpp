@@ -2,6 +2,7 @@
 // of the key the user should change, with the offending value in the message.
 #include <cctype>
 #include <cstdint>
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -176,6 +177,11 @@ void validate_fp16(const Fp16Config& f) {
   require_at_least("fp16.loss_scale_window", f.loss_scale_window, 1);
   require_at_least("fp16.hysteresis", f.hysteresis, 1);
   require_positive("fp16.min_loss_scale", f.min_loss_scale);
+  if (f.loss_scale == 0 && f.initial_scale_power < 1024 &&
+      f.min_loss_scale > std::ldexp(1.0, f.initial_scale_power))
+    fail("fp16.min_loss_scale", "must be <= the initial dynamic scale 2^initial_scale_power = " +
+                                    num(std::ldexp(1.0, f.initial_scale_power)) + ", got " +
+                                    num(f.min_loss_scale));
 }
 
 void validate_zero(const ZeroConfig& z) {

@@ -1,6 +1,6 @@
 // The op profiler behind include/moe/profiler.hpp. Records are kept in order of the calls; GPU
-// records hold a pair of timing events from a pool that grows to the number of op calls between
-// two take() calls (a few hundred per step) and is reused after.
+// records hold a pair of timing events from a pool of at most kFoldEvery pairs, reused after
+// each fold into the per-op totals.
 #include "moe/profiler.hpp"
 
 #include <algorithm>
@@ -34,10 +34,34 @@ struct Record {
 
 struct State {
   std::mutex mutex;
-  std::vector<Record> records;
-  std::vector<std::pair<void*, void*>> pool;  // event pairs, reused
+  std::vector<Record> records;                // not yet folded into `totals`
+  std::vector<std::pair<void*, void*>> pool;  // event pairs, reused after each fold
   size_t pool_used = 0;
+  int open = 0;  // scopes not yet closed (an op may call another op): no fold while any is open
+  std::map<std::string, OpTime> totals;
 };
+
+// Records are folded into per-op totals once this many are pending (and by take()), so a long
+// run keeps a bounded number of records and events. A fold waits for the pending events: with
+// 4096 of them (~10 steps of a small model) that is rare.
+constexpr size_t kFoldEvery = 4096;
+
+// Adds the pending records to the totals and frees their events for reuse. Caller holds the lock.
+void fold(State& s) {
+  for (const Record& r : s.records) {
+    OpTime& t = s.totals[r.op];
+    t.op = r.op;
+    ++t.calls;
+    if (r.gpu) {
+      gpu::event_synchronize(r.stop);
+      t.ms += gpu::event_elapsed_ms(r.start, r.stop);
+    } else {
+      t.ms += std::chrono::duration<double, std::milli>(r.t1 - r.t0).count();
+    }
+  }
+  s.records.clear();
+  s.pool_used = 0;
+}
 
 State& state() {
   static State s;
@@ -63,6 +87,8 @@ Scope::Scope(const char* op, const Ctx& ctx) {
 #endif
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.records.size() >= kFoldEvery && s.open == 0) fold(s);
+  ++s.open;
   Record r;
   r.op = op;
   r.gpu = ctx.device.type == DeviceType::cuda;
@@ -85,11 +111,17 @@ Scope::~Scope() {
   State& s = state();
   {
     std::lock_guard<std::mutex> lock(s.mutex);
+    --s.open;
     Record& r = s.records[static_cast<size_t>(record_)];
-    if (r.gpu)
-      gpu::event_record(r.stop, r.stream);
-    else
-      r.t1 = Clock::now();
+    try {  // a destructor must not throw (it may run while a device error unwinds)
+      if (r.gpu)
+        gpu::event_record(r.stop, r.stream);
+      else
+        r.t1 = Clock::now();
+    } catch (...) {
+      r.gpu = false;  // the op's time is lost; the record stays well formed
+      r.t1 = r.t0 = Clock::now();
+    }
   }
 #ifdef MOE_HAVE_NVTX
   nvtxRangePop();
@@ -99,22 +131,10 @@ Scope::~Scope() {
 std::vector<OpTime> take() {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mutex);
-  std::map<std::string, OpTime> by_op;
-  for (const Record& r : s.records) {
-    OpTime& t = by_op[r.op];
-    t.op = r.op;
-    ++t.calls;
-    if (r.gpu) {
-      gpu::event_synchronize(r.stop);
-      t.ms += gpu::event_elapsed_ms(r.start, r.stop);
-    } else {
-      t.ms += std::chrono::duration<double, std::milli>(r.t1 - r.t0).count();
-    }
-  }
-  s.records.clear();
-  s.pool_used = 0;
+  fold(s);
   std::vector<OpTime> out;
-  for (auto& [name, t] : by_op) out.push_back(t);
+  for (auto& [name, t] : s.totals) out.push_back(t);
+  s.totals.clear();
   std::sort(out.begin(), out.end(), [](const OpTime& a, const OpTime& b) { return a.ms > b.ms; });
   return out;
 }

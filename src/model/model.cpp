@@ -23,16 +23,28 @@ namespace moe {
 struct Model::Staging {
   static constexpr int kSlots = 2;
   explicit Staging(size_t tokens) : n(tokens) {
-    for (int i = 0; i < kSlots; ++i) {
-      host[i] = static_cast<int32_t*>(gpu::malloc_pinned(2 * n * sizeof(int32_t)));
-      event[i] = gpu::event_create();
+    try {
+      for (int i = 0; i < kSlots; ++i) {
+        host[i] = static_cast<int32_t*>(gpu::malloc_pinned(2 * n * sizeof(int32_t)));
+        event[i] = gpu::event_create();
+      }
+    } catch (...) {
+      release();
+      throw;
     }
   }
-  ~Staging() {
+  ~Staging() { release(); }
+  // Never throws: it also runs while an error (perhaps a device fault) unwinds the trainer.
+  void release() noexcept {
     for (int i = 0; i < kSlots; ++i) {
-      if (used[i]) gpu::event_synchronize(event[i]);  // the copy may still read the slot
+      try {
+        if (used[i]) gpu::event_synchronize(event[i]);  // the copy may still read the slot
+      } catch (...) {  // a faulted device: nothing to wait for any more
+      }
       gpu::free_pinned(host[i]);
       gpu::event_destroy(event[i]);
+      host[i] = nullptr;
+      event[i] = nullptr;
     }
   }
   Staging(const Staging&) = delete;
@@ -220,7 +232,13 @@ void Model::upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
       throw InputError("token id " + std::to_string(ids[i]) + " at position " + std::to_string(i) +
                        " is outside the vocabulary [0, " + std::to_string(vocab) + ")");
   valid_targets_ = 0;
-  for (int64_t i = 0; i < n; ++i) valid_targets_ += targets[i] >= 0 ? 1 : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (targets[i] >= vocab)  // negative targets are ignored positions
+      throw InputError("target id " + std::to_string(targets[i]) + " at position " +
+                       std::to_string(i) + " is outside the vocabulary [0, " +
+                       std::to_string(vocab) + ")");
+    valid_targets_ += targets[i] >= 0 ? 1 : 0;
+  }
   if (!staging_) {
     copy_from_host(ids_, ids);
     copy_from_host(targets_, targets);

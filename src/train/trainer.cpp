@@ -21,6 +21,7 @@
 #include "moe/metrics.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
+#include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
@@ -330,6 +331,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   int skipped = 0;  // fp16 overflow steps since the last log line
   bool warned_no_eval = false;
   const int max_steps = cfg.train.max_steps;
+  if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
     // end (one wait per optimizer step, after all of its work is queued).
@@ -365,12 +367,14 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     copy_to_host(&gnorm_sq, norm_sq_t);
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
-    const bool overflow = !std::isfinite(gnorm) || !std::isfinite(sum.total());
-    if (overflow && !scaler.enabled())
+    // The device skipped the update exactly when the gradient norm was not finite; the host
+    // follows that decision (fp16: an overflow; otherwise the run has diverged).
+    const bool overflow = !std::isfinite(gnorm);
+    if ((overflow && !scaler.enabled()) || (!overflow && !std::isfinite(sum.total())))
       throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
                                "; lower optimizer.params.lr or enable gradient_clipping");
     if (overflow) {
-      optimizer.undo_step();  // the device skipped the update (non-finite norm)
+      optimizer.undo_step();  // the bias-correction count of the skipped update
       ++skipped;
     }
     scaler.update(overflow);
