@@ -11,5 +11,5 @@ $SUDO apt-get install -y -qq --no-install-recommends \
   libcli11-dev nlohmann-json3-dev libspdlog-dev libfmt-dev catch2 \
   libopenblas-dev libopenmpi-dev openmpi-bin \
   libsentencepiece-dev sentencepiece fortunes-min fortunes \
-  python3 python3-matplotlib >/dev/null
+  python3 python3-matplotlib jq >/dev/null
 echo "setup.sh: packages installed"

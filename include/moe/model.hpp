@@ -106,7 +106,7 @@ class Model {
   // f64 [4] loss sums (lm, aux, z, mod_pred; each a sum of micro-batch means) and, per MoE
   // layer, its [E] expert loads (the router-bias update reads these in after_step).
   Tensor loss_sums() const { return stats_; }
-  std::vector<Tensor> expert_loads() const;
+  const std::vector<Tensor>& expert_loads() const { return loads_; }
 
   // ---- conveniences (each reads back, so each waits for the device) ----
   Losses forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets, double grad_scale);
@@ -163,6 +163,8 @@ class Model {
   Tensor dstream_a_, dstream_b_;  // [N, d] gradient ping-pong
   Tensor xf_, rstdf_, logits_, losses_, lse_;  // final norm, [N, V] logits, per-token losses
   Tensor stats_;                               // f64 [4] device sums: lm, aux, z, mod_pred
+  std::vector<Tensor> loads_;                  // each MoE layer's [E] step loads (planned once)
+  std::vector<float> host_loads_f32_;          // reused by read_stats (no allocation per step)
   struct Staging;                              // page-locked upload slots (GPU only)
   std::unique_ptr<Staging> staging_;
 };

@@ -37,6 +37,12 @@ struct TrainOptions {
 // input and std::runtime_error when training itself fails (e.g. the loss diverges).
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt = {});
 
+// The activation dtype the config asks for: bf16 or fp16 when enabled, else f32.
+DType requested_compute_dtype(const Config& cfg);
+// The same, checked against the device: mixed precision needs a GPU, bf16 one of sm_80 or newer
+// (ConfigError naming the key otherwise).
+DType compute_dtype(const Config& cfg, Device dev);
+
 // What train() would refuse before it starts (train_batch_size against the launched ranks, the
 // device, mixed precision on it, the data source), checked without building anything, so a bad
 // config fails before the resolved config is printed.

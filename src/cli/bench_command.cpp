@@ -26,9 +26,7 @@ void run_bench(const BenchFlags& f) {
   const Config cfg = load_config(f.config.config_path, overrides);
   const Device dev = resolve_device(cfg.train.device);
   // The activation dtype the trainer would use; the CPU backend computes in f32 only.
-  DType dt = DType::f32;
-  if (dev.type == DeviceType::cuda)
-    dt = cfg.bf16_enabled ? DType::bf16 : cfg.fp16.enabled ? DType::f16 : DType::f32;
+  const DType dt = dev.type == DeviceType::cuda ? compute_dtype(cfg, dev) : DType::f32;
   BenchOptions opt;
   opt.iters = f.iters;
   if (!f.skews.empty()) opt.skews = f.skews;

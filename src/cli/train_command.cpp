@@ -76,7 +76,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const ParamCounts c = count_params(m, t);
   // fp32 master weights, gradients and both Adam moments; in bf16 / fp16 also a compute copy of
   // the weights, and activations in that dtype.
-  const DType compute = cfg.bf16_enabled ? DType::bf16 : cfg.fp16.enabled ? DType::f16 : DType::f32;
+  const DType compute = requested_compute_dtype(cfg);
   const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
   const double param_bytes = c.total * 4 + copy_bytes, grad_bytes = c.total * 4;
   const double optim_bytes = c.total * 8;

@@ -137,6 +137,8 @@ void Model::plan() {
     if (recompute_) acts_.release(shared);
     layer->plan(acts_);
   }
+  loads_.clear();
+  for (const auto& layer : layers_) layer->collect_loads(loads_);
 }
 
 size_t Model::weight_bytes() const {
@@ -211,15 +213,9 @@ void Model::init_weights(uint64_t seed) {
   weights_changed(ctx);
 }
 
-std::vector<Tensor> Model::expert_loads() const {
-  std::vector<Tensor> loads;
-  for (const auto& layer : layers_) layer->collect_loads(loads);
-  return loads;
-}
-
 void Model::reset_stats(Ctx& ctx) {
   fill(ctx, stats_, 0.0);
-  for (Tensor l : expert_loads()) fill(ctx, l, 0.0);
+  for (Tensor l : loads_) fill(ctx, l, 0.0);
   routing_.reset();
   micro_batches_ = 0;
 }
@@ -291,16 +287,15 @@ Losses Model::read_stats(Ctx& ctx) {
   l.aux = sums[kStatAux] / m;
   l.z = sums[kStatZ] / m;
   l.mod_pred = sums[kStatModPred] / m;
-  const std::vector<Tensor> loads = expert_loads();
-  std::vector<float> f32;
+  const std::vector<Tensor>& loads = loads_;
   for (size_t i = 0; i < loads.size(); ++i) {
     auto& out = routing_.expert_load[i];
     if (loads[i].dtype == DType::f64) {
       copy_to_host(out.data(), loads[i]);
     } else {
-      f32.resize(out.size());
-      copy_to_host(f32.data(), loads[i]);
-      out.assign(f32.begin(), f32.end());
+      host_loads_f32_.resize(out.size());
+      copy_to_host(host_loads_f32_.data(), loads[i]);
+      out.assign(host_loads_f32_.begin(), host_loads_f32_.end());
     }
   }
   return l;

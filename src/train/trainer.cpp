@@ -149,23 +149,26 @@ double evaluate(Ctx& ctx, TrainData& data, Model& model, DataParallel& dp, int b
 
 }  // namespace
 
-// The compute dtype of a run: bf16 or fp16 when enabled (GPU only; bf16 needs sm_80+), else f32.
+DType requested_compute_dtype(const Config& cfg) {
+  return cfg.bf16_enabled ? DType::bf16 : cfg.fp16.enabled ? DType::f16 : DType::f32;
+}
+
 DType compute_dtype(const Config& cfg, Device dev) {
-  if (!cfg.bf16_enabled && !cfg.fp16.enabled) return DType::f32;
+  const DType requested = requested_compute_dtype(cfg);
+  if (requested == DType::f32) return requested;
   const char* key = cfg.bf16_enabled ? "bf16.enabled" : "fp16.enabled";
   if (dev.type != DeviceType::cuda)
     throw ConfigError(key,
                       "mixed precision runs on a GPU only; this run uses the CPU "
                       "(train.device): set it to false or train on a GPU");
-  if (cfg.bf16_enabled) {
+  if (requested == DType::bf16) {
     const gpu::DeviceInfo info = gpu::device_info(dev.index);
     if (info.major < 8)
       throw ConfigError(key, info.name + " (sm_" + std::to_string(info.major) +
                                  std::to_string(info.minor) +
                                  ") has no bf16 arithmetic: use fp16.enabled instead");
-    return DType::bf16;
   }
-  return DType::f16;
+  return requested;
 }
 
 namespace {
