@@ -2,7 +2,8 @@
 # On a GPU machine: builds the CUDA backend for the local GPU (and, with --sm75, a PTX-only sm_75
 # build that the driver JIT-compiles, to check the T4 code path), runs the GPU tests and prints a
 # summary table. With --sanitize, also runs compute-sanitizer memcheck and racecheck over every
-# GPU test of the local-GPU build. Logs go to $OUT (default /tmp/gpu_tests).
+# GPU test of the local-GPU build (or of those named in SANITIZE_TESTS). Logs go to $OUT (default
+# /tmp/gpu_tests).
 #   scripts/device_gpu_tests.sh [--sm75 | --sm75-only] [--sanitize]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,7 @@ if [ $sanitize = 1 ] && [ $local_gpu = 1 ]; then
   for tool in memcheck racecheck; do
     extra=()
     [ $tool = racecheck ] && extra=(--racecheck-report hazard)
-    for t in $targets; do
+    for t in ${SANITIZE_TESTS:-$targets}; do
       log="$OUT/sanitize.$tool.$t.log"
       timeout "${SANITIZE_TIMEOUT:-300}" compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 \
         "build-gpu-sm90/tests/$t" --reporter compact >"$log" 2>&1

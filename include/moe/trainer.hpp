@@ -14,6 +14,7 @@ namespace moe {
 struct TrainResult {
   int steps = 0;               // the step the run ended at (counting resumed steps)
   int resumed_from = 0;        // the checkpoint step it started from (0 = fresh)
+  int profiled_steps = 0;      // steps the op profile covers (all but the first, warm-up step)
   std::vector<double> losses;  // LM loss of each step this call ran
   double last_loss = 0;        // LM loss of the last step
   double eval_loss = NAN;      // LM loss on held-out data at the end (NaN: none)

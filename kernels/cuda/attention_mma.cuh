@@ -19,6 +19,18 @@ struct AttentionShape {
 void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                            const void* v, const AttentionShape& s);
 
+// The mma.sync forward for sm_80+ (attention_sm80.cu) behind attention_mma_forward: false,
+// launching nothing, when the binary has no sm_80 code for t on this device or a tensor is not
+// 16-byte aligned.
+bool attention_sm80_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
+                            const void* v, const AttentionShape& s);
+
+// The mma.sync backward for sm_80+ (attention_sm80_backward.cu) behind attention_mma_backward,
+// under the same conditions.
+bool attention_sm80_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
+                             const void* q, const void* k, const void* v, const void* out,
+                             const float* lse, const AttentionShape& s);
+
 void attention_mma_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                             const void* q, const void* k, const void* v, const void* out,
                             const float* lse, const AttentionShape& s);

@@ -15,7 +15,8 @@
 // a block loops over its expert's rows; an expert without rows returns before touching dw[e].
 // Results are stored through a per-warp 16 x 16 fp32 staging tile: one rounding to the output
 // dtype, or an fp32 += for dw.
-// This is the first tensor-core version: single-buffered shared memory, no cp.async pipeline.
+// These kernels are single-buffered (no cp.async): the sm_70/sm_75 path and the fallback for
+// unaligned operands. On sm_80+ the pipelined kernels of grouped_mma_sm80.cu run first.
 #include <mma.h>
 
 #include <mutex>
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ alignas(128) T bs[kStageElems];
     __shared__ alignas(128) float staging[kThreads / 32][256];
     int64_t r0 = 0, r1 = 0;
-    const int expert = block_row_tile<kBM>(offsets, experts, rows, &r0, &r1);
+    const int expert = block_row_tile<kBM>(offsets, experts, rows, blockIdx.x, &r0, &r1);
     if (expert < 0) return;  // uniform over the block
     const int64_t n0 = int64_t(blockIdx.y) * kBN;
     const T* b = w + expert * expert_stride;
@@ -240,6 +241,9 @@ bool grouped_mma_available(DType t) {
 void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                       const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                       int64_t k_total, int64_t expert_stride, bool b_k_fast) {
+  if (grouped_sm80_rows(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total, expert_stride,
+                        b_k_fast))
+    return;
   if (t == DType::f16)
     launch_rows<__half>(ctx, c, a, w, offsets, experts, rows, n_total, k_total, expert_stride,
                         b_k_fast);
@@ -252,6 +256,7 @@ void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in) {
+  if (grouped_sm80_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in)) return;
   if (t == DType::f16)
     launch_dw<__half>(ctx, dw, dy, x, offsets, experts, rows, out, in);
   else if (t == DType::bf16)

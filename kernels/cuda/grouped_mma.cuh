@@ -20,6 +20,17 @@ void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                       const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                       int64_t k_total, int64_t expert_stride, bool b_k_fast);
 
+// The pipelined sm_80+ kernels (grouped_mma_sm80.cu) behind the two calls above: each returns
+// false, launching nothing, when the binary has no sm_80 code for dtype t on this device or the
+// operands are not 16-byte aligned with leading dimensions that are multiples of 8; the WMMA
+// kernels then run.
+bool grouped_sm80_available(DType t);
+bool grouped_sm80_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
+                       const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
+                       int64_t k_total, int64_t expert_stride, bool b_k_fast);
+bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
+
 // dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
 // An expert without rows leaves dw[e] untouched.
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,

@@ -53,18 +53,19 @@ __device__ bool find_row_tile(const int32_t* offsets, int experts, int64_t rows,
   return false;
 }
 
-// The calling block's row tile (row tile blockIdx.x), found by its first warp and shared with
-// every thread: returns the expert (-1 past the last tile: the whole block should exit) and sets
-// [r0, r1). All threads of the block must call it (it synchronises the block).
+// The calling block's row tile (row tile `tile`, the same for every thread), found by its first
+// warp and shared with every thread: returns the expert (-1 past the last tile: the whole block
+// should exit) and sets [r0, r1). All threads of the block must call it (it synchronises the
+// block).
 template <int kRowTile>
 __device__ __forceinline__ int block_row_tile(const int32_t* offsets, int experts, int64_t rows,
-                                              int64_t* r0, int64_t* r1) {
+                                              int64_t tile, int64_t* r0, int64_t* r1) {
   __shared__ int s_expert;
   __shared__ int64_t s_r0, s_r1;
   if (threadIdx.x < 32) {
     int e = -1;
     int64_t b = 0, end = 0;
-    const bool found = find_row_tile<kRowTile>(offsets, experts, rows, blockIdx.x, &e, &b, &end);
+    const bool found = find_row_tile<kRowTile>(offsets, experts, rows, tile, &e, &b, &end);
     if (threadIdx.x == 0) {
       s_expert = found ? e : -1;
       s_r0 = b;

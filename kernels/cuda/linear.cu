@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kThreads)
     grouped_rows_kernel(T* c, const T* a, const T* w, const int32_t* offsets, int experts,
                         int64_t rows, int64_t n, int64_t k, int64_t expert_stride) {
   int64_t r0 = 0, r1 = 0;
-  const int expert = block_row_tile<kTile>(offsets, experts, rows, &r0, &r1);
+  const int expert = block_row_tile<kTile>(offsets, experts, rows, blockIdx.x, &r0, &r1);
   if (expert < 0) return;  // uniform over the block
   const int64_t n0 = int64_t(blockIdx.y) * kTile;
   const T* b = w + expert * expert_stride;

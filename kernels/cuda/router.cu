@@ -195,16 +195,25 @@ __global__ void __launch_bounds__(kAuxThreads)
   fill_aux_factors(factors, counts, n_tok, n_exp, k, aux_coef);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int warps = blockDim.x / kWarp;
-  double aux = 0, z = 0;  // meaningful in lane 0
-  for (int64_t n = warp; n < n_tok; n += warps) {
+  // One token per thread (router rows are short: E values), so all 1024 threads stream the
+  // [N, E] rows; a warp per token left most lanes idle on E = 8 and took ~0.5 ms at N = 16k.
+  double aux = 0, z = 0;
+  for (int64_t n = threadIdx.x; n < n_tok; n += blockDim.x) {
     const T* pn = probs + n * n_exp;
-    A s = 0;
-    for (int e = lane; e < n_exp; e += kWarp) s += factors[e] * load(pn[e]);
-    s = warp_sum(s);
-    const A lse = warp_logsumexp(logits + n * n_exp, n_exp, lane);
+    const T* ln = logits + n * n_exp;
+    A s = 0, mx = -INFINITY;
+    for (int e = 0; e < n_exp; ++e) {
+      s += factors[e] * load(pn[e]);
+      mx = max(mx, load(ln[e]));
+    }
+    A sum = 0;
+    for (int e = 0; e < n_exp; ++e) sum += dev_exp(load(ln[e]) - mx);
+    const A lse = mx + dev_log(sum);
     aux += static_cast<double>(s);
     z += static_cast<double>(lse) * static_cast<double>(lse);
   }
+  aux = warp_sum(aux);  // fixed butterfly order: deterministic
+  z = warp_sum(z);
   if (lane == 0) {
     part_aux[warp] = aux;
     part_z[warp] = z;

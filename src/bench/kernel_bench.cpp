@@ -205,6 +205,22 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
         0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
   }
 
+  // ---- the model's dense linears (cuBLAS): attention projection, LM head, fp32 router ----
+  auto linear_rows = [&](const std::string& name, DType t, int64_t in, int64_t out) {
+    Tensor lx = pool.random(t, {n, in}), lw = pool.random(t, {out, in}, -0.05f, 0.05f);
+    Tensor ly = pool.zeros(t, {n, out}), ldy = pool.random(t, {n, out}),
+           ldx = pool.zeros(t, {n, in});
+    Tensor ldw = pool.zeros(acc_dtype(t), {out, in});
+    const double fl = 2.0 * double(n) * double(in) * double(out);
+    const std::string det = shape({n, in}) + " x " + shape({out, in}) + "^T " + dtype_name(t);
+    add(name, det, fl, true, gemm_rate, 0, [&] { linear_forward(ctx, ly, lx, lw, false); });
+    add(name + "_bwd", det + " (dx, dw)", 2 * fl, true, gemm_bwd_rate, 0,
+        [&] { linear_backward(ctx, ldx, ldw, ldy, lx, lw, false); });
+  };
+  linear_rows("linear_proj", dt, d, d);
+  linear_rows("lm_head", dt, d, m.vocab_size);
+  linear_rows("router_linear", acc, d, e);
+
   // ---- SwiGLU, RMSNorm ----
   Tensor gate = pool.random(dt, {r, f}), up = pool.random(dt, {r, f}), act = pool.zeros(dt, {r, f});
   add("swiglu", shape({r, f}), double(3 * r * f * es), false, bw, 0,

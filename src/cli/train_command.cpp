@@ -35,8 +35,8 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
               << std::flush;
   TrainResult r = train(cfg, std::cout);
   if (!first_rank) return;
-  if (profile::enabled() && r.steps > r.resumed_from)
-    std::cout << profile::format(profile::take(), r.steps - r.resumed_from) << std::flush;
+  if (profile::enabled() && r.profiled_steps > 0)
+    std::cout << profile::format(profile::take(), r.profiled_steps) << std::flush;
   std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
   if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
   if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);

@@ -381,6 +381,14 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       ++skipped;
     }
     scaler.update(overflow);
+    // The first step loads kernels and picks cuBLAS algorithms: the profile leaves it out
+    // (when there are more steps to measure).
+    if (profile::enabled()) {
+      if (step == first_step && step + 1 < max_steps)
+        profile::take();
+      else
+        ++result.profiled_steps;
+    }
     phase.steps += 1;
     phase.tokens += static_cast<double>(n) * accum * world;
     state.step = step + 1;
