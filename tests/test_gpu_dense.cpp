@@ -502,9 +502,9 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
   cases.push_back(forty_experts());
-  // Both block shapes of the sm_80+ kernels (grouped_mma_sm80.cu: 256- and 128-row tiles).
-  const std::string tile_m = GENERATE(as<std::string>{}, "256", "128");
-  setenv("MOE_GROUPED_TILE_M", tile_m.c_str(), 1);
+  // Both configurations of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
+  const std::string tile_k = GENERATE(as<std::string>{}, "32", "64");
+  setenv("MOE_GROUPED_TILE_K", tile_k.c_str(), 1);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
@@ -512,8 +512,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
     int64_t max_rows = 0;
     for (int64_t i = 0; i < e; ++i)
       max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
-    const std::string tag =
-        " [case " + std::to_string(case_index++) + ", tile rows " + tile_m + "]";
+    const std::string tag = " [case " + std::to_string(case_index++) + ", k-slices " + tile_k + "]";
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
       const auto x = rounded_random_values(dt, r * in, 80),
@@ -553,7 +552,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
       CHECK(download_i32(goff) == gc.offsets);
     }
   }
-  unsetenv("MOE_GROUPED_TILE_M");
+  unsetenv("MOE_GROUPED_TILE_K");
 }
 
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {

@@ -20,6 +20,7 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/mma_common.cuh"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/vec16.cuh"
 
 namespace moe::cuda_detail {
 namespace {
@@ -131,19 +132,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 template <class T>
 void launch_forward(Ctx& ctx, void* out, float* lse, const void* q, const void* k, const void* v,
                     const AttentionShape& s) {
   auto kernel = flash_forward_sm80_kernel<T>;
   static std::once_flag once;
-  std::call_once(once, [&] {
-    MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kSmemBytes)));
-  });
+  std::call_once(once, [&] { allow_dynamic_smem(kernel, kSmemBytes); });
   const dim3 grid(blocks_for(s.seq, kBM), static_cast<unsigned>(s.heads),
                   static_cast<unsigned>(s.batch));
   const float scale_log2 = static_cast<float>(1.4426950408889634 / std::sqrt(double(kD)));
@@ -165,7 +159,7 @@ bool attention_sm80_forward(Ctx& ctx, DType t, void* out, float* lse, const void
     bf16_ok = compiled_arch(flash_forward_sm80_kernel<__nv_bfloat16>) >= 80;
   });
   const bool ok = t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
-  if (!ok || !aligned16(out) || !aligned16(q) || !aligned16(k) || !aligned16(v)) return false;
+  if (!ok || !aligned16({out, q, k, v})) return false;
   if (t == DType::f16)
     launch_forward<__half>(ctx, out, lse, q, k, v, s);
   else

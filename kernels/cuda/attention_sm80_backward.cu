@@ -18,6 +18,7 @@
 #include "cuda/attention_sm80.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/mma_common.cuh"
+#include "cuda/vec16.cuh"
 
 namespace moe::cuda_detail {
 namespace {
@@ -256,24 +257,14 @@ constexpr size_t kDqSmem = 4 * kTileElems * 2 + 2 * kTileElems * 2;  // Q, dO, K
 template <class T>
 constexpr size_t kDkdvSmem = 2 * kTileElems * sizeof(T) + 2 * QueryStage<T>::kBytes;
 
-template <class Kernel>
-void allow_smem(Kernel kernel, size_t bytes) {
-  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
-}
-
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 template <class T>
 void launch_backward(Ctx& ctx, void* dq, void* dk, void* dv, const void* dout, const void* q,
                      const void* k, const void* v, const void* out, const float* lse,
                      const AttentionShape& s) {
   static std::once_flag once;
   std::call_once(once, [] {
-    allow_smem(flash_dq_sm80_kernel<T>, kDqSmem);
-    allow_smem(flash_dkdv_sm80_kernel<T>, kDkdvSmem<T>);
+    allow_dynamic_smem(flash_dq_sm80_kernel<T>, kDqSmem);
+    allow_dynamic_smem(flash_dkdv_sm80_kernel<T>, kDkdvSmem<T>);
   });
   const double scale = 1.0 / std::sqrt(double(kD));
   const auto scale_f = static_cast<float>(scale);
@@ -313,10 +304,7 @@ bool attention_sm80_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, co
     bf16_ok = compiled_for_sm80<__nv_bfloat16>();
   });
   const bool ok = t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
-  const void* tensors[] = {dq, dk, dv, dout, q, k, v, out};
-  for (const void* p : tensors)
-    if (!aligned16(p)) return false;
-  if (!ok) return false;
+  if (!ok || !aligned16({dq, dk, dv, dout, q, k, v, out})) return false;
   if (t == DType::f16)
     launch_backward<__half>(ctx, dq, dk, dv, dout, q, k, v, out, lse, s);
   else

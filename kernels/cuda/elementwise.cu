@@ -27,6 +27,7 @@
 
 #include "common/elementwise_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 #include "moe/ops/elementwise.hpp"
 
 namespace moe::cuda_detail {
@@ -49,10 +50,17 @@ __global__ void fill_kernel(T* x, int64_t n, acc_t<T> value) {
 
 // out may alias a or b: each element is read before it is written, by the same thread.
 template <class T>
-__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = store<T>(load(a[i]) + load(b[i]));
+__global__ void add_kernel(T* out, const T* a, const T* b, int64_t n, bool vec) {
+  grid_elements<T>(
+      n, vec,
+      [&](int64_t i) {
+        const Vec16<T> va = load16(a + i), vb = load16(b + i);
+        Vec16<T> o;
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) o.v[j] = store<T>(load(va.v[j]) + load(vb.v[j]));
+        store16(out + i, o);
+      },
+      [&](int64_t i) { out[i] = store<T>(load(a[i]) + load(b[i])); });
 }
 
 template <class T>
@@ -190,8 +198,8 @@ void add_cuda(Ctx& ctx, Tensor out, Tensor a, Tensor b) {
   if (n == 0) return;
   dispatch_storage(out.dtype, "add", [&](auto zero) {
     using T = decltype(zero);
-    add_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(out), data_of<T>(a),
-                                                                data_of<T>(b), n);
+    add_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(out), data_of<T>(a), data_of<T>(b), n, aligned16({out.data, a.data, b.data}));
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

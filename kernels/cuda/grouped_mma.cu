@@ -191,17 +191,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const void* p, int64_t ld_elems, int64_t stride_elems = 0) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld_elems % 8 == 0 && stride_elems % 8 == 0;
-}
-
 template <class T>
 void launch_rows(Ctx& ctx, void* c, const void* a, const void* w, const int32_t* offsets,
                  int experts, int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride,
                  bool b_k_fast) {
   const dim3 grid(static_cast<unsigned>(blocks_for(rows, kBM) + experts), blocks_for(n_total, kBN));
-  const bool vec_a = aligned16(a, k_total);
-  const bool vec_b = aligned16(w, b_k_fast ? k_total : n_total, expert_stride);
+  const bool vec_a = aligned16_rows(a, k_total);
+  const bool vec_b = aligned16_rows(w, b_k_fast ? k_total : n_total, expert_stride);
   if (b_k_fast)
     grouped_mma_rows_kernel<T, true><<<grid, kThreads, 0, stream_of(ctx)>>>(
         static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(w), offsets, experts,
@@ -219,7 +215,7 @@ void launch_dw(Ctx& ctx, float* dw, const void* dy, const void* x, const int32_t
   const dim3 grid(blocks_for(in, kBN), blocks_for(out, kBM), static_cast<unsigned>(experts));
   grouped_mma_dw_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(
       dw, static_cast<const T*>(dy), static_cast<const T*>(x), offsets, rows, out, in,
-      aligned16(dy, out), aligned16(x, in));
+      aligned16_rows(dy, out), aligned16_rows(x, in));
   MOE_CUDA_LAUNCH_CHECK();
 }
 

@@ -33,6 +33,14 @@ int compiled_arch(Kernel kernel) {
   return attr.ptxVersion;
 }
 
+// Lets `kernel` use `bytes` of dynamic shared memory (above the 48 KiB default). Call once per
+// kernel and process (the trainer uses one device per process), before the first launch.
+template <class Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  MOE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(bytes)));
+}
+
 // The minimum compiled_arch at which HasMma<T> holds.
 template <class T>
 constexpr int kMmaArch = std::is_same_v<T, __half> ? 70 : 80;

@@ -8,6 +8,7 @@
 
 #include "common/swiglu_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 #include "moe/ops/swiglu.hpp"
 
 namespace moe::cuda_detail {
@@ -35,22 +36,43 @@ __device__ __forceinline__ A silu_grad(A a) {
   return s * (A(1) + a * (A(1) - s));
 }
 
+// 16-byte accesses when every pointer allows them (vec16.cuh), scalar otherwise and for the tail.
 template <class T>
-__global__ void swiglu_forward_kernel(T* h, const T* gate, const T* up, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x)
-    h[i] = store<T>(silu(load(gate[i])) * load(up[i]));
+__global__ void swiglu_forward_kernel(T* h, const T* gate, const T* up, int64_t n, bool vec) {
+  grid_elements<T>(
+      n, vec,
+      [&](int64_t i) {
+        const Vec16<T> g = load16(gate + i), u = load16(up + i);
+        Vec16<T> o;
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) o.v[j] = store<T>(silu(load(g.v[j])) * load(u.v[j]));
+        store16(h + i, o);
+      },
+      [&](int64_t i) { h[i] = store<T>(silu(load(gate[i])) * load(up[i])); });
 }
 
 template <class T>
 __global__ void swiglu_backward_kernel(T* dgate, T* dup, const T* dh, const T* gate, const T* up,
-                                       int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const auto g = load(gate[i]), u = load(up[i]), d = load(dh[i]);
-    dgate[i] = store<T>(d * u * silu_grad(g));
-    dup[i] = store<T>(d * silu(g));
-  }
+                                       int64_t n, bool vec) {
+  grid_elements<T>(
+      n, vec,
+      [&](int64_t i) {
+        const Vec16<T> g = load16(gate + i), u = load16(up + i), d = load16(dh + i);
+        Vec16<T> dg, du;
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) {
+          const auto gj = load(g.v[j]), uj = load(u.v[j]), dj = load(d.v[j]);
+          dg.v[j] = store<T>(dj * uj * silu_grad(gj));
+          du.v[j] = store<T>(dj * silu(gj));
+        }
+        store16(dgate + i, dg);
+        store16(dup + i, du);
+      },
+      [&](int64_t i) {
+        const auto g = load(gate[i]), u = load(up[i]), d = load(dh[i]);
+        dgate[i] = store<T>(d * u * silu_grad(g));
+        dup[i] = store<T>(d * silu(g));
+      });
 }
 
 template <class T>
@@ -81,7 +103,8 @@ void swiglu_forward_cuda(Ctx& ctx, Tensor h, Tensor gate, Tensor up) {
   dispatch_storage(gate.dtype, "swiglu_forward", [&](auto zero) {
     using T = decltype(zero);
     swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(h), data_of<T>(gate), data_of<T>(up), n);
+        data_of<T>(h), data_of<T>(gate), data_of<T>(up), n,
+        aligned16({h.data, gate.data, up.data}));
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -94,7 +117,8 @@ void swiglu_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dh, Tensor 
   dispatch_storage(gate.dtype, "swiglu_backward", [&](auto zero) {
     using T = decltype(zero);
     swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(dgate), data_of<T>(dup), data_of<T>(dh), data_of<T>(gate), data_of<T>(up), n);
+        data_of<T>(dgate), data_of<T>(dup), data_of<T>(dh), data_of<T>(gate), data_of<T>(up), n,
+        aligned16({dgate.data, dup.data, dh.data, gate.data, up.data}));
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
