@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -27,6 +28,7 @@
 #include "moe/comm.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/error.hpp"
+#include "parallel/mpi_runtime.hpp"
 
 using namespace moe;
 
@@ -248,6 +250,23 @@ int run_checks(Comm& comm) {
   }
   expect(msg.find("did not start as one MPI job") != std::string::npos,
          "a launcher/MPI mismatch is a clear CommError (got '" + msg + "')");
+
+  // The thread level: MULTIPLE by default (the watchdog thread may call MPI_Abort), SERIALIZED
+  // when MOE_MPI_THREAD_LEVEL asks for it; a bad value is refused before MPI starts.
+  const char* asked = std::getenv("MOE_MPI_THREAD_LEVEL");
+  const int want_level =
+      asked && std::string(asked) == "serialized" ? MPI_THREAD_SERIALIZED : MPI_THREAD_MULTIPLE;
+  expect(dist::mpi_thread_level() == want_level,
+         std::string("MPI granted ") + dist::mpi_thread_level_name(dist::mpi_thread_level()) +
+             ", expected " + dist::mpi_thread_level_name(want_level));
+  std::string level_msg;
+  try {
+    dist::mpi_requested_thread_level("funneled");
+  } catch (const InputError& e) {
+    level_msg = e.what();
+  }
+  expect(level_msg.find("MOE_MPI_THREAD_LEVEL: \"funneled\"") != std::string::npos,
+         "a bad MOE_MPI_THREAD_LEVEL is an InputError naming it (got '" + level_msg + "')");
 
   // A GPU comm needs NCCL and a GPU per local rank; without them the error says so, before any
   // MPI traffic (so all ranks can go on).
