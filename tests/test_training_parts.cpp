@@ -8,6 +8,7 @@
 #include "catch.hpp"
 #include "test_util.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/step_outcome.hpp"
 #include "moe/data.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
@@ -181,6 +182,40 @@ TEST_CASE("aux-loss-free bias moves toward balance", "[train]") {
   INFO("maxvio first " << first << ", mean of the last 20 steps " << last);
   CHECK(first > 0.5);
   CHECK(last < 0.8 * first);  // without updates it would stay exactly at `first`
+}
+
+// A step the device skipped (non-finite gradient norm: fp16 overflow) leaves the router biases
+// alone, as AdamW leaves the weights; a step that was not skipped updates them; a non-finite
+// norm without loss scaling, or a non-finite loss, is divergence.
+TEST_CASE("finish_step: router biases follow the device's skip decision", "[train][fp16]") {
+  ModelConfig m = small_config();
+  m.mod.enabled = false;
+  m.moe_layer_freq = 1;
+  m.router_bias_update_rate = 0.05;
+  const int t = 8;
+  Model model(m, DType::f32, Device{}, 2, t);
+  model.init_weights(1);
+  Ctx ctx;
+  auto ids = tokens(2 * t, m.vocab_size, 3), tg = tokens(2 * t, m.vocab_size, 4);
+  model.zero_grads(ctx);
+  model.reset_stats(ctx);
+  model.forward_backward(ctx, ids.data(), tg.data(), 1.0);  // the step's expert loads
+  auto biases = [&] {
+    std::vector<float> all;
+    for (const Tensor& b : model.router_biases())
+      all.insert(all.end(), b.ptr<float>(), b.ptr<float>() + b.numel());
+    return all;
+  };
+  const std::vector<float> before = biases();
+  CHECK(finish_step(ctx, model, INFINITY, 2.0, /*loss_scaling=*/true, 1));
+  CHECK(finish_step(ctx, model, NAN, 2.0, true, 1));
+  CHECK(biases() == before);
+  CHECK_FALSE(finish_step(ctx, model, 0.5, 2.0, true, 1));
+  CHECK(biases() != before);
+  CHECK_THROWS_WITH(finish_step(ctx, model, INFINITY, 2.0, false, 7),
+                    Catch::Contains("non-finite at step 7"));
+  CHECK_THROWS_WITH(finish_step(ctx, model, 0.5, NAN, true, 7),
+                    Catch::Contains("non-finite at step 7"));
 }
 
 // DeepSpeed's DynamicLossScaler, step by step: doubling after loss_scale_window clean steps,

@@ -1,7 +1,8 @@
 // The training loop. Each step: zero gradients, run gradient_accumulation_steps micro-batches
 // (each scaled by 1/(accum * world) so the step sees the mean), reduce gradients, loss sums and
 // expert loads over the data-parallel ranks (ZeRO 0-2, train/data_parallel.hpp), clip by global
-// norm, AdamW (on this rank's shard, then gather the weights), then router bias updates. Every
+// norm, AdamW (on this rank's shard, then gather the weights), then, once the host has read the
+// step's statistics and knows the step was not skipped (fp16 overflow), router bias updates. Every
 // log_interval steps a progress line and a metrics.jsonl record; every eval_interval steps and at
 // the end a held-out evaluation; every save_interval steps and at the end a checkpoint. A resumed
 // run restores model, optimizer, RNG and data position and continues with bitwise the same losses.
@@ -25,6 +26,7 @@
 #include "moe/trainer.hpp"
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/step_outcome.hpp"
 #include "train/train_data.hpp"
 
 namespace moe {
@@ -360,7 +362,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     dp.gather_params(model);
-    model.after_step(ctx);
     model.weights_changed(ctx);
     Losses sum = model.read_stats(ctx);  // waits for the step
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
@@ -371,11 +372,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
     // The device skipped the update exactly when the gradient norm was not finite; the host
-    // follows that decision (fp16: an overflow; otherwise the run has diverged).
-    const bool overflow = !std::isfinite(gnorm);
-    if ((overflow && !scaler.enabled()) || (!overflow && !std::isfinite(sum.total())))
-      throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
-                               "; lower optimizer.params.lr or enable gradient_clipping");
+    // follows that decision (fp16: an overflow; otherwise the run has diverged), and queues the
+    // router-bias update only for a step that was not skipped.
+    const bool overflow = finish_step(ctx, model, gnorm, sum.total(), scaler.enabled(), step + 1);
     if (overflow) {
       optimizer.undo_step();  // the bias-correction count of the skipped update
       ++skipped;

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Data-parallel settings through the real binary on one rank: the global-batch check against
-# the launched world size, ZeRO stage 3 refused, ZeRO 1/2 on one rank train like stage 0, and
-# `info`'s per-rank ZeRO memory table. Usage: data_parallel.sh MOE_TRAIN_BINARY SOURCE_DIR
+# the launched world size, ZeRO stage 3 refused, and `info`'s per-rank ZeRO memory table.
+# (The ZeRO stages themselves are compared under mpirun, tests/mpi/dp_train.sh: on one rank
+# every stage reduces to stage 0, so a comparison here could not fail.)
+# Usage: data_parallel.sh MOE_TRAIN_BINARY SOURCE_DIR
 set -u
 bin=$1
 src=$2
@@ -22,17 +24,6 @@ grep -qF "train_batch_size" <<<"$out" && grep -qF "* 1 = 2, got 32" <<<"$out" ||
 out=$("$bin" train "${small[@]}" --set zero_optimization.stage=3 2>&1)
 [ $? -eq 2 ] || fail "stage 3: expected exit 2: $out"
 grep -qF "ZeRO stage 3" <<<"$out" || fail "stage 3 message: $out"
-
-# One rank: every ZeRO stage is the same computation, bit for bit.
-for stage in 0 1 2; do
-  "$bin" train "${small[@]}" --set train_batch_size=2 --set zero_optimization.stage=$stage \
-    --set "train.out_dir=\"$tmp/z$stage\"" >"$tmp/z$stage.log" 2>&1 ||
-    fail "stage $stage exited $?: $(cat "$tmp/z$stage.log")"
-  jq -r 'select(.kind == "train") | .loss' "$tmp/z$stage/metrics.jsonl" >"$tmp/z$stage.losses"
-done
-[ "$(wc -l <"$tmp/z0.losses")" = 3 ] || fail "expected 3 logged steps"
-cmp -s "$tmp/z0.losses" "$tmp/z1.losses" && cmp -s "$tmp/z0.losses" "$tmp/z2.losses" ||
-  fail "ZeRO stages differ on one rank"
 
 out=$("$bin" info --config "$src/configs/tiny.json" --world 4) || fail "info exited $?"
 for word in "per rank with 4 data-parallel rank(s)" "ZeRO" "2+offload" "not available yet"; do
