@@ -1,12 +1,17 @@
 // The pieces of a training step around the model: LR schedule, clipping, gradient accumulation,
 // AdamW's decay choice by parameter kind, the synthetic source's exact entropy, and the
 // aux-loss-free router bias.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <type_traits>
+#include <vector>
 
 #include "catch.hpp"
 #include "test_util.hpp"
+#include "optim/host_adamw.hpp"
+#include "moe/ops/optim.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/step_outcome.hpp"
 #include "moe/data.hpp"
@@ -323,6 +328,118 @@ TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise"
     size_t same = 0;
     for (size_t i = 0; i < total; ++i) same += assembled[i] == want[i] ? 1 : 0;
     CHECK(same == total);
+  }
+}
+
+// The offload CPU AdamW against the adamw_step op on random inputs: the same arithmetic, so the
+// same bits, for f32 and f64 storage, with weight decay, grad_scale, clipping by a norm (active
+// and not) and the skip on a non-finite norm; sizes above and below the parallel threshold.
+template <class T>
+void compare_host_adamw_with_op() {
+  const DType dt = std::is_same<T, float>::value ? DType::f32 : DType::f64;
+  Ctx ctx;
+  Rng rng(11);
+  for (const size_t n : {size_t{37}, size_t{10000}}) {
+    std::vector<T> p(n), g(n), m(n), v(n);
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = static_cast<T>(rng.normal());
+      g[i] = static_cast<T>(rng.normal() * 100);
+      m[i] = static_cast<T>(rng.normal() * 0.1);
+      v[i] = static_cast<T>(rng.uniform());
+    }
+    struct Case {
+      double weight_decay, grad_scale, norm_sq, max_norm;
+    };
+    // (no norm), clipped, below the clip threshold, overflow (skipped)
+    for (const Case c : {Case{0.1, 0.25, -1, 0}, Case{0.0, 0.5, 4e6, 1.0},
+                         Case{0.01, 1e-3, 4e6, 10.0}, Case{0.1, 1.0, INFINITY, 1.0}}) {
+      std::vector<T> op_p = p, op_m = m, op_v = v, host_p = p, host_m = m, host_v = v;
+      std::vector<double> norm_sq = {c.norm_sq};
+      AdamWArgs a;
+      a.lr = 3e-3;
+      a.beta1 = 0.8;
+      a.beta2 = 0.95;
+      a.eps = 1e-7;
+      a.weight_decay = c.weight_decay;
+      a.step = 3;
+      a.grad_scale = c.grad_scale;
+      a.max_norm = c.max_norm;
+      if (c.norm_sq >= 0 || !std::isfinite(c.norm_sq))
+        a.norm_sq = Tensor(norm_sq.data(), DType::f64, Device{}, {1});
+      const auto len = static_cast<int64_t>(n);
+      adamw_step(ctx, Tensor(op_p.data(), dt, Device{}, {len}),
+                 Tensor(g.data(), dt, Device{}, {len}), Tensor(op_m.data(), dt, Device{}, {len}),
+                 Tensor(op_v.data(), dt, Device{}, {len}), a);
+      double scale = 0;
+      const bool run = host_adamw_scale(a, c.norm_sq, &scale);
+      CHECK(run == std::isfinite(c.norm_sq));
+      if (run)
+        host_adamw_update(host_p.data(), g.data(), host_m.data(), host_v.data(), n,
+                          host_adamw_step(a, scale));
+      INFO("n " << n << " norm_sq " << c.norm_sq << " max_norm " << c.max_norm);
+      CHECK(host_p == op_p);
+      CHECK(host_m == op_m);
+      CHECK(host_v == op_v);
+      CHECK((host_p != p) == run);  // the update did something exactly when not skipped
+    }
+  }
+}
+
+TEST_CASE("offload: the CPU AdamW gives the adamw_step op's bits", "[optim][offload]") {
+  compare_host_adamw_with_op<float>();
+  compare_host_adamw_with_op<double>();
+}
+
+// An offloaded AdamW (host master, moments and gradient staging) against the one on the model's
+// device (here both the CPU), over a ZeRO partition with a shared tail and decay segments: the
+// same weights and moments bit for bit after clipped steps and a skipped one; params_written()
+// makes it take the master copy from the model again.
+TEST_CASE("offload: AdamW with the state on the host updates like the device one",
+          "[optim][offload]") {
+  ModelConfig m = small_config();
+  OptimizerConfig oc;
+  oc.lr = 0.05;
+  oc.weight_decay = 0.1;
+  Ctx ctx;
+  auto prepared = [&](Model& model) {
+    model.init_weights(5);
+    double* g = model.grads().ptr<double>();
+    for (int64_t i = 0; i < model.grads().numel(); ++i) g[i] = std::sin(0.37 * i);
+  };
+  std::vector<double> norm_sq = {0};
+  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
+  for (int world : {1, 3}) {
+    const size_t total = build_param_table(m).total;
+    const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
+    Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
+    prepared(dev_model);
+    prepared(host_model);
+    AdamW on_device(oc, dev_model, part);
+    OffloadOptions offload;
+    offload.enabled = true;
+    AdamW on_host(oc, host_model, part, offload);
+    CHECK(on_host.offloaded());
+    CHECK(on_host.moment1().data != nullptr);
+    for (double nsq : {1e6, 1.0, double(INFINITY), 4.0}) {
+      norm_sq[0] = nsq;
+      on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      on_host.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      if (!std::isfinite(nsq)) on_device.undo_step(), on_host.undo_step();
+    }
+    auto same = [](const Tensor& a, const Tensor& b) {
+      REQUIRE(a.numel() == b.numel());
+      return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
+    };
+    CHECK(same(on_host.moment1(), on_device.moment1()));
+    CHECK(same(on_host.moment2(), on_device.moment2()));
+    CHECK(same(host_model.params(), dev_model.params()));
+    // Outside writes reach the host master only through params_written().
+    host_model.init_weights(9);
+    dev_model.init_weights(9);
+    on_host.params_written();
+    on_device.step(ctx, dev_model, oc.lr, 0.5);
+    on_host.step(ctx, host_model, oc.lr, 0.5);
+    CHECK(same(host_model.params(), dev_model.params()));
   }
 }
 

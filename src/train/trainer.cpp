@@ -252,7 +252,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
     dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
                                               model_owner->table().total);
-    optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition());
+    OffloadOptions offload;
+    offload.enabled = cfg.zero_optimization.offloads_optimizer();
+    offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
+    optimizer_owner =
+        std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     // Out of GPU memory at start-up: say what the run needs and what to change.
@@ -260,7 +264,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double state_elems = cfg.zero_optimization.stage >= 1
                                    ? static_cast<double>(plan.table().total) / world
                                    : static_cast<double>(plan.table().total);
-    const double optimizer_bytes = state_elems * 8;
+    const double optimizer_bytes = cfg.zero_optimization.offloads_optimizer() ? 0 : state_elems * 8;
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
@@ -274,6 +278,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   DataParallel& dp = *dp_owner;
   AdamW& optimizer = *optimizer_owner;
   model.init_weights(cfg.train.seed);  // the same seed on every rank: the same weights
+  optimizer.params_written();
   std::unique_ptr<TrainData> data = make_train_data(cfg);
   Buffer norm_sq(dev, sizeof(double));
   const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
@@ -294,6 +299,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     out << "resumed from " << resume_dir << " at step " << state.step << "\n";
   } else if (!cfg.model.init_from.empty()) {
     init_from_hf(model, cfg.model.init_from);
+    optimizer.params_written();
     out << "initialised weights from " << cfg.model.init_from << "\n";
   }
   std::unique_ptr<MetricsWriter> metrics;
@@ -325,6 +331,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
         << int64_t{b} * accum * world << " sequences\n";
+  if (optimizer.offloaded())
+    out << "optimizer offload: AdamW state of this rank's partition in "
+        << (cfg.zero_optimization.offload_optimizer.pin_memory && dev.type == DeviceType::cuda
+                ? "pinned "
+                : "")
+        << "host memory, updated on the CPU\n";
   out << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
