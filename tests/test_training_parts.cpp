@@ -12,6 +12,7 @@
 #include "test_util.hpp"
 #include "optim/host_adamw.hpp"
 #include "moe/ops/optim.hpp"
+#include "train/grad_buckets.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/step_outcome.hpp"
 #include "moe/data.hpp"
@@ -441,6 +442,79 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
     on_host.step(ctx, host_model, oc.lr, 0.5);
     CHECK(same(host_model.params(), dev_model.params()));
   }
+}
+
+// The backward's gradient-ready ranges: adjacent, descending, covering the buffer once, and each
+// reported only when its gradient is final (a snapshot taken at the report equals the gradient
+// after the whole backward), for a tied head (whose gradient lands in the embedding first), an
+// untied one, MoD and MoE layers, and with layers recomputed.
+TEST_CASE("Model: the backward reports each gradient range once it is final", "[train][overlap]") {
+  for (const bool tied : {false, true})
+    for (const bool recompute : {false, true}) {
+      ModelConfig m = small_config();
+      m.tie_word_embeddings = tied;
+      const int t = 8;
+      Model model(m, DType::f64, Device{}, 2, t, true, recompute);
+      model.init_weights(3);
+      Ctx ctx;
+      auto ids = tokens(2 * t, m.vocab_size, 5), tg = tokens(2 * t, m.vocab_size, 6);
+      model.zero_grads(ctx);
+      model.upload_batch(ctx, ids.data(), tg.data());
+      model.queue_forward_backward(ctx, 1.0);  // a first micro-batch: gradients accumulate
+      model.upload_batch(ctx, tg.data(), ids.data());
+      struct Report {
+        size_t begin, end;
+        std::vector<double> grads;
+      };
+      std::vector<Report> reports;
+      const double* g = model.grads().ptr<double>();
+      model.queue_forward_backward(ctx, 0.5, [&](Ctx&, size_t begin, size_t end) {
+        reports.push_back({begin, end, std::vector<double>(g + begin, g + end)});
+      });
+      INFO("tied " << tied << " recompute " << recompute);
+      REQUIRE(reports.size() == static_cast<size_t>(m.num_hidden_layers) + 2);
+      size_t expect_end = model.table().total;
+      for (const Report& r : reports) {
+        CHECK(r.end == expect_end);
+        CHECK(r.begin < r.end);
+        CHECK(std::equal(r.grads.begin(), r.grads.end(), g + r.begin));
+        expect_end = r.begin;
+      }
+      CHECK(expect_end == 0);
+      // The embedding is last, and (tied) also holds the head's gradient.
+      CHECK(reports.back().end ==
+            model.table().find("model.layers.0.input_layernorm.weight").offset);
+    }
+}
+
+TEST_CASE("GradientBuckets: adjacent ranges become buckets of at least the bucket size",
+          "[train][overlap]") {
+  std::vector<std::pair<size_t, size_t>> launched;
+  GradientBuckets b(100, 25, [&](size_t lo, size_t hi) { launched.emplace_back(lo, hi); });
+  for (int step = 0; step < 2; ++step) {  // flush starts over for the next step
+    launched.clear();
+    b.ready(90, 100);  // 10: pending
+    CHECK(launched.empty());
+    b.ready(60, 90);  // 40 >= 25: launched
+    b.ready(50, 60);
+    b.ready(20, 50);  // 40: launched
+    b.ready(20, 20);  // an empty range is fine
+    b.ready(0, 20);   // 20 < 25: waits for flush
+    CHECK(launched.size() == 2);
+    b.flush();
+    const std::vector<std::pair<size_t, size_t>> want = {{60, 100}, {20, 60}, {0, 20}};
+    CHECK(launched == want);
+  }
+  CHECK_THROWS_AS(b.ready(0, 50), InternalError);  // does not end at 100
+  GradientBuckets c(10, 4, [](size_t, size_t) {});
+  c.ready(5, 10);
+  CHECK_THROWS_AS(c.flush(), InternalError);  // [0, 5) never reported
+  GradientBuckets whole(10, 1000, [&](size_t lo, size_t hi) { launched.emplace_back(lo, hi); });
+  launched.clear();
+  whole.ready(3, 10);
+  whole.ready(0, 3);
+  whole.flush();
+  CHECK(launched == std::vector<std::pair<size_t, size_t>>{{0, 10}});  // one bucket
 }
 
 // train.recompute_layers changes where activations live, not the arithmetic: a short run (MoE,

@@ -106,6 +106,15 @@ class Comm {
   // NCCL / GPU tensors: the cudaStream_t the collectives are enqueued on (nullptr = the device's
   // default stream). Ignored by CPU comms.
   virtual void set_stream(void* stream) = 0;
+  // Overlap with compute (NcclComm): the collectives after this call run on the comm's own
+  // stream, once the work queued on the set_stream() stream so far is done, while later work on
+  // that stream goes on. Call it again before each collective that must also wait for work
+  // queued since. CPU comms (whose collectives complete before they return) and SingleComm: no
+  // effect.
+  virtual void fork_from_compute() {}
+  // The set_stream() stream waits for every collective queued since fork_from_compute(); later
+  // collectives run on it again.
+  virtual void join_compute() {}
 
  protected:
   Comm(RankInfo info, Device device, double timeout_s)

@@ -95,6 +95,10 @@ struct OffloadOptimizerConfig {
 
 struct ZeroConfig {
   int stage = 0;
+  // Reduce the gradients in buckets while the backward of the last micro-batch runs (on a
+  // communication stream on GPUs) instead of once after it.
+  bool overlap_comm = false;
+  double reduce_bucket_size = 5e8;  // elements per bucket (a whole number; DeepSpeed writes 5e8)
   OffloadOptimizerConfig offload_optimizer;
   bool offloads_optimizer() const { return offload_optimizer.device == "cpu"; }
 };

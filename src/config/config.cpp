@@ -243,6 +243,8 @@ KeyNode zero_section() {
   return section(
       "zero_optimization",
       {leaf("stage", AT(zero_optimization.stage)),
+       leaf("overlap_comm", AT(zero_optimization.overlap_comm)),
+       leaf("reduce_bucket_size", AT(zero_optimization.reduce_bucket_size)),
        section("offload_optimizer",
                {leaf("device", AT(zero_optimization.offload_optimizer.device)),
                 leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory))})});

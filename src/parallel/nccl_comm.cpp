@@ -1,13 +1,14 @@
 // NcclComm: the collectives on GPU tensors over NCCL. MPI starts the job: rank 0 creates the
 // NCCL unique id and an MpiComm broadcasts it; the local rank picks the GPU (pick_local_gpu).
 //
-// Collectives are enqueued on the comm's stream and return at once. The watchdog watches them
-// in two ways: host calls that can block (communicator setup, the first use of a connection,
-// barrier) are armed like MpiComm's; for the GPU side, each collective sits between two events
-// and must complete within the timeout of the stream reaching it (QueuedDeadlines: time spent
-// queued behind a long forward and backward does not count), and ncclCommGetAsyncError is polled
-// about every 100 ms. On failure it prints one line, calls ncclCommAbort (frees the GPU from the
-// stuck kernels) and then ends the job (mpi_abort_job).
+// Collectives are enqueued on the comm's stream (set_stream's, or between fork_from_compute and
+// join_compute a side stream of its own, so they overlap later compute) and return at once. The
+// watchdog watches them in two ways: host calls that can block (communicator setup, the first use
+// of a connection, barrier) are armed like MpiComm's; for the GPU side, each collective sits
+// between two events and must complete within the timeout of the stream reaching it
+// (QueuedDeadlines: time spent queued behind a long forward and backward does not count), and
+// ncclCommGetAsyncError is polled about every 100 ms. On failure it prints one line, calls
+// ncclCommAbort (frees the GPU from the stuck kernels) and then ends the job (mpi_abort_job).
 #if defined(MOE_WITH_NCCL) && defined(MOE_WITH_MPI)
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -109,6 +110,7 @@ class NcclComm final : public Comm {
       : Comm(info, Device{DeviceType::cuda, gpu}, timeout_s), bootstrap_(std::move(bootstrap)) {
     gpu::set_device(gpu);
     stream_ = static_cast<cudaStream_t>(gpu::default_stream(gpu));
+    compute_stream_ = stream_;
     watchdog_ = std::make_unique<Watchdog>(
         info.rank, timeout_s,
         [this] {
@@ -143,13 +145,40 @@ class NcclComm final : public Comm {
     if (comm) (void)(failing ? ncclCommAbort(comm) : ncclCommDestroy(comm));
     for (void* e : pending_.events()) cudaEventDestroy(static_cast<cudaEvent_t>(e));
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    if (fork_event_) cudaEventDestroy(fork_event_);
+    if (join_event_) cudaEventDestroy(join_event_);
+    if (side_stream_) cudaStreamDestroy(side_stream_);
   }
 
   const char* backend() const override { return "nccl"; }
 
   void set_stream(void* stream) override {
-    stream_ = stream ? static_cast<cudaStream_t>(stream)
-                     : static_cast<cudaStream_t>(gpu::default_stream(device().index));
+    compute_stream_ = stream ? static_cast<cudaStream_t>(stream)
+                             : static_cast<cudaStream_t>(gpu::default_stream(device().index));
+    stream_ = compute_stream_;
+  }
+
+  // The side stream waits (on the GPU) for the compute stream's work so far; collectives go
+  // there until join_compute(). One event serves every fork: a wait takes the event's latest
+  // record at the time it is queued.
+  void fork_from_compute() override {
+    const char* op = "fork_from_compute";
+    if (!side_stream_) {
+      MOE_COMM_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking), op);
+      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), op);
+      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), op);
+    }
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(fork_event_, compute_stream_), op);
+    MOE_COMM_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_event_, 0), op);
+    stream_ = side_stream_;
+  }
+
+  void join_compute() override {
+    if (stream_ != side_stream_) return;
+    const char* op = "join_compute";
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(join_event_, side_stream_), op);
+    MOE_COMM_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, join_event_, 0), op);
+    stream_ = compute_stream_;
   }
 
   void all_reduce_sum(Tensor t) override {
@@ -236,7 +265,8 @@ class NcclComm final : public Comm {
   void barrier() override {
     // Not armed: the wait may cover a long stretch of compute, and the collectives in it are
     // timed by their own events (poll), which catch a dead peer.
-    MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_), "barrier");
+    MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(compute_stream_), "barrier");
+    if (side_stream_) MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(side_stream_), "barrier");
     bootstrap_->barrier();
   }
 
@@ -310,7 +340,10 @@ class NcclComm final : public Comm {
 
   std::unique_ptr<Comm> bootstrap_;  // MpiComm: the unique id, the host side of barrier
   std::atomic<ncclComm_t> comm_{nullptr};
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;          // where collectives are enqueued now
+  cudaStream_t compute_stream_ = nullptr;  // set_stream's
+  cudaStream_t side_stream_ = nullptr;     // fork_from_compute's, created on first use
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::mutex pending_mu_;
   QueuedDeadlines pending_{timeout_s()};
   std::vector<cudaEvent_t> free_events_;

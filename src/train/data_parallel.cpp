@@ -11,18 +11,34 @@ Tensor span(const Tensor& flat, size_t begin, size_t end) {
 
 }  // namespace
 
-DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count)
+DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count, size_t bucket_elems)
     : comm_(comm),
       stage_(zero_stage),
       part_(zero_stage >= 1 ? ZeroPartition::split(param_count, comm.rank(), comm.world())
                             : ZeroPartition::whole(param_count)) {
   MOE_CHECK(zero_stage >= 0 && zero_stage <= 2, "DataParallel: ZeRO stage must be 0, 1 or 2");
+  if (bucket_elems > 0 && comm.world() > 1)
+    buckets_ = std::make_unique<GradientBuckets>(param_count, bucket_elems,
+                                                 [this](size_t begin, size_t end) {
+                                                   // after the backward queued so far
+                                                   comm_.fork_from_compute();
+                                                   comm_.all_reduce_sum(span(grads_, begin, end));
+                                                 });
+}
+
+Model::GradientReady DataParallel::backward_hook(Model& model) {
+  if (!buckets_) return nullptr;
+  grads_ = model.grads();
+  return [this](Ctx&, size_t begin, size_t end) { buckets_->ready(begin, end); };
 }
 
 void DataParallel::reduce_gradients_and_stats(Model& model) {
   if (world() == 1) return;
   const Tensor g = model.grads();
-  if (stage_ == 2 && part_.sharded) {
+  if (buckets_) {
+    buckets_->flush();
+    comm_.join_compute();
+  } else if (stage_ == 2 && part_.sharded) {
     // In place: this rank's chunk of the split part receives the sum; the tail (< world
     // elements) is all-reduced since every rank updates it.
     if (part_.chunk > 0)

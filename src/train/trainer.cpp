@@ -250,8 +250,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   try {
     model_owner =
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
+    const size_t bucket_elems = cfg.zero_optimization.overlap_comm
+                                    ? static_cast<size_t>(cfg.zero_optimization.reduce_bucket_size)
+                                    : 0;
     dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
-                                              model_owner->table().total);
+                                              model_owner->table().total, bucket_elems);
     OffloadOptions offload;
     offload.enabled = cfg.zero_optimization.offloads_optimizer();
     offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
@@ -330,7 +333,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   if (world > 1)
     out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
-        << int64_t{b} * accum * world << " sequences\n";
+        << int64_t{b} * accum * world << " sequences"
+        << (dp.overlaps() ? ", gradients reduced in buckets during the backward" : "") << "\n";
   if (optimizer.offloaded())
     out << "optimizer offload: AdamW state of this rank's partition in "
         << (cfg.zero_optimization.offload_optimizer.pin_memory && dev.type == DeviceType::cuda
@@ -365,7 +369,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       if (micro / accum != ranks.rank) continue;
       t0 = Clock::now();
       model.upload_batch(ctx, ids.data(), targets.data());
-      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world));
+      // The last micro-batch's backward reduces its gradient buckets as it goes (overlap_comm).
+      const bool last_micro = micro % accum == accum - 1;
+      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world),
+                                   last_micro ? dp.backward_hook(model) : nullptr);
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();

@@ -9,7 +9,9 @@
 #               same all-reduce; AdamW is elementwise, so updating shards changes no bits); with
 #               the optimizer offloaded to the CPU (offload_optimizer.device "cpu"), stages 1 and
 #               2 give bitwise the losses of the same stage without offload (the host AdamW does
-#               the op's arithmetic), hence also the 1-rank losses within 1e-6
+#               the op's arithmetic), hence also the 1-rank losses within 1e-6; with
+#               overlap_comm (small buckets reduced during the backward), stages 0-2 give the
+#               1-rank losses within 1e-6, and stages 0 and 1 agree bitwise
 #   resume      2 ranks (ZeRO 1) train 3 steps and save; the run resumes on 1 rank (ZeRO 0), on
 #               3 ranks (ZeRO 2: the parameter count is not a multiple of 3, so the shared tail
 #               is exercised) and on 4 ranks (ZeRO 1); steps 4-6 match the uninterrupted 1-rank
@@ -77,6 +79,17 @@ case "$mode" in
       same "$work/ref" "$work/z$stage" 1e-6
     done
     same "$work/z0" "$work/z1" 0
+    # overlap_comm: the gradients reduced in buckets during the last micro-batch's backward; 3000
+    # elements is less than any layer's range, so each range is reduced as soon as the backward
+    # finishes it (merging smaller ranges into buckets is unit-tested: GradientBuckets)
+    for stage in 0 1 2; do
+      run "$np" "$work/ov$stage" --set zero_optimization.stage=$stage \
+        --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000
+      grep -q "gradients reduced in buckets during the backward" "$work/ov$stage.log" ||
+        fail "no overlap line"
+      same "$work/ref" "$work/ov$stage" 1e-6
+    done
+    same "$work/ov0" "$work/ov1" 0
     for stage in 1 2; do
       run "$np" "$work/off$stage" --set zero_optimization.stage=$stage "${offload[@]}"
       grep -q "optimizer offload: AdamW state" "$work/off$stage.log" || fail "no offload line"
