@@ -222,6 +222,8 @@ TEST_CASE("SingleComm: collectives over one rank") {
 
   comm->all_reduce_sum(a);
   CHECK(a.v == before);
+  comm->reduce_sum(a, 0);
+  CHECK(a.v == before);
   comm->broadcast(a, 0);
   CHECK(a.v == before);
   comm->barrier();
@@ -254,6 +256,7 @@ TEST_CASE("SingleComm: contract violations are InternalErrors, not hangs") {
   CHECK_THROWS_AS(comm->all_gather(d, a), InternalError);  // dtype
   CHECK_THROWS_AS(comm->broadcast(a, 1), InternalError);
   CHECK_THROWS_AS(comm->broadcast(a, -1), InternalError);
+  CHECK_THROWS_AS(comm->reduce_sum(a, 1), InternalError);  // root outside the world
 
   Buf<float> rows({4, 2}), out({4, 2}), wide({4, 3});
   CHECK_THROWS_AS(comm->all_to_all_v(out, {3}, rows, {4}), InternalError);     // out rows

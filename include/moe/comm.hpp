@@ -86,6 +86,10 @@ class Comm {
 
   // inout = sum over ranks of inout; identical bits on every rank.
   virtual void all_reduce_sum(Tensor inout) = 0;
+  // On rank `root`: inout = sum over ranks of inout. On the other ranks inout is left
+  // unspecified (it may hold partial sums). ZeRO-2 buckets: each part of a bucket goes to the
+  // rank that owns it, half the volume of an all-reduce.
+  virtual void reduce_sum(Tensor inout, int root) = 0;
   // in: [world * n] elements, out: [n]; out = chunk `rank` of (sum over ranks of in).
   // In place when out is chunk `rank` of in (the rest of in is then unspecified).
   virtual void reduce_scatter_sum(Tensor out, Tensor in) = 0;

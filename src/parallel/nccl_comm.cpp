@@ -192,6 +192,18 @@ class NcclComm final : public Comm {
     enqueued(bracket);
   }
 
+  void reduce_sum(Tensor t, int root) override {
+    const char* op = "reduce_sum";
+    check_tensor(*this, t, op, "inout", nccl_accepts, DTypeUse::reduce);
+    check_root(*this, root, op);
+    auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
+    MOE_NCCL_CHECK(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
+                              ncclSum, root, comm_.load(), stream_),
+                   op);
+    enqueued(bracket);
+  }
+
   void reduce_scatter_sum(Tensor out, Tensor in) override {
     const char* op = "reduce_scatter_sum";
     check_tensor(*this, out, op, "out", nccl_accepts, DTypeUse::reduce);

@@ -12,10 +12,10 @@
 // With overlap (zero_optimization.overlap_comm) the gradients are not reduced after the backward
 // but during the last micro-batch's: backward_hook() gathers the ranges the model finishes into
 // buckets (GradientBuckets) and reduces each full one at once, on the comm's side stream on
-// GPUs (fork_from_compute), so it runs while the backward of earlier layers goes on. Each bucket
-// is all-reduced, also at stage 2: the partition's chunks do not line up with buckets, and the
-// Comm has no reduce-to-owner yet, so stage 2 with overlap moves stage 1's volume (the result
-// is the same: every rank then holds the full sums, of which stage 2 reads its chunk).
+// GPUs (fork_from_compute), so it runs while the backward of earlier layers goes on. Stages 0
+// and 1 all-reduce each bucket; stage 2 reduces each part of a bucket to the rank whose chunk it
+// lies in (reduce_sum; the shared tail is all-reduced), which moves what the reduce-scatter does:
+// the chunks do not line up with buckets, so one reduce_scatter per bucket cannot.
 #pragma once
 #include <memory>
 
@@ -58,6 +58,7 @@ class DataParallel {
   Comm& comm_;
   int stage_;
   ZeroPartition part_;
+  void reduce_bucket(size_t begin, size_t end);
   Tensor grads_;  // the model's gradient buffer, while a backward hook is in use
   std::unique_ptr<GradientBuckets> buckets_;
 };

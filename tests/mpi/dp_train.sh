@@ -18,7 +18,8 @@
 #               run (1e-6). Then from an offloaded checkpoint (2 ranks, ZeRO 2, optimizer on the
 #               CPU): resumed on 1 rank (ZeRO 1, offloaded), 4 ranks (ZeRO 2, not offloaded) and
 #               3 ranks (ZeRO 1, offloaded); and the non-offloaded checkpoint resumed on 3 ranks
-#               with offload: all match the 1-rank run (1e-6)
+#               with offload and overlap_comm (ZeRO 2 buckets reaching the shared tail): all match
+#               the 1-rank run (1e-6)
 #   shards      token shards (prepared from docs/*.md with the byte tokenizer) with held-out
 #               files: 2 ranks at ZeRO 2 give the 1-rank losses and the same (split, reduced)
 #               evaluation loss, within 1e-6; the checkpoint holds the tokenizer and both ranks'
@@ -113,13 +114,21 @@ case "$mode" in
       same "$work/ref" "$work/on$1" 1e-6
     done
     run 2 "$work/twooff" --set zero_optimization.stage=2 "${offload[@]}" --set train.max_steps=3
-    for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two"; do
+    # (the last also with overlap_comm: ZeRO 2 buckets on 3 ranks reach the shared tail)
+    for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two overlap"; do
       set -- $target
       dir="$work/from_$4_on$1_$3"
       cp -r "$work/$4" "$dir"
-      run "$1" "$dir" --set zero_optimization.stage=$2 \
+      extra=()
+      if [ "${5:-}" = overlap ]; then
+        extra=(--set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000)
+      fi
+      run "$1" "$dir" --set zero_optimization.stage=$2 "${extra[@]}" \
         --set "zero_optimization.offload_optimizer.device=\"$3\"" --set train.resume=auto
       grep -q "resumed from" "$dir.log" || fail "no resume into $dir"
+      if [ "${5:-}" = overlap ]; then
+        grep -q "gradients reduced in buckets" "$dir.log" || fail "no overlap in $dir"
+      fi
       same "$work/ref" "$dir" 1e-6
     done
     ;;

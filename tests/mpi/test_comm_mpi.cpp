@@ -114,6 +114,20 @@ void check_all_reduce(Comm& comm, int tag, const char* name) {
          std::string("all_reduce_sum ") + name + " gives the same bits on every rank");
 }
 
+// Every rank as the root in turn; the others' buffers are unspecified afterwards (not checked).
+template <class T>
+void check_reduce(Comm& comm, int tag, const char* name) {
+  const size_t n = 1000 + 37;
+  for (int root = 0; root < comm.world(); ++root) {
+    std::vector<T> v = rank_data<T>(tag, comm.rank(), n);
+    comm.reduce_sum(view(v, {static_cast<int64_t>(n)}), root);
+    if (comm.rank() == root)
+      expect(close_to(v, reference_sum<T>(tag, comm.world(), n)),
+             std::string("reduce_sum ") + name + " matches the local sum at root " +
+                 std::to_string(root));
+  }
+}
+
 template <class T>
 void check_reduce_scatter(Comm& comm, int tag, const char* name) {
   const auto world = static_cast<size_t>(comm.world());
@@ -226,6 +240,9 @@ int run_checks(Comm& comm) {
   check_all_to_all_v<uint16_t>(comm, "f16 (moved as 16-bit words)", DType::f16);
   check_broadcast<double>(comm, 10, "f64");
   check_broadcast<int32_t>(comm, 11, "i32");
+  check_reduce<float>(comm, 13, "f32");
+  check_reduce<double>(comm, 14, "f64");
+  check_reduce<int32_t>(comm, 15, "i32");
 
   // Contract errors are thrown on every rank before any message moves: the job goes on.
   std::vector<uint16_t> half(4);
