@@ -706,6 +706,7 @@ class ThreadComm : public Comm {
   ThreadComm(int rank, ThreadBarrier& b) : Comm(info(rank, b.world), Device{}, 0), b_(b) {}
   const char* backend() const override { return "threads"; }
   void all_reduce_sum(Tensor) override { unused(); }
+  void reduce_sum(Tensor, int) override { unused(); }
   void reduce_scatter_sum(Tensor, Tensor) override { unused(); }
   void all_gather(Tensor, Tensor) override { unused(); }
   void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,

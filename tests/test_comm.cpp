@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "parallel/queued_deadlines.hpp"
 #include "parallel/watchdog.hpp"
 #include "moe/comm.hpp"
 #include "moe/error.hpp"
@@ -221,6 +222,8 @@ TEST_CASE("SingleComm: collectives over one rank") {
 
   comm->all_reduce_sum(a);
   CHECK(a.v == before);
+  comm->reduce_sum(a, 0);
+  CHECK(a.v == before);
   comm->broadcast(a, 0);
   CHECK(a.v == before);
   comm->barrier();
@@ -253,6 +256,7 @@ TEST_CASE("SingleComm: contract violations are InternalErrors, not hangs") {
   CHECK_THROWS_AS(comm->all_gather(d, a), InternalError);  // dtype
   CHECK_THROWS_AS(comm->broadcast(a, 1), InternalError);
   CHECK_THROWS_AS(comm->broadcast(a, -1), InternalError);
+  CHECK_THROWS_AS(comm->reduce_sum(a, 1), InternalError);  // root outside the world
 
   Buf<float> rows({4, 2}), out({4, 2}), wide({4, 3});
   CHECK_THROWS_AS(comm->all_to_all_v(out, {3}, rows, {4}), InternalError);     // out rows
@@ -356,4 +360,82 @@ TEST_CASE("Watchdog: the poll hook reports asynchronous failures") {
   CHECK(r.exit_code == 9);
   CHECK(r.stderr_text == "moe-train: rank 1: NCCL error: remote process exited; aborting\n");
   CHECK(r.seconds < 5);
+}
+
+namespace {
+
+// Fake events for QueuedDeadlines: a handle is an index into `state`.
+struct FakeEvents {
+  std::vector<dist::QueuedDeadlines::EventState> state;
+  void* make() {
+    state.push_back(dist::QueuedDeadlines::EventState::pending);
+    return reinterpret_cast<void*>(state.size());  // 1-based: never nullptr
+  }
+  dist::QueuedDeadlines::EventState& at(void* e) {
+    return state.at(reinterpret_cast<size_t>(e) - 1);
+  }
+  dist::QueuedDeadlines::Query query() {
+    return [this](void* e, std::string* error) {
+      if (at(e) == dist::QueuedDeadlines::EventState::failed) *error = "an illegal memory access";
+      return at(e);
+    };
+  }
+};
+
+}  // namespace
+
+TEST_CASE("QueuedDeadlines: the clock starts when the stream reaches the collective") {
+  using QD = dist::QueuedDeadlines;
+  using std::chrono::seconds;
+  FakeEvents ev;
+  QD q(10.0);
+  void* s1 = ev.make();
+  void* e1 = ev.make();
+  void* s2 = ev.make();
+  void* e2 = ev.make();
+  q.push("all_reduce_sum", s1, e1);
+  q.push("all_gather", s2, e2);
+  std::vector<void*> released;
+  const QD::Clock::time_point t0{};
+  // Queued behind a minute of compute: the start event is pending, so no deadline runs.
+  CHECK(q.check(t0 + seconds(60), ev.query(), 3, &released).empty());
+  ev.at(s1) = QD::EventState::done;  // the stream reaches the all-reduce
+  CHECK(q.check(t0 + seconds(61), ev.query(), 3, &released).empty());  // clock starts here
+  CHECK(q.check(t0 + seconds(70), ev.query(), 3, &released).empty());  // 9 s in
+  // It finishes; the all-gather behind it has not started (its start event is pending), so the
+  // time already spent queued does not count against it either.
+  ev.at(e1) = QD::EventState::done;
+  CHECK(q.check(t0 + seconds(200), ev.query(), 3, &released).empty());
+  CHECK(released == std::vector<void*>{s1, e1});
+  CHECK(q.size() == 1);
+  ev.at(s2) = QD::EventState::done;
+  CHECK(q.check(t0 + seconds(201), ev.query(), 3, &released).empty());
+  CHECK(q.check(t0 + seconds(210), ev.query(), 3, &released).empty());
+  // 10 s after the stream reached it, it has not completed: a peer holds it up.
+  CHECK(q.check(t0 + seconds(211), ev.query(), 3, &released) ==
+        dist::timeout_line(3, "all_gather", 10.0));
+  CHECK(q.events() == std::vector<void*>{s2, e2});
+}
+
+TEST_CASE("QueuedDeadlines: finished collectives are dropped, failures reported") {
+  using QD = dist::QueuedDeadlines;
+  FakeEvents ev;
+  QD q(5.0);
+  std::vector<void*> released;
+  for (int i = 0; i < 3; ++i) {
+    void* s = ev.make();
+    void* e = ev.make();
+    q.push("broadcast", s, e);
+    ev.at(s) = ev.at(e) = QD::EventState::done;
+  }
+  CHECK(q.check(QD::Clock::time_point{}, ev.query(), 0, &released).empty());
+  CHECK(q.empty());
+  CHECK(released.size() == 6);
+  void* s = ev.make();
+  void* e = ev.make();
+  q.push("reduce_scatter_sum", s, e);
+  ev.at(s) = QD::EventState::failed;
+  CHECK(q.check(QD::Clock::time_point{}, ev.query(), 1, &released) ==
+        "moe-train: rank 1: reduce_scatter_sum failed on the GPU: an illegal memory access; "
+        "aborting");
 }

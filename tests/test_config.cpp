@@ -51,7 +51,8 @@ const char* kFullConfig = R"({
   "fp16": {"enabled": false, "loss_scale": 128.0, "initial_scale_power": 12,
            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5},
   "bf16": {"enabled": false},
-  "zero_optimization": {"stage": 2},
+  "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 1000000.0,
+                        "offload_optimizer": {"device": "cpu", "pin_memory": true}},
   "model": {"vocab_size": 512, "hidden_size": 96, "intermediate_size": 160,
             "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
             "head_dim": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -98,6 +99,11 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train_batch_size == 12);
   CHECK(c.train.comm_timeout_s == 30.5);
   CHECK(c.zero_optimization.stage == 2);
+  CHECK(c.zero_optimization.overlap_comm);
+  CHECK(c.zero_optimization.reduce_bucket_size == 1e6);
+  CHECK(c.zero_optimization.offload_optimizer.device == "cpu");
+  CHECK(c.zero_optimization.offload_optimizer.pin_memory);
+  CHECK(c.zero_optimization.offloads_optimizer());
   CHECK(c.gradient_clipping == 0.5);
   CHECK(c.optimizer.lr == 0.001);
   CHECK(c.optimizer.beta1 == 0.8);
@@ -567,6 +573,31 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "train.comm_timeout_s",
        {">= 0"}},
+      {"bucket size zero",
+       R"({"zero_optimization": {"reduce_bucket_size": 0}})",
+       {},
+       "zero_optimization.reduce_bucket_size",
+       {"whole number of elements >= 1", "got 0"}},
+      {"bucket size fractional",
+       R"({"zero_optimization": {"reduce_bucket_size": 2.5}})",
+       {},
+       "zero_optimization.reduce_bucket_size",
+       {"whole number", "got 2.5"}},
+      {"offload without ZeRO",
+       R"({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}})",
+       {},
+       "zero_optimization.offload_optimizer.device",
+       {"needs zero_optimization.stage 1 or 2", "got stage 0"}},
+      {"offload to nvme",
+       R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}})",
+       {},
+       "zero_optimization.offload_optimizer.device",
+       {"nvme", "not available", "\"cpu\""}},
+      {"offload to a bad device",
+       R"({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "gpu"}}})",
+       {},
+       "zero_optimization.offload_optimizer.device",
+       {"\"none\" or \"cpu\"", "got \"gpu\""}},
       {"ZeRO stage 5",
        R"({"zero_optimization": {"stage": 5}})",
        {},
@@ -643,6 +674,13 @@ TEST_CASE("config: the bad cases are good once the offending value is fixed") {
   CHECK_NOTHROW(parse(R"({"train_batch_size": 8})"));
   CHECK_NOTHROW(parse(R"({"train_batch_size": 32})"));  // 4 ranks: checked by train()
   CHECK_NOTHROW(parse(R"({"zero_optimization": {"stage": 2}})"));
+  CHECK_NOTHROW(
+      parse(R"({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}})"));
+  CHECK_NOTHROW(
+      parse(R"({"zero_optimization": {"overlap_comm": true, "reduce_bucket_size": 5e8}})"));
+  CHECK_NOTHROW(parse(R"({"zero_optimization": {"reduce_bucket_size": 1}})"));
+  CHECK_NOTHROW(parse(R"({"zero_optimization": {"stage": 2, "offload_optimizer":
+                          {"device": "cpu", "pin_memory": true}}})"));
   CHECK_NOTHROW(parse(R"({"train": {"comm_timeout_s": 0}})"));
   CHECK_NOTHROW(parse(R"({"train": {"device": "cuda:12"}})"));
   CHECK_NOTHROW(parse(model(R"("hidden_size": 1000, "num_attention_heads": 8,

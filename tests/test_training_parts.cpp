@@ -1,13 +1,20 @@
 // The pieces of a training step around the model: LR schedule, clipping, gradient accumulation,
 // AdamW's decay choice by parameter kind, the synthetic source's exact entropy, and the
 // aux-loss-free router bias.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <type_traits>
+#include <vector>
 
 #include "catch.hpp"
 #include "test_util.hpp"
+#include "optim/host_adamw.hpp"
+#include "moe/ops/optim.hpp"
+#include "train/grad_buckets.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/step_outcome.hpp"
 #include "moe/data.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
@@ -183,6 +190,40 @@ TEST_CASE("aux-loss-free bias moves toward balance", "[train]") {
   CHECK(last < 0.8 * first);  // without updates it would stay exactly at `first`
 }
 
+// A step the device skipped (non-finite gradient norm: fp16 overflow) leaves the router biases
+// alone, as AdamW leaves the weights; a step that was not skipped updates them; a non-finite
+// norm without loss scaling, or a non-finite loss, is divergence.
+TEST_CASE("finish_step: router biases follow the device's skip decision", "[train][fp16]") {
+  ModelConfig m = small_config();
+  m.mod.enabled = false;
+  m.moe_layer_freq = 1;
+  m.router_bias_update_rate = 0.05;
+  const int t = 8;
+  Model model(m, DType::f32, Device{}, 2, t);
+  model.init_weights(1);
+  Ctx ctx;
+  auto ids = tokens(2 * t, m.vocab_size, 3), tg = tokens(2 * t, m.vocab_size, 4);
+  model.zero_grads(ctx);
+  model.reset_stats(ctx);
+  model.forward_backward(ctx, ids.data(), tg.data(), 1.0);  // the step's expert loads
+  auto biases = [&] {
+    std::vector<float> all;
+    for (const Tensor& b : model.router_biases())
+      all.insert(all.end(), b.ptr<float>(), b.ptr<float>() + b.numel());
+    return all;
+  };
+  const std::vector<float> before = biases();
+  CHECK(finish_step(ctx, model, INFINITY, 2.0, /*loss_scaling=*/true, 1));
+  CHECK(finish_step(ctx, model, NAN, 2.0, true, 1));
+  CHECK(biases() == before);
+  CHECK_FALSE(finish_step(ctx, model, 0.5, 2.0, true, 1));
+  CHECK(biases() != before);
+  CHECK_THROWS_WITH(finish_step(ctx, model, INFINITY, 2.0, false, 7),
+                    Catch::Contains("non-finite at step 7"));
+  CHECK_THROWS_WITH(finish_step(ctx, model, 0.5, NAN, true, 7),
+                    Catch::Contains("non-finite at step 7"));
+}
+
 // DeepSpeed's DynamicLossScaler, step by step: doubling after loss_scale_window clean steps,
 // `hysteresis` overflows tolerated before halving, the window counted from the last overflow.
 TEST_CASE("loss scaler: DeepSpeed's dynamic schedule", "[train][fp16]") {
@@ -289,6 +330,191 @@ TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise"
     for (size_t i = 0; i < total; ++i) same += assembled[i] == want[i] ? 1 : 0;
     CHECK(same == total);
   }
+}
+
+// The offload CPU AdamW against the adamw_step op on random inputs: the same arithmetic, so the
+// same bits, for f32 and f64 storage, with weight decay, grad_scale, clipping by a norm (active
+// and not) and the skip on a non-finite norm; sizes above and below the parallel threshold.
+template <class T>
+void compare_host_adamw_with_op() {
+  const DType dt = std::is_same<T, float>::value ? DType::f32 : DType::f64;
+  Ctx ctx;
+  Rng rng(11);
+  for (const size_t n : {size_t{37}, size_t{10000}}) {
+    std::vector<T> p(n), g(n), m(n), v(n);
+    for (size_t i = 0; i < n; ++i) {
+      p[i] = static_cast<T>(rng.normal());
+      g[i] = static_cast<T>(rng.normal() * 100);
+      m[i] = static_cast<T>(rng.normal() * 0.1);
+      v[i] = static_cast<T>(rng.uniform());
+    }
+    struct Case {
+      double weight_decay, grad_scale, norm_sq, max_norm;
+    };
+    // (no norm), clipped, below the clip threshold, overflow (skipped)
+    for (const Case c : {Case{0.1, 0.25, -1, 0}, Case{0.0, 0.5, 4e6, 1.0},
+                         Case{0.01, 1e-3, 4e6, 10.0}, Case{0.1, 1.0, INFINITY, 1.0}}) {
+      std::vector<T> op_p = p, op_m = m, op_v = v, host_p = p, host_m = m, host_v = v;
+      std::vector<double> norm_sq = {c.norm_sq};
+      AdamWArgs a;
+      a.lr = 3e-3;
+      a.beta1 = 0.8;
+      a.beta2 = 0.95;
+      a.eps = 1e-7;
+      a.weight_decay = c.weight_decay;
+      a.step = 3;
+      a.grad_scale = c.grad_scale;
+      a.max_norm = c.max_norm;
+      if (c.norm_sq >= 0 || !std::isfinite(c.norm_sq))
+        a.norm_sq = Tensor(norm_sq.data(), DType::f64, Device{}, {1});
+      const auto len = static_cast<int64_t>(n);
+      adamw_step(ctx, Tensor(op_p.data(), dt, Device{}, {len}),
+                 Tensor(g.data(), dt, Device{}, {len}), Tensor(op_m.data(), dt, Device{}, {len}),
+                 Tensor(op_v.data(), dt, Device{}, {len}), a);
+      double scale = 0;
+      const bool run = host_adamw_scale(a, c.norm_sq, &scale);
+      CHECK(run == std::isfinite(c.norm_sq));
+      if (run)
+        host_adamw_update(host_p.data(), g.data(), host_m.data(), host_v.data(), n,
+                          host_adamw_step(a, scale));
+      INFO("n " << n << " norm_sq " << c.norm_sq << " max_norm " << c.max_norm);
+      CHECK(host_p == op_p);
+      CHECK(host_m == op_m);
+      CHECK(host_v == op_v);
+      CHECK((host_p != p) == run);  // the update did something exactly when not skipped
+    }
+  }
+}
+
+TEST_CASE("offload: the CPU AdamW gives the adamw_step op's bits", "[optim][offload]") {
+  compare_host_adamw_with_op<float>();
+  compare_host_adamw_with_op<double>();
+}
+
+// An offloaded AdamW (host master, moments and gradient staging) against the one on the model's
+// device (here both the CPU), over a ZeRO partition with a shared tail and decay segments: the
+// same weights and moments bit for bit after clipped steps and a skipped one; params_written()
+// makes it take the master copy from the model again.
+TEST_CASE("offload: AdamW with the state on the host updates like the device one",
+          "[optim][offload]") {
+  ModelConfig m = small_config();
+  OptimizerConfig oc;
+  oc.lr = 0.05;
+  oc.weight_decay = 0.1;
+  Ctx ctx;
+  auto prepared = [&](Model& model) {
+    model.init_weights(5);
+    double* g = model.grads().ptr<double>();
+    for (int64_t i = 0; i < model.grads().numel(); ++i) g[i] = std::sin(0.37 * i);
+  };
+  std::vector<double> norm_sq = {0};
+  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
+  for (int world : {1, 3}) {
+    const size_t total = build_param_table(m).total;
+    const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
+    Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
+    prepared(dev_model);
+    prepared(host_model);
+    AdamW on_device(oc, dev_model, part);
+    OffloadOptions offload;
+    offload.enabled = true;
+    AdamW on_host(oc, host_model, part, offload);
+    CHECK(on_host.offloaded());
+    CHECK(on_host.moment1().data != nullptr);
+    for (double nsq : {1e6, 1.0, double(INFINITY), 4.0}) {
+      norm_sq[0] = nsq;
+      on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      on_host.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      if (!std::isfinite(nsq)) on_device.undo_step(), on_host.undo_step();
+    }
+    auto same = [](const Tensor& a, const Tensor& b) {
+      REQUIRE(a.numel() == b.numel());
+      return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
+    };
+    CHECK(same(on_host.moment1(), on_device.moment1()));
+    CHECK(same(on_host.moment2(), on_device.moment2()));
+    CHECK(same(host_model.params(), dev_model.params()));
+    // Outside writes reach the host master only through params_written().
+    host_model.init_weights(9);
+    dev_model.init_weights(9);
+    on_host.params_written();
+    on_device.step(ctx, dev_model, oc.lr, 0.5);
+    on_host.step(ctx, host_model, oc.lr, 0.5);
+    CHECK(same(host_model.params(), dev_model.params()));
+  }
+}
+
+// The backward's gradient-ready ranges: adjacent, descending, covering the buffer once, and each
+// reported only when its gradient is final (a snapshot taken at the report equals the gradient
+// after the whole backward), for a tied head (whose gradient lands in the embedding first), an
+// untied one, MoD and MoE layers, and with layers recomputed.
+TEST_CASE("Model: the backward reports each gradient range once it is final", "[train][overlap]") {
+  for (const bool tied : {false, true})
+    for (const bool recompute : {false, true}) {
+      ModelConfig m = small_config();
+      m.tie_word_embeddings = tied;
+      const int t = 8;
+      Model model(m, DType::f64, Device{}, 2, t, true, recompute);
+      model.init_weights(3);
+      Ctx ctx;
+      auto ids = tokens(2 * t, m.vocab_size, 5), tg = tokens(2 * t, m.vocab_size, 6);
+      model.zero_grads(ctx);
+      model.upload_batch(ctx, ids.data(), tg.data());
+      model.queue_forward_backward(ctx, 1.0);  // a first micro-batch: gradients accumulate
+      model.upload_batch(ctx, tg.data(), ids.data());
+      struct Report {
+        size_t begin, end;
+        std::vector<double> grads;
+      };
+      std::vector<Report> reports;
+      const double* g = model.grads().ptr<double>();
+      model.queue_forward_backward(ctx, 0.5, [&](Ctx&, size_t begin, size_t end) {
+        reports.push_back({begin, end, std::vector<double>(g + begin, g + end)});
+      });
+      INFO("tied " << tied << " recompute " << recompute);
+      REQUIRE(reports.size() == static_cast<size_t>(m.num_hidden_layers) + 2);
+      size_t expect_end = model.table().total;
+      for (const Report& r : reports) {
+        CHECK(r.end == expect_end);
+        CHECK(r.begin < r.end);
+        CHECK(std::equal(r.grads.begin(), r.grads.end(), g + r.begin));
+        expect_end = r.begin;
+      }
+      CHECK(expect_end == 0);
+      // The embedding is last, and (tied) also holds the head's gradient.
+      CHECK(reports.back().end ==
+            model.table().find("model.layers.0.input_layernorm.weight").offset);
+    }
+}
+
+TEST_CASE("GradientBuckets: adjacent ranges become buckets of at least the bucket size",
+          "[train][overlap]") {
+  std::vector<std::pair<size_t, size_t>> launched;
+  GradientBuckets b(100, 25, [&](size_t lo, size_t hi) { launched.emplace_back(lo, hi); });
+  for (int step = 0; step < 2; ++step) {  // flush starts over for the next step
+    launched.clear();
+    b.ready(90, 100);  // 10: pending
+    CHECK(launched.empty());
+    b.ready(60, 90);  // 40 >= 25: launched
+    b.ready(50, 60);
+    b.ready(20, 50);  // 40: launched
+    b.ready(20, 20);  // an empty range is fine
+    b.ready(0, 20);   // 20 < 25: waits for flush
+    CHECK(launched.size() == 2);
+    b.flush();
+    const std::vector<std::pair<size_t, size_t>> want = {{60, 100}, {20, 60}, {0, 20}};
+    CHECK(launched == want);
+  }
+  CHECK_THROWS_AS(b.ready(0, 50), InternalError);  // does not end at 100
+  GradientBuckets c(10, 4, [](size_t, size_t) {});
+  c.ready(5, 10);
+  CHECK_THROWS_AS(c.flush(), InternalError);  // [0, 5) never reported
+  GradientBuckets whole(10, 1000, [&](size_t lo, size_t hi) { launched.emplace_back(lo, hi); });
+  launched.clear();
+  whole.ready(3, 10);
+  whole.ready(0, 3);
+  whole.flush();
+  CHECK(launched == std::vector<std::pair<size_t, size_t>>{{0, 10}});  // one bucket
 }
 
 // train.recompute_layers changes where activations live, not the arithmetic: a short run (MoE,

@@ -86,6 +86,10 @@ class Comm {
 
   // inout = sum over ranks of inout; identical bits on every rank.
   virtual void all_reduce_sum(Tensor inout) = 0;
+  // On rank `root`: inout = sum over ranks of inout. On the other ranks inout is left
+  // unspecified (it may hold partial sums). ZeRO-2 buckets: each part of a bucket goes to the
+  // rank that owns it, half the volume of an all-reduce.
+  virtual void reduce_sum(Tensor inout, int root) = 0;
   // in: [world * n] elements, out: [n]; out = chunk `rank` of (sum over ranks of in).
   // In place when out is chunk `rank` of in (the rest of in is then unspecified).
   virtual void reduce_scatter_sum(Tensor out, Tensor in) = 0;
@@ -106,6 +110,15 @@ class Comm {
   // NCCL / GPU tensors: the cudaStream_t the collectives are enqueued on (nullptr = the device's
   // default stream). Ignored by CPU comms.
   virtual void set_stream(void* stream) = 0;
+  // Overlap with compute (NcclComm): the collectives after this call run on the comm's own
+  // stream, once the work queued on the set_stream() stream so far is done, while later work on
+  // that stream goes on. Call it again before each collective that must also wait for work
+  // queued since. CPU comms (whose collectives complete before they return) and SingleComm: no
+  // effect.
+  virtual void fork_from_compute() {}
+  // The set_stream() stream waits for every collective queued since fork_from_compute(); later
+  // collectives run on it again.
+  virtual void join_compute() {}
 
  protected:
   Comm(RankInfo info, Device device, double timeout_s)

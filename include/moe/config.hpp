@@ -86,8 +86,21 @@ struct Fp16Config {
   double min_loss_scale = 1;
 };
 
+// DeepSpeed's zero_optimization.offload_optimizer: this rank's fp32 master weights and AdamW
+// moments in host memory, updated by a CPU AdamW (ZeRO stage 1 or 2).
+struct OffloadOptimizerConfig {
+  std::string device = "none";  // none | cpu
+  bool pin_memory = false;      // page-locked host buffers (GPU runs: faster copies)
+};
+
 struct ZeroConfig {
   int stage = 0;
+  // Reduce the gradients in buckets while the backward of the last micro-batch runs (on a
+  // communication stream on GPUs) instead of once after it.
+  bool overlap_comm = false;
+  double reduce_bucket_size = 5e8;  // elements per bucket (a whole number; DeepSpeed writes 5e8)
+  OffloadOptimizerConfig offload_optimizer;
+  bool offloads_optimizer() const { return offload_optimizer.device == "cpu"; }
 };
 
 struct SyntheticDataConfig {

@@ -15,6 +15,9 @@ class Buffer {
  public:
   Buffer() = default;
   Buffer(Device dev, size_t bytes);
+  // Host memory (zeroed), page-locked when `pinned` (a build with CUDA: cudaMallocHost, so copies
+  // to and from a GPU run at full speed and asynchronously), else ordinary aligned memory.
+  static Buffer host(size_t bytes, bool pinned);
   ~Buffer();
   Buffer(Buffer&& o) noexcept;
   Buffer& operator=(Buffer&& o) noexcept;
@@ -24,6 +27,7 @@ class Buffer {
   void* data() const { return ptr_; }
   size_t bytes() const { return bytes_; }
   Device device() const { return dev_; }
+  bool pinned() const { return pinned_; }
   Tensor as(DType t, std::initializer_list<int64_t> dims) const;
 
  private:
@@ -31,6 +35,7 @@ class Buffer {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
   Device dev_;
+  bool pinned_ = false;
 };
 
 class Arena {

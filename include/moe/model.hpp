@@ -1,6 +1,7 @@
 // The model: parameters in one contiguous buffer (gradients in a second of the same layout),
 // layers that orchestrate ops in the order of MODEL_SPEC's math, and an explicit backward.
 #pragma once
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,10 +94,18 @@ class Model {
   // Copies a micro-batch to the device (checked: ids inside the vocabulary). On a GPU through
   // page-locked staging slots, so the host waits for nothing but a slot's previous upload.
   void upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets);
+  // Called during the backward each time a range [begin, end) of grads() (elements) has received
+  // its last contribution of this backward: the LM head and final norm first, then each layer
+  // from the last to the first, then the embedding (tied to the head: only then). The ranges are
+  // adjacent and descending and cover the whole buffer once; the call comes after the range's
+  // gradient ops are queued on ctx's stream (data parallelism reduces them there, while the
+  // backward of earlier layers goes on).
+  using GradientReady = std::function<void(Ctx& ctx, size_t begin, size_t end)>;
   // Forward and backward on the uploaded micro-batch: gradients accumulate (+=) into grads()
   // scaled by `grad_scale` (1 / gradient_accumulation_steps for an averaged step, times the fp16
-  // loss scale); losses and expert loads are summed on the device.
-  void queue_forward_backward(Ctx& ctx, double grad_scale);
+  // loss scale); losses and expert loads are summed on the device. `ready`, when given, is told
+  // of each finished gradient range (see GradientReady).
+  void queue_forward_backward(Ctx& ctx, double grad_scale, const GradientReady& ready = nullptr);
   // Forward only (evaluation) on the uploaded micro-batch.
   void queue_forward(Ctx& ctx);
   // Waits for the device: mean losses over the micro-batches since reset_stats(), and routing()
@@ -141,8 +150,9 @@ class Model {
  private:
   friend struct LayerEnv;
   void plan();
-  void run_layers(Ctx& ctx, bool backward_too, double grad_scale);
-  void backward(Ctx& ctx, double grad_scale, double ce_scale);
+  void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
+                  const GradientReady& ready = nullptr);
+  void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);
 
   ModelConfig cfg_;
   DType compute_, param_dtype_;
@@ -150,6 +160,8 @@ class Model {
   int batch_, seq_len_;
   bool allocated_, recompute_;
   ParamTable table_;
+  // Where each layer's parameters start in the flat buffer; [L] = the final norm's offset.
+  std::vector<size_t> layer_offsets_;
   Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
   Arena acts_, scratch_;
   std::unique_ptr<LayerEnv> env_;

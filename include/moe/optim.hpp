@@ -55,28 +55,49 @@ double global_grad_norm(Ctx& ctx, const Model& model, Tensor acc);
 // The factor that brings `norm` down to `max_norm` (1 when clipping is off or not needed).
 double clip_factor(double norm, double max_norm);
 
+// Optimizer offload (zero_optimization.offload_optimizer): the state lives in host memory and a
+// CPU AdamW updates it.
+struct OffloadOptions {
+  bool enabled = false;
+  bool pin_memory = false;  // page-locked host buffers; only with a GPU model (else ignored)
+};
+
 class AdamW {
  public:
   // State (m, v) for the elements `part` gives this rank (default: the whole buffer).
+  // With offload, m and v, an fp32 master copy of this rank's elements and a staging buffer for
+  // their gradients live in host memory (`pinned` when asked and the model is on a GPU), separate
+  // from the model's buffers also on a CPU model, so the CPU runs the same code path as a GPU.
   AdamW(const OptimizerConfig& cfg, const Model& model);
-  AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part);
+  AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part,
+        OffloadOptions offload = {});
   // One update with learning rate `lr` of the elements this rank owns (the rest of the
   // parameter buffer is left alone: ZeRO gathers it from the other ranks afterwards); gradients are
   // multiplied by grad_scale first. With `norm_sq` (from queue_grad_norm_sq) the device computes
   // the norm of the scaled gradients, clips it to max_norm (0 = off) and skips the update when it
   // is not finite (fp16 overflow), so the host reads nothing. A skipped step must be reported with
   // undo_step().
+  // Offloaded: the owned gradient ranges are copied to the host (after the caller's reduction),
+  // norm_sq is read there (so the step waits for the device), the CPU AdamW updates the host
+  // master and moments with the same math and the same skip and clip decisions, and the updated
+  // master ranges are copied into params() (queued on ctx's stream when pinned). The caller then
+  // gathers and calls Model::weights_changed as after any step.
   void step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq = Tensor(),
             double max_norm = 0);
   // The last step() was skipped on the device: its bias-correction count is taken back.
   void undo_step() { --step_; }
   long steps_taken() const { return step_; }
   const ZeroPartition& partition() const { return part_; }
+  bool offloaded() const { return offload_.enabled; }
   // The moments of the owned elements, laid out as partition().ranges() say (unsharded: like the
-  // parameter buffer).
+  // parameter buffer); host tensors when offloaded.
   Tensor moment1() const;
   Tensor moment2() const;
   void set_steps_taken(long s) { step_ = s; }
+  // params() was written from outside (initialisation, a checkpoint load): an offloaded
+  // optimizer takes its master copy from there again before its next step. (A fresh optimizer
+  // does so before its first step.)
+  void params_written() { master_current_ = false; }
 
  private:
   // A run of adjacent parameters sharing one weight-decay choice: one fused update each.
@@ -84,12 +105,20 @@ class AdamW {
     size_t offset, numel;
     bool decay;
   };
+  void step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                      double max_norm);
+  // A host buffer of the owned elements, as a flat tensor.
+  Tensor local(const Buffer& b) const;
+
   OptimizerConfig cfg_;
   ZeroPartition part_;
   std::vector<Segment> segments_;
   Buffer m_, v_;
   DType dtype_;
   long step_ = 0;
+  OffloadOptions offload_;
+  Buffer master_, grads_;  // offloaded: host copies of the owned weights and their gradients
+  bool master_current_ = false;
 };
 
 }  // namespace moe

@@ -313,6 +313,7 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
   for (const Tensor& b : model.router_biases()) r.tensor(b);
   r.seek(l0.weights_at);
   r.tensor(model.params());
+  optimizer.params_written();  // an offloaded master copy is taken from the loaded weights
   for (const Copy& c : copies) {
     StateReader cr(*files[c.file]);
     const uint64_t v_shift = layouts[c.file].moment_elems * elem;

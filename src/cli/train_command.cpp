@@ -113,8 +113,12 @@ void run_info(const ConfigFlags& f, int world_flag) {
   //                      across micro-batches); DeepSpeed's figure 4 P / N for it is the ideal
   //   stage 3 (planned)  (4 + c + 4 + 8) P / N + 2 w L + A  (the compute weights of the current
   //                      layer and one prefetched; w = c, or 4 in f32)
-  //   2 + offload        GPU: the compute weights (c P; 4 P in f32) + 4 P gradients + A;
-  //   (planned)          CPU: 12 P / N (fp32 master shard, m, v) per rank
+  //   1 or 2 + offload   GPU: (4 + c) P + 4 P + A: the model keeps its fp32 weights and its
+  //                      gradient buffer on the device (its ops and collectives use them), the
+  //                      optimizer state is gone from it;
+  //                      CPU: 16 P / N per rank (fp32 master of the partition, m, v, and the
+  //                      staging buffer its gradients are copied into). DeepSpeed's offload also
+  //                      drops the fp32 weights from the GPU (c P there); not done here.
   const int world = info_world(cfg, world_flag);
   const double n = std::max(1, world), p = c.total, cb = copy_bytes / std::max(1.0, c.total);
   const double layer = largest_layer_params(plan.table());
@@ -131,16 +135,21 @@ void run_info(const ConfigFlags& f, int world_flag) {
        "full gradient buffer (DeepSpeed ideal: grads / N)"},
       {"3", (4 + cb) * p / n, 4 * p / n, 8 * p / n, 2 * (cb > 0 ? cb : 4) * layer, 0,
        "not available yet"},
-      {"2+offload", (cb > 0 ? cb : 4) * p, 4 * p, 0, 0, 12 * p / n, "not available yet"},
+      {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 16 * p / n,
+       "stage 1 + offload alike; CPU: master, m, v, gradient staging"},
   };
   std::printf("per rank with %d data-parallel rank(s) (--world N; MiB):\n", world);
   std::printf("  %-10s %10s %10s %10s %10s %10s %10s  %s\n", "ZeRO", "weights", "gradients",
               "optimizer", "gathered", "act+scr", "GPU total", "CPU (offload)");
+  // The row this config trains with is marked with "*".
+  const std::string mine = cfg.zero_optimization.offloads_optimizer()
+                               ? "2+offload"
+                               : std::to_string(cfg.zero_optimization.stage);
   for (const Row& r : rows) {
     const double gpu = r.weights + r.grads + r.optim + r.gathered + a;
-    std::printf("  %-10s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f  %10.1f %s\n", r.name,
-                mib(r.weights), mib(r.grads), mib(r.optim), mib(r.gathered), mib(a), mib(gpu),
-                mib(r.cpu), r.note);
+    std::printf("%c %-10s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f  %10.1f %s\n",
+                mine == r.name ? '*' : ' ', r.name, mib(r.weights), mib(r.grads), mib(r.optim),
+                mib(r.gathered), mib(a), mib(gpu), mib(r.cpu), r.note);
   }
 }
 

@@ -238,14 +238,25 @@ KeyNode train_section() {
        leaf("recompute_layers", AT(train.recompute_layers))});
 }
 
+// DeepSpeed's zero_optimization, with its offload_optimizer block.
+KeyNode zero_section() {
+  return section(
+      "zero_optimization",
+      {leaf("stage", AT(zero_optimization.stage)),
+       leaf("overlap_comm", AT(zero_optimization.overlap_comm)),
+       leaf("reduce_bucket_size", AT(zero_optimization.reduce_bucket_size)),
+       section("offload_optimizer",
+               {leaf("device", AT(zero_optimization.offload_optimizer.device)),
+                leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory))})});
+}
+
 KeyNode build_schema() {
   return section("", {leaf("train_micro_batch_size_per_gpu", AT(train_micro_batch_size_per_gpu)),
                       leaf("gradient_accumulation_steps", AT(gradient_accumulation_steps)),
                       leaf("train_batch_size", AT(train_batch_size)),
                       leaf("gradient_clipping", AT(gradient_clipping)), optimizer_section(),
                       scheduler_section(), fp16_section(),
-                      section("bf16", {leaf("enabled", AT(bf16_enabled))}),
-                      section("zero_optimization", {leaf("stage", AT(zero_optimization.stage))}),
+                      section("bf16", {leaf("enabled", AT(bf16_enabled))}), zero_section(),
                       model_section(), data_section(), train_section()});
 }
 

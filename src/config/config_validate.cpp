@@ -187,6 +187,23 @@ void validate_fp16(const Fp16Config& f) {
 void validate_zero(const ZeroConfig& z) {
   if (z.stage < 0 || z.stage > 3)
     fail("zero_optimization.stage", "must be 0, 1, 2 or 3, got " + std::to_string(z.stage));
+  if (!(z.reduce_bucket_size >= 1) || z.reduce_bucket_size != std::floor(z.reduce_bucket_size) ||
+      z.reduce_bucket_size > 9.0e15)
+    fail("zero_optimization.reduce_bucket_size",
+         "must be a whole number of elements >= 1 (e.g. 5e8), got " + num(z.reduce_bucket_size));
+  const std::string& dev = z.offload_optimizer.device;
+  if (dev == "nvme")
+    fail("zero_optimization.offload_optimizer.device",
+         "\"nvme\" (ZeRO-Infinity) is not available; use \"cpu\" or \"none\"");
+  if (dev != "none" && dev != "cpu")
+    fail("zero_optimization.offload_optimizer.device",
+         "must be \"none\" or \"cpu\", got \"" + dev + "\"");
+  // DeepSpeed's rule: the offloaded optimizer state is this rank's ZeRO partition.
+  if (dev == "cpu" && z.stage < 1)
+    fail("zero_optimization.offload_optimizer.device",
+         "\"cpu\" needs zero_optimization.stage 1 or 2 (the offloaded state is this rank's "
+         "ZeRO partition, as in DeepSpeed), got stage " +
+             std::to_string(z.stage));
 }
 
 // ---- data and run

@@ -23,20 +23,37 @@ Buffer::Buffer(Device dev, size_t bytes) : bytes_(bytes), dev_(dev) {
   std::memset(ptr_, 0, rounded == 0 ? Arena::kAlign : rounded);
 }
 
-Buffer::~Buffer() { release(); }
+Buffer Buffer::host(size_t bytes, bool pinned) {
+  if (!pinned) return Buffer(Device{}, bytes);
+  Buffer b;
+  b.ptr_ = gpu::malloc_pinned(bytes == 0 ? 1 : bytes);
+  b.bytes_ = bytes;
+  b.pinned_ = true;
+  std::memset(b.ptr_, 0, bytes);
+  return b;
+}
+
+Buffer::~Buffer() {
+  release();
+}
 
 void Buffer::release() {
   if (ptr_ && dev_.type == DeviceType::cuda)
     gpu::free_device(ptr_);
+  else if (ptr_ && pinned_)
+    gpu::free_pinned(ptr_);
   else if (ptr_)
     std::free(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
+  pinned_ = false;
 }
 
-Buffer::Buffer(Buffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_), dev_(o.dev_) {
+Buffer::Buffer(Buffer&& o) noexcept
+    : ptr_(o.ptr_), bytes_(o.bytes_), dev_(o.dev_), pinned_(o.pinned_) {
   o.ptr_ = nullptr;
   o.bytes_ = 0;
+  o.pinned_ = false;
 }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
@@ -45,8 +62,10 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     ptr_ = o.ptr_;
     bytes_ = o.bytes_;
     dev_ = o.dev_;
+    pinned_ = o.pinned_;
     o.ptr_ = nullptr;
     o.bytes_ = 0;
+    o.pinned_ = false;
   }
   return *this;
 }

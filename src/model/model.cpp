@@ -69,6 +69,10 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
       table_(build_param_table(cfg)),
       acts_(dev),
       scratch_(dev) {
+  for (int l = 0; l < cfg.num_hidden_layers; ++l)
+    layer_offsets_.push_back(
+        table_.find("model.layers." + std::to_string(l) + ".input_layernorm.weight").offset);
+  layer_offsets_.push_back(table_.find("model.norm.weight").offset);
   MOE_CHECK(!allocate || compute_ == param_dtype_ || dev.type == DeviceType::cuda,
             std::string("Model: ") + dtype_name(compute_) + " compute needs a GPU");
   if (allocate) {
@@ -253,8 +257,8 @@ void Model::upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
   st.used[slot] = true;
 }
 
-void Model::queue_forward_backward(Ctx& ctx, double grad_scale) {
-  run_layers(ctx, true, grad_scale);
+void Model::queue_forward_backward(Ctx& ctx, double grad_scale, const GradientReady& ready) {
+  run_layers(ctx, true, grad_scale, ready);
   ++micro_batches_;
 }
 
@@ -304,7 +308,7 @@ Losses Model::read_stats(Ctx& ctx) {
 // Embedding -> layers -> final norm -> head -> per-token losses (summed into stats_ as this
 // micro-batch's mean), then the backward when asked. Works in dry-run mode too (the planning
 // pass that measures the scratch arena).
-void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale) {
+void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const GradientReady& ready) {
   const auto& embed = table_.find("model.embed_tokens.weight");
   embedding_forward(ctx, stream_[0], ids_, work(embed));
   for (size_t l = 0; l < layers_.size(); ++l)
@@ -317,11 +321,17 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale) {
   cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
   const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
   accumulate_sum(ctx, stats_.rows(kStatLm, kStatLm + 1), losses_, per_valid);
-  if (backward_too) backward(ctx, grad_scale, grad_scale * per_valid);
+  if (backward_too) backward(ctx, grad_scale, grad_scale * per_valid, ready);
 }
 
 // ce_scale = grad_scale / valid targets: d loss / d logits = (softmax - onehot) / valid.
-void Model::backward(Ctx& ctx, double grad_scale, double ce_scale) {
+// The parameter layout is embedding, layers 0..L-1, final norm, head (params.cpp), so the
+// backward finishes gradient ranges from the end of the buffer toward its start.
+void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready) {
+  auto finished = [&](size_t begin, size_t end) {
+    if (ready && !ctx.dry_run) ready(ctx, begin, end);
+  };
+  const size_t num_layers = layers_.size();
   const auto& embed = table_.find("model.embed_tokens.weight");
   const auto& normf = table_.find("model.norm.weight");
   const auto& head =
@@ -329,6 +339,7 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale) {
   cross_entropy_backward(ctx, logits_, logits_, lse_, targets_, ce_scale);
   linear_backward(ctx, dstream_b_, grad(head), logits_, xf_, work(head), false);
   rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), work(normf), rstdf_);
+  finished(layer_offsets_[num_layers], table_.total);  // final norm and an untied head
   Tensor dout = dstream_a_, dx = dstream_b_;
   for (size_t l = layers_.size(); l-- > 0;) {
     if (recompute_) {  // rebuild this layer's activations from its saved input
@@ -337,9 +348,11 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale) {
       env_->recomputing = false;
     }
     layers_[l]->backward(ctx, dx, dout, stream_[l], pos_, grad_scale);
+    finished(layer_offsets_[l], layer_offsets_[l + 1]);
     std::swap(dx, dout);
   }
   embedding_backward(ctx, grad(embed), dout, ids_);
+  finished(0, layer_offsets_[0]);  // the embedding (a tied head wrote into it first)
 }
 
 std::vector<Tensor> Model::router_biases() const {

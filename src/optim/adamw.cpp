@@ -1,11 +1,14 @@
 // AdamW over the parameter buffer in segments of equal decay choice (decided by ParamKind:
-// norms are not decayed), global-norm clipping and the learning-rate schedule.
+// norms are not decayed), on the model's device or offloaded to the host (optim/host_adamw.hpp),
+// global-norm clipping and the learning-rate schedule.
 #include <algorithm>
 #include <cmath>
 
+#include "moe/cuda_runtime.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/optim.hpp"
 #include "moe/optim.hpp"
+#include "optim/host_adamw.hpp"
 
 namespace moe {
 
@@ -81,13 +84,33 @@ double clip_factor(double norm, double max_norm) {
 AdamW::AdamW(const OptimizerConfig& cfg, const Model& model)
     : AdamW(cfg, model, ZeroPartition::whole(model.table().total)) {}
 
-AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part)
+namespace {
+
+// The optimizer state buffer of `elems` elements: on the model's device, or on the host.
+Buffer state_buffer(const Model& model, size_t elems, const OffloadOptions& offload) {
+  const size_t bytes = elems * dtype_size(model.dtype());
+  if (!offload.enabled) return Buffer(model.params().device, bytes);
+  const bool pinned = offload.pin_memory && model.params().device.type == DeviceType::cuda;
+  return Buffer::host(bytes, pinned);
+}
+
+}  // namespace
+
+AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition& part,
+             OffloadOptions offload)
     : cfg_(cfg),
       part_(part),
-      m_(model.params().device, part.local() * dtype_size(model.dtype())),
-      v_(model.params().device, part.local() * dtype_size(model.dtype())),
-      dtype_(model.dtype()) {
+      m_(state_buffer(model, part.local(), offload)),
+      v_(state_buffer(model, part.local(), offload)),
+      dtype_(model.dtype()),
+      offload_(offload) {
   MOE_CHECK(part.total == model.table().total, "AdamW: partition of another parameter buffer");
+  MOE_CHECK(dtype_ == DType::f32 || dtype_ == DType::f64,
+            "AdamW: master weights must be f32 or f64");
+  if (offload_.enabled) {
+    master_ = state_buffer(model, part.local(), offload);
+    grads_ = state_buffer(model, part.local(), offload);
+  }
   for (const auto& p : model.table().params) {
     const bool decay = param_kind_decays(p.kind);
     if (!segments_.empty() && segments_.back().decay == decay &&
@@ -98,16 +121,23 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
   }
 }
 
+Tensor AdamW::local(const Buffer& b) const {
+  return b.as(dtype_, {static_cast<int64_t>(part_.local())});
+}
 Tensor AdamW::moment1() const {
-  return m_.as(dtype_, {static_cast<int64_t>(m_.bytes() / dtype_size(dtype_))});
+  return local(m_);
 }
 Tensor AdamW::moment2() const {
-  return v_.as(dtype_, {static_cast<int64_t>(v_.bytes() / dtype_size(dtype_))});
+  return local(v_);
 }
 
 void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                  double max_norm) {
   ++step_;
+  if (offload_.enabled) {
+    step_offloaded(ctx, model, lr, grad_scale, norm_sq, max_norm);
+    return;
+  }
   Tensor p = model.params(), g = model.grads();
   Tensor m = moment1(), v = moment2();
   // Every (owned range x decay segment) intersection is one fused update.
@@ -130,6 +160,70 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
       const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + (ge - gb);
       adamw_step(ctx, p.rows(gb, ge), g.rows(gb, ge), m.rows(lb, le), v.rows(lb, le), a);
     }
+}
+
+// The offloaded step. Each copy between the model's buffers and the host covers one owned range
+// (this rank's chunk, then the shared tail); on a GPU the copies to the host wait for the device
+// (the step's reduction and norm), which is why offload trades step time for device memory.
+void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                           double max_norm) {
+  const Tensor p = model.params(), g = model.grads();
+  const Tensor master = local(master_), grads = local(grads_);
+  auto owned = [](const Tensor& flat, size_t begin, size_t count) {
+    return flat.rows(static_cast<int64_t>(begin), static_cast<int64_t>(begin + count));
+  };
+  const std::vector<ZeroPartition::Range> ranges = part_.ranges();
+  if (!master_current_) {
+    for (const auto& r : ranges)
+      copy_to_host(owned(master, r.local, r.count).data, owned(p, r.global, r.count));
+    master_current_ = true;
+  }
+  for (const auto& r : ranges)
+    copy_to_host(owned(grads, r.local, r.count).data, owned(g, r.global, r.count));
+
+  AdamWArgs a;
+  a.lr = lr;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = cfg_.eps;
+  a.step = step_;
+  a.grad_scale = grad_scale;
+  a.norm_sq = norm_sq;
+  a.max_norm = max_norm;
+  double host_norm_sq = 0;
+  if (!norm_sq.empty()) copy_to_host(&host_norm_sq, norm_sq);
+  double scale = grad_scale;
+  if (!host_adamw_scale(a, host_norm_sq, &scale)) return;  // not finite: skipped, as on a device
+
+  const size_t elem = dtype_size(dtype_);
+  for (const auto& r : ranges)
+    for (const auto& s : segments_) {
+      const size_t b = std::max(r.global, s.offset);
+      const size_t e = std::min(r.global + r.count, s.offset + s.numel);
+      if (b >= e) continue;
+      a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
+      const HostAdamWStep hs = host_adamw_step(a, scale);
+      const size_t at = (b - r.global + r.local) * elem;  // byte offset in the host buffers
+      auto host = [at](const Buffer& buf) { return static_cast<char*>(buf.data()) + at; };
+      if (dtype_ == DType::f32)
+        host_adamw_update(
+            reinterpret_cast<float*>(host(master_)), reinterpret_cast<const float*>(host(grads_)),
+            reinterpret_cast<float*>(host(m_)), reinterpret_cast<float*>(host(v_)), e - b, hs);
+      else
+        host_adamw_update(
+            reinterpret_cast<double*>(host(master_)), reinterpret_cast<const double*>(host(grads_)),
+            reinterpret_cast<double*>(host(m_)), reinterpret_cast<double*>(host(v_)), e - b, hs);
+    }
+  // Back into the model's weights. Pinned: queued on the step's stream (the next step's copies to
+  // the host wait for the device, so the host buffer is not rewritten before this copy is done).
+  for (const auto& r : ranges) {
+    const Tensor dst = owned(p, r.global, r.count);
+    const Tensor src = owned(master, r.local, r.count);
+    if (master_.pinned())
+      gpu::copy_to_device_async(dst.data, src.data, dst.nbytes(), ctx.stream);
+    else
+      copy_from_host(dst, src.data);
+  }
 }
 
 }  // namespace moe

@@ -89,6 +89,22 @@ class MpiComm final : public Comm {
     }
   }
 
+  void reduce_sum(Tensor t, int root) override {
+    const char* op = "reduce_sum";
+    check_tensor(*this, t, op, "inout", mpi_accepts, DTypeUse::reduce);
+    check_root(*this, root, op);
+    auto guard = watch(op);
+    const size_t es = dtype_size(t.dtype);
+    for (int64_t begin = 0; begin < t.numel(); begin += kMaxChunk) {
+      int count = static_cast<int>(std::min(kMaxChunk, t.numel() - begin));
+      char* at = bytes(t) + begin * es;
+      // In place at the root; the others send theirs and leave it as it was.
+      MOE_MPI_CHECK(MPI_Reduce(rank() == root ? MPI_IN_PLACE : at, rank() == root ? at : nullptr,
+                               count, mpi_type(t.dtype), MPI_SUM, root, comm_),
+                    op, rank());
+    }
+  }
+
   void reduce_scatter_sum(Tensor out, Tensor in) override {
     const char* op = "reduce_scatter_sum";
     check_tensor(*this, out, op, "out", mpi_accepts, DTypeUse::reduce);

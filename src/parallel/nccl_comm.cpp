@@ -1,19 +1,20 @@
 // NcclComm: the collectives on GPU tensors over NCCL. MPI starts the job: rank 0 creates the
 // NCCL unique id and an MpiComm broadcasts it; the local rank picks the GPU (pick_local_gpu).
 //
-// Collectives are enqueued on the comm's stream and return at once. The watchdog watches them
-// in two ways: host calls that can block (communicator setup, the first use of a connection,
-// barrier) are armed like MpiComm's; for the GPU side, an event recorded after each collective
-// must complete within the timeout, and ncclCommGetAsyncError is polled about every 100 ms. On
-// failure it prints one line, calls ncclCommAbort (frees the GPU from the stuck kernels) and then
-// MPI_Abort (ends every rank).
+// Collectives are enqueued on the comm's stream (set_stream's, or between fork_from_compute and
+// join_compute a side stream of its own, so they overlap later compute) and return at once. The
+// watchdog watches them in two ways: host calls that can block (communicator setup, the first use
+// of a connection, barrier) are armed like MpiComm's; for the GPU side, each collective sits
+// between two events and must complete within the timeout of the stream reaching it
+// (QueuedDeadlines: time spent queued behind a long forward and backward does not count), and
+// ncclCommGetAsyncError is polled about every 100 ms. On failure it prints one line, calls
+// ncclCommAbort (frees the GPU from the stuck kernels) and then ends the job (mpi_abort_job).
 #if defined(MOE_WITH_NCCL) && defined(MOE_WITH_MPI)
 #include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <atomic>
 #include <chrono>
-#include <deque>
 #include <exception>
 #include <mutex>
 #include <string>
@@ -21,6 +22,7 @@
 
 #include "parallel/comm_impl.hpp"
 #include "parallel/mpi_runtime.hpp"
+#include "parallel/queued_deadlines.hpp"
 #include "parallel/watchdog.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/error.hpp"
@@ -108,6 +110,7 @@ class NcclComm final : public Comm {
       : Comm(info, Device{DeviceType::cuda, gpu}, timeout_s), bootstrap_(std::move(bootstrap)) {
     gpu::set_device(gpu);
     stream_ = static_cast<cudaStream_t>(gpu::default_stream(gpu));
+    compute_stream_ = stream_;
     watchdog_ = std::make_unique<Watchdog>(
         info.rank, timeout_s,
         [this] {
@@ -140,25 +143,65 @@ class NcclComm final : public Comm {
     }
     watchdog_.reset();  // joins the thread: nothing polls comm_ or the events below any more
     if (comm) (void)(failing ? ncclCommAbort(comm) : ncclCommDestroy(comm));
-    for (const Pending& p : pending_) cudaEventDestroy(p.event);
+    for (void* e : pending_.events()) cudaEventDestroy(static_cast<cudaEvent_t>(e));
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+    if (fork_event_) cudaEventDestroy(fork_event_);
+    if (join_event_) cudaEventDestroy(join_event_);
+    if (side_stream_) cudaStreamDestroy(side_stream_);
   }
 
   const char* backend() const override { return "nccl"; }
 
   void set_stream(void* stream) override {
-    stream_ = stream ? static_cast<cudaStream_t>(stream)
-                     : static_cast<cudaStream_t>(gpu::default_stream(device().index));
+    compute_stream_ = stream ? static_cast<cudaStream_t>(stream)
+                             : static_cast<cudaStream_t>(gpu::default_stream(device().index));
+    stream_ = compute_stream_;
+  }
+
+  // The side stream waits (on the GPU) for the compute stream's work so far; collectives go
+  // there until join_compute(). One event serves every fork: a wait takes the event's latest
+  // record at the time it is queued.
+  void fork_from_compute() override {
+    const char* op = "fork_from_compute";
+    if (!side_stream_) {
+      MOE_COMM_CUDA_CHECK(cudaStreamCreateWithFlags(&side_stream_, cudaStreamNonBlocking), op);
+      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming), op);
+      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), op);
+    }
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(fork_event_, compute_stream_), op);
+    MOE_COMM_CUDA_CHECK(cudaStreamWaitEvent(side_stream_, fork_event_, 0), op);
+    stream_ = side_stream_;
+  }
+
+  void join_compute() override {
+    if (stream_ != side_stream_) return;
+    const char* op = "join_compute";
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(join_event_, side_stream_), op);
+    MOE_COMM_CUDA_CHECK(cudaStreamWaitEvent(compute_stream_, join_event_, 0), op);
+    stream_ = compute_stream_;
   }
 
   void all_reduce_sum(Tensor t) override {
     const char* op = "all_reduce_sum";
     check_tensor(*this, t, op, "inout", nccl_accepts, DTypeUse::reduce);
     auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
     MOE_NCCL_CHECK(ncclAllReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
                                  ncclSum, comm_.load(), stream_),
                    op);
-    enqueued(op);
+    enqueued(bracket);
+  }
+
+  void reduce_sum(Tensor t, int root) override {
+    const char* op = "reduce_sum";
+    check_tensor(*this, t, op, "inout", nccl_accepts, DTypeUse::reduce);
+    check_root(*this, root, op);
+    auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
+    MOE_NCCL_CHECK(ncclReduce(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
+                              ncclSum, root, comm_.load(), stream_),
+                   op);
+    enqueued(bracket);
   }
 
   void reduce_scatter_sum(Tensor out, Tensor in) override {
@@ -167,10 +210,11 @@ class NcclComm final : public Comm {
     check_tensor(*this, in, op, "in", nccl_accepts, DTypeUse::reduce);
     check_reduce_scatter(*this, out, in, op);  // NCCL's in-place layout is ours
     auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
     MOE_NCCL_CHECK(ncclReduceScatter(in.data, out.data, static_cast<size_t>(out.numel()),
                                      nccl_type(in.dtype), ncclSum, comm_.load(), stream_),
                    op);
-    enqueued(op);
+    enqueued(bracket);
   }
 
   void all_gather(Tensor out, Tensor in) override {
@@ -179,10 +223,11 @@ class NcclComm final : public Comm {
     check_tensor(*this, in, op, "in", nccl_accepts, DTypeUse::move);
     check_all_gather(*this, out, in, op);
     auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
     MOE_NCCL_CHECK(ncclAllGather(in.data, out.data, static_cast<size_t>(in.numel()),
                                  nccl_type(in.dtype), comm_.load(), stream_),
                    op);
-    enqueued(op);
+    enqueued(bracket);
   }
 
   void all_to_all_v(Tensor out, const std::vector<int64_t>& out_counts, Tensor in,
@@ -194,6 +239,7 @@ class NcclComm final : public Comm {
     const size_t row_bytes = static_cast<size_t>(plan.row_elems) * dtype_size(in.dtype);
     const ncclDataType_t type = nccl_type(in.dtype);
     auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
     // This rank's own rows are a local copy; zero counts post nothing (both sides agree on them).
     copy_bytes(device(), bytes(out) + plan.recv_offsets[rank()] * row_bytes,
                bytes(in) + plan.send_offsets[rank()] * row_bytes, in_counts[rank()] * row_bytes,
@@ -213,7 +259,7 @@ class NcclComm final : public Comm {
                        op);
     }
     MOE_NCCL_CHECK(ncclGroupEnd(), op);
-    enqueued(op);
+    enqueued(bracket);
   }
 
   void broadcast(Tensor t, int root) override {
@@ -221,80 +267,97 @@ class NcclComm final : public Comm {
     check_tensor(*this, t, op, "t", nccl_accepts, DTypeUse::move);
     check_root(*this, root, op);
     auto guard = watchdog_->watch(op);
+    Bracket bracket = begin(op);
     MOE_NCCL_CHECK(ncclBroadcast(t.data, t.data, static_cast<size_t>(t.numel()), nccl_type(t.dtype),
                                  root, comm_.load(), stream_),
                    op);
-    enqueued(op);
+    enqueued(bracket);
   }
 
   void barrier() override {
-    {
-      auto guard = watchdog_->watch("barrier");
-      MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(stream_), "barrier");
-    }
+    // Not armed: the wait may cover a long stretch of compute, and the collectives in it are
+    // timed by their own events (poll), which catch a dead peer.
+    MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(compute_stream_), "barrier");
+    if (side_stream_) MOE_COMM_CUDA_CHECK(cudaStreamSynchronize(side_stream_), "barrier");
     bootstrap_->barrier();
   }
 
  private:
-  struct Pending {
+  // The events around one collective (none when the watchdog has no deadline).
+  struct Bracket {
     const char* op;
-    cudaEvent_t event;
-    std::chrono::steady_clock::time_point enqueued_at;
+    cudaEvent_t start = nullptr, end = nullptr;
   };
 
-  // Records an event after `op` on the stream, for the watchdog's GPU-side deadline.
-  void enqueued(const char* op) {
-    if (timeout_s() <= 0) return;
-    std::lock_guard<std::mutex> lock(pending_mu_);
-    cudaEvent_t event = nullptr;
+  cudaEvent_t take_event(const char* op) {
     if (!free_events_.empty()) {
-      event = free_events_.back();
+      cudaEvent_t e = free_events_.back();
       free_events_.pop_back();
-    } else {
-      MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), op);
+      return e;
     }
-    MOE_COMM_CUDA_CHECK(cudaEventRecord(event, stream_), op);
-    pending_.push_back({op, event, std::chrono::steady_clock::now()});
+    cudaEvent_t e = nullptr;
+    MOE_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op);
+    return e;
+  }
+
+  // Records the event that marks the stream reaching `op` (its deadline starts there).
+  Bracket begin(const char* op) {
+    Bracket b{op};
+    if (timeout_s() <= 0) return b;
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    b.start = take_event(op);
+    b.end = take_event(op);
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(b.start, stream_), op);
+    return b;
+  }
+
+  // Records the event after the collective and hands both to the watchdog's poll.
+  void enqueued(const Bracket& b) {
+    if (!b.start) return;
+    std::lock_guard<std::mutex> lock(pending_mu_);
+    MOE_COMM_CUDA_CHECK(cudaEventRecord(b.end, stream_), b.op);
+    pending_.push(b.op, b.start, b.end);
   }
 
   // The watchdog's hook: "" while healthy, else the line to print before aborting.
   std::string poll() {
-    const std::string who = "moe-train: rank " + std::to_string(rank()) + ": ";
     if (ncclComm_t comm = comm_.load()) {
       ncclResult_t async = ncclSuccess;
       ncclResult_t r = ncclCommGetAsyncError(comm, &async);
       if (r != ncclSuccess) async = r;
       if (async != ncclSuccess && async != ncclInProgress) {
         const char* last = nccl_last_error(comm);
-        return who + "NCCL error: " + ncclGetErrorString(async) +
+        return "moe-train: rank " + std::to_string(rank()) +
+               ": NCCL error: " + ncclGetErrorString(async) +
                (last && *last ? std::string(" (") + last + ")" : "") + "; aborting";
       }
     }
     std::lock_guard<std::mutex> lock(pending_mu_);
     if (pending_.empty()) return "";
     cudaSetDevice(device().index);  // this thread's current device, for the event queries
-    while (!pending_.empty()) {
-      const Pending& p = pending_.front();
-      cudaError_t e = cudaEventQuery(p.event);
-      if (e == cudaSuccess) {
-        free_events_.push_back(p.event);
-        pending_.pop_front();
-        continue;
-      }
-      if (e != cudaErrorNotReady)
-        return who + p.op + " failed on the GPU: " + cudaGetErrorString(e) + "; aborting";
-      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - p.enqueued_at;
-      if (waited.count() >= timeout_s()) return timeout_line(rank(), p.op, timeout_s());
-      break;
-    }
-    return "";
+    std::vector<void*> released;
+    const std::string line = pending_.check(
+        QueuedDeadlines::Clock::now(),
+        [](void* event, std::string* error) {
+          const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+          if (e == cudaSuccess) return QueuedDeadlines::EventState::done;
+          if (e == cudaErrorNotReady) return QueuedDeadlines::EventState::pending;
+          *error = cudaGetErrorString(e);
+          return QueuedDeadlines::EventState::failed;
+        },
+        rank(), &released);
+    for (void* e : released) free_events_.push_back(static_cast<cudaEvent_t>(e));
+    return line;
   }
 
   std::unique_ptr<Comm> bootstrap_;  // MpiComm: the unique id, the host side of barrier
   std::atomic<ncclComm_t> comm_{nullptr};
-  cudaStream_t stream_ = nullptr;
+  cudaStream_t stream_ = nullptr;          // where collectives are enqueued now
+  cudaStream_t compute_stream_ = nullptr;  // set_stream's
+  cudaStream_t side_stream_ = nullptr;     // fork_from_compute's, created on first use
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   std::mutex pending_mu_;
-  std::deque<Pending> pending_;
+  QueuedDeadlines pending_{timeout_s()};
   std::vector<cudaEvent_t> free_events_;
   std::unique_ptr<Watchdog> watchdog_;  // last: stopped first, while the rest still exists
 };

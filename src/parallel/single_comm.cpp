@@ -26,6 +26,11 @@ class SingleComm final : public Comm {
     check_tensor(*this, t, "all_reduce_sum", "inout", any_dtype, DTypeUse::reduce);
   }
 
+  void reduce_sum(Tensor t, int root) override {
+    check_tensor(*this, t, "reduce_sum", "inout", any_dtype, DTypeUse::reduce);
+    check_root(*this, root, "reduce_sum");
+  }
+
   void reduce_scatter_sum(Tensor out, Tensor in) override {
     const char* op = "reduce_scatter_sum";
     check_tensor(*this, out, op, "out", any_dtype, DTypeUse::reduce);

@@ -1,6 +1,8 @@
 // Gradient reduction, norm and parameter gather for data parallelism (see data_parallel.hpp).
 #include "train/data_parallel.hpp"
 
+#include <algorithm>
+
 namespace moe {
 
 namespace {
@@ -11,18 +13,46 @@ Tensor span(const Tensor& flat, size_t begin, size_t end) {
 
 }  // namespace
 
-DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count)
+DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count, size_t bucket_elems)
     : comm_(comm),
       stage_(zero_stage),
       part_(zero_stage >= 1 ? ZeroPartition::split(param_count, comm.rank(), comm.world())
                             : ZeroPartition::whole(param_count)) {
   MOE_CHECK(zero_stage >= 0 && zero_stage <= 2, "DataParallel: ZeRO stage must be 0, 1 or 2");
+  if (bucket_elems > 0 && comm.world() > 1)
+    buckets_ = std::make_unique<GradientBuckets>(
+        param_count, bucket_elems, [this](size_t begin, size_t end) { reduce_bucket(begin, end); });
+}
+
+void DataParallel::reduce_bucket(size_t begin, size_t end) {
+  comm_.fork_from_compute();  // after the backward queued so far
+  if (!(stage_ == 2 && part_.sharded)) {
+    comm_.all_reduce_sum(span(grads_, begin, end));
+    return;
+  }
+  // Each owner's part of the bucket goes to its owner only; every rank issues the same calls.
+  for (int owner = 0; owner < world(); ++owner) {
+    const size_t b = std::max(begin, part_.chunk * static_cast<size_t>(owner));
+    const size_t e = std::min(end, part_.chunk * static_cast<size_t>(owner + 1));
+    if (b < e) comm_.reduce_sum(span(grads_, b, e), owner);
+  }
+  const size_t b = std::max(begin, part_.tail_begin);
+  if (b < end) comm_.all_reduce_sum(span(grads_, b, end));  // the tail: every rank updates it
+}
+
+Model::GradientReady DataParallel::backward_hook(Model& model) {
+  if (!buckets_) return nullptr;
+  grads_ = model.grads();
+  return [this](Ctx&, size_t begin, size_t end) { buckets_->ready(begin, end); };
 }
 
 void DataParallel::reduce_gradients_and_stats(Model& model) {
   if (world() == 1) return;
   const Tensor g = model.grads();
-  if (stage_ == 2 && part_.sharded) {
+  if (buckets_) {
+    buckets_->flush();
+    comm_.join_compute();
+  } else if (stage_ == 2 && part_.sharded) {
     // In place: this rank's chunk of the split part receives the sum; the tail (< world
     // elements) is all-reduced since every rank updates it.
     if (part_.chunk > 0)

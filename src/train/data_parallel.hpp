@@ -8,17 +8,34 @@
 //            gradient norm = all_reduce of the per-rank chunk sums of squares; update; all_gather
 // The 1/world of the gradient mean is folded into the micro-batches' grad_scale by the trainer.
 // World 1: every call here is a no-op, so a single-rank run is bitwise what it was without DP.
+//
+// With overlap (zero_optimization.overlap_comm) the gradients are not reduced after the backward
+// but during the last micro-batch's: backward_hook() gathers the ranges the model finishes into
+// buckets (GradientBuckets) and reduces each full one at once, on the comm's side stream on
+// GPUs (fork_from_compute), so it runs while the backward of earlier layers goes on. Stages 0
+// and 1 all-reduce each bucket; stage 2 reduces each part of a bucket to the rank whose chunk it
+// lies in (reduce_sum; the shared tail is all-reduced), which moves what the reduce-scatter does:
+// the chunks do not line up with buckets, so one reduce_scatter per bucket cannot.
 #pragma once
+#include <memory>
+
 #include "moe/comm.hpp"
 #include "moe/memory.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
+#include "train/grad_buckets.hpp"
 
 namespace moe {
 
 class DataParallel {
  public:
-  DataParallel(Comm& comm, int zero_stage, size_t param_count);
+  // bucket_elems > 0: overlap the gradient reduction with the backward in buckets of at least
+  // that many elements; 0: one reduction after the backward.
+  DataParallel(Comm& comm, int zero_stage, size_t param_count, size_t bucket_elems = 0);
+  bool overlaps() const { return buckets_ != nullptr; }
+  // For the last micro-batch's queue_forward_backward: reduces the gradient buckets as the
+  // backward finishes them (empty when not overlapping: nothing to do during the backward).
+  Model::GradientReady backward_hook(Model& model);
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
   int stage() const { return stage_; }
@@ -27,7 +44,8 @@ class DataParallel {
   const ZeroPartition& partition() const { return part_; }
 
   // After the last micro-batch: sums gradients (stage 0/1 everywhere, stage 2 this rank's
-  // chunk and the tail), loss sums and expert loads over the ranks.
+  // chunk and the tail; overlapping: the last bucket, then the compute stream waits for the
+  // buckets), loss sums and expert loads over the ranks.
   void reduce_gradients_and_stats(Model& model);
   // acc[0] = sum of squares of the whole (reduced) gradient, identical on every rank.
   void queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc);
@@ -40,6 +58,9 @@ class DataParallel {
   Comm& comm_;
   int stage_;
   ZeroPartition part_;
+  void reduce_bucket(size_t begin, size_t end);
+  Tensor grads_;  // the model's gradient buffer, while a backward hook is in use
+  std::unique_ptr<GradientBuckets> buckets_;
 };
 
 }  // namespace moe

@@ -1,7 +1,8 @@
 // The training loop. Each step: zero gradients, run gradient_accumulation_steps micro-batches
 // (each scaled by 1/(accum * world) so the step sees the mean), reduce gradients, loss sums and
 // expert loads over the data-parallel ranks (ZeRO 0-2, train/data_parallel.hpp), clip by global
-// norm, AdamW (on this rank's shard, then gather the weights), then router bias updates. Every
+// norm, AdamW (on this rank's shard, then gather the weights), then, once the host has read the
+// step's statistics and knows the step was not skipped (fp16 overflow), router bias updates. Every
 // log_interval steps a progress line and a metrics.jsonl record; every eval_interval steps and at
 // the end a held-out evaluation; every save_interval steps and at the end a checkpoint. A resumed
 // run restores model, optimizer, RNG and data position and continues with bitwise the same losses.
@@ -25,6 +26,7 @@
 #include "moe/trainer.hpp"
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/step_outcome.hpp"
 #include "train/train_data.hpp"
 
 namespace moe {
@@ -248,9 +250,16 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   try {
     model_owner =
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
+    const size_t bucket_elems = cfg.zero_optimization.overlap_comm
+                                    ? static_cast<size_t>(cfg.zero_optimization.reduce_bucket_size)
+                                    : 0;
     dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
-                                              model_owner->table().total);
-    optimizer_owner = std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition());
+                                              model_owner->table().total, bucket_elems);
+    OffloadOptions offload;
+    offload.enabled = cfg.zero_optimization.offloads_optimizer();
+    offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
+    optimizer_owner =
+        std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     // Out of GPU memory at start-up: say what the run needs and what to change.
@@ -258,7 +267,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double state_elems = cfg.zero_optimization.stage >= 1
                                    ? static_cast<double>(plan.table().total) / world
                                    : static_cast<double>(plan.table().total);
-    const double optimizer_bytes = state_elems * 8;
+    const double optimizer_bytes = cfg.zero_optimization.offloads_optimizer() ? 0 : state_elems * 8;
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
@@ -272,6 +281,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   DataParallel& dp = *dp_owner;
   AdamW& optimizer = *optimizer_owner;
   model.init_weights(cfg.train.seed);  // the same seed on every rank: the same weights
+  optimizer.params_written();
   std::unique_ptr<TrainData> data = make_train_data(cfg);
   Buffer norm_sq(dev, sizeof(double));
   const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
@@ -292,6 +302,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     out << "resumed from " << resume_dir << " at step " << state.step << "\n";
   } else if (!cfg.model.init_from.empty()) {
     init_from_hf(model, cfg.model.init_from);
+    optimizer.params_written();
     out << "initialised weights from " << cfg.model.init_from << "\n";
   }
   std::unique_ptr<MetricsWriter> metrics;
@@ -322,7 +333,14 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   if (world > 1)
     out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
-        << int64_t{b} * accum * world << " sequences\n";
+        << int64_t{b} * accum * world << " sequences"
+        << (dp.overlaps() ? ", gradients reduced in buckets during the backward" : "") << "\n";
+  if (optimizer.offloaded())
+    out << "optimizer offload: AdamW state of this rank's partition in "
+        << (cfg.zero_optimization.offload_optimizer.pin_memory && dev.type == DeviceType::cuda
+                ? "pinned "
+                : "")
+        << "host memory, updated on the CPU\n";
   out << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
@@ -351,7 +369,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       if (micro / accum != ranks.rank) continue;
       t0 = Clock::now();
       model.upload_batch(ctx, ids.data(), targets.data());
-      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world));
+      // The last micro-batch's backward reduces its gradient buckets as it goes (overlap_comm).
+      const bool last_micro = micro % accum == accum - 1;
+      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world),
+                                   last_micro ? dp.backward_hook(model) : nullptr);
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();
@@ -360,7 +381,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     dp.gather_params(model);
-    model.after_step(ctx);
     model.weights_changed(ctx);
     Losses sum = model.read_stats(ctx);  // waits for the step
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
@@ -371,11 +391,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
     // The device skipped the update exactly when the gradient norm was not finite; the host
-    // follows that decision (fp16: an overflow; otherwise the run has diverged).
-    const bool overflow = !std::isfinite(gnorm);
-    if ((overflow && !scaler.enabled()) || (!overflow && !std::isfinite(sum.total())))
-      throw std::runtime_error("the loss became non-finite at step " + std::to_string(step + 1) +
-                               "; lower optimizer.params.lr or enable gradient_clipping");
+    // follows that decision (fp16: an overflow; otherwise the run has diverged), and queues the
+    // router-bias update only for a step that was not skipped.
+    const bool overflow = finish_step(ctx, model, gnorm, sum.total(), scaler.enabled(), step + 1);
     if (overflow) {
       optimizer.undo_step();  // the bias-correction count of the skipped update
       ++skipped;

@@ -6,11 +6,20 @@
 #               the per-step losses of one rank with accumulation 12 (the same global batch of
 #               the same rows), within a relative 1e-6 (the gradient summation order differs;
 #               seen: < 1e-8); stages 0 and 1 give bitwise the same losses as each other (the
-#               same all-reduce; AdamW is elementwise, so updating shards changes no bits)
+#               same all-reduce; AdamW is elementwise, so updating shards changes no bits); with
+#               the optimizer offloaded to the CPU (offload_optimizer.device "cpu"), stages 1 and
+#               2 give bitwise the losses of the same stage without offload (the host AdamW does
+#               the op's arithmetic), hence also the 1-rank losses within 1e-6; with
+#               overlap_comm (small buckets reduced during the backward), stages 0-2 give the
+#               1-rank losses within 1e-6, and stages 0 and 1 agree bitwise
 #   resume      2 ranks (ZeRO 1) train 3 steps and save; the run resumes on 1 rank (ZeRO 0), on
 #               3 ranks (ZeRO 2: the parameter count is not a multiple of 3, so the shared tail
 #               is exercised) and on 4 ranks (ZeRO 1); steps 4-6 match the uninterrupted 1-rank
-#               run (1e-6)
+#               run (1e-6). Then from an offloaded checkpoint (2 ranks, ZeRO 2, optimizer on the
+#               CPU): resumed on 1 rank (ZeRO 1, offloaded), 4 ranks (ZeRO 2, not offloaded) and
+#               3 ranks (ZeRO 1, offloaded); and the non-offloaded checkpoint resumed on 3 ranks
+#               with offload and overlap_comm (ZeRO 2 buckets reaching the shared tail): all match
+#               the 1-rank run (1e-6)
 #   shards      token shards (prepared from docs/*.md with the byte tokenizer) with held-out
 #               files: 2 ranks at ZeRO 2 give the 1-rank losses and the same (split, reduced)
 #               evaluation loss, within 1e-6; the checkpoint holds the tokenizer and both ranks'
@@ -37,6 +46,9 @@ common=(--config "$src/configs/tiny.json" --device cpu
   --set train_micro_batch_size_per_gpu=1 --set data.seq_len=32 --set train.max_steps=6
   --set scheduler.params.total_num_steps=6 --set scheduler.params.warmup_num_steps=2
   --set train.log_interval=1 --set train.eval_batches=2 --set train.comm_timeout_s=60)
+
+offload=(--set 'zero_optimization.offload_optimizer.device="cpu"'
+  --set zero_optimization.offload_optimizer.pin_memory=true)  # (pinning: GPU runs only)
 
 # run NP OUT_DIR ARGS...: the binary on NP ranks (1 = no mpirun)
 run() {
@@ -68,6 +80,23 @@ case "$mode" in
       same "$work/ref" "$work/z$stage" 1e-6
     done
     same "$work/z0" "$work/z1" 0
+    # overlap_comm: the gradients reduced in buckets during the last micro-batch's backward; 3000
+    # elements is less than any layer's range, so each range is reduced as soon as the backward
+    # finishes it (merging smaller ranges into buckets is unit-tested: GradientBuckets)
+    for stage in 0 1 2; do
+      run "$np" "$work/ov$stage" --set zero_optimization.stage=$stage \
+        --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000
+      grep -q "gradients reduced in buckets during the backward" "$work/ov$stage.log" ||
+        fail "no overlap line"
+      same "$work/ref" "$work/ov$stage" 1e-6
+    done
+    same "$work/ov0" "$work/ov1" 0
+    for stage in 1 2; do
+      run "$np" "$work/off$stage" --set zero_optimization.stage=$stage "${offload[@]}"
+      grep -q "optimizer offload: AdamW state" "$work/off$stage.log" || fail "no offload line"
+      same "$work/z$stage" "$work/off$stage" 0
+      same "$work/ref" "$work/off$stage" 1e-6
+    done
     # rank 0 alone reports: one config print, one progress line per step, one done line
     [ "$(grep -c '^step ' "$work/z2.log")" = 6 ] || fail "progress lines not from rank 0 alone"
     [ "$(grep -c '^resolved config' "$work/z2.log")" = 1 ] || fail "config printed by every rank"
@@ -83,6 +112,24 @@ case "$mode" in
       run "$1" "$work/on$1" --set zero_optimization.stage=$2 --set train.resume=auto
       grep -q "resumed from" "$work/on$1.log" || fail "no resume on $1 rank(s)"
       same "$work/ref" "$work/on$1" 1e-6
+    done
+    run 2 "$work/twooff" --set zero_optimization.stage=2 "${offload[@]}" --set train.max_steps=3
+    # (the last also with overlap_comm: ZeRO 2 buckets on 3 ranks reach the shared tail)
+    for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two overlap"; do
+      set -- $target
+      dir="$work/from_$4_on$1_$3"
+      cp -r "$work/$4" "$dir"
+      extra=()
+      if [ "${5:-}" = overlap ]; then
+        extra=(--set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000)
+      fi
+      run "$1" "$dir" --set zero_optimization.stage=$2 "${extra[@]}" \
+        --set "zero_optimization.offload_optimizer.device=\"$3\"" --set train.resume=auto
+      grep -q "resumed from" "$dir.log" || fail "no resume into $dir"
+      if [ "${5:-}" = overlap ]; then
+        grep -q "gradients reduced in buckets" "$dir.log" || fail "no overlap in $dir"
+      fi
+      same "$work/ref" "$dir" 1e-6
     done
     ;;
   shards)

@@ -20,6 +20,14 @@ set(MOE_HANG_LINE "moe-train: rank [023]: all_reduce_sum did not complete within
 string(APPEND MOE_HANG_LINE "\\(a peer rank died or hangs\\); aborting")
 add_test(NAME mpi_comm_hang
          COMMAND ${MOE_RUN_MPI} 4 ${MOE_COMM_MPI} hang --expect-failure "${MOE_HANG_LINE}" 15)
+# The same with MPI_THREAD_SERIALIZED (MOE_MPI_THREAD_LEVEL): the watchdog may not call MPI_Abort
+# from its thread, so the rank _exits; mpirun must still end the job within the bound. The
+# collectives pass at that level too.
+add_test(NAME mpi_comm_hang_serialized
+         COMMAND ${MOE_RUN_MPI} 2 ${MOE_COMM_MPI} hang --expect-failure "${MOE_HANG_LINE}" 15)
+add_test(NAME mpi_comm_serialized_np2 COMMAND ${MOE_RUN_MPI} 2 ${MOE_COMM_MPI} check)
+set_tests_properties(mpi_comm_hang_serialized mpi_comm_serialized_np2 PROPERTIES
+                     ENVIRONMENT "MOE_MPI_THREAD_LEVEL=serialized" PROCESSORS 2)
 # Rank 1 throws mid-run (timeout 60 s): mpirun ends the job long before any watchdog would.
 add_test(NAME mpi_comm_rank_exit
          COMMAND ${MOE_RUN_MPI} 4 ${MOE_COMM_MPI} exit --expect-failure
@@ -42,12 +50,13 @@ add_test(NAME mpi_dp_kill COMMAND ${MOE_DP_TRAIN} kill)
 set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill PROPERTIES PROCESSORS 2)
 set_tests_properties(mpi_dp_equal_np4 mpi_dp_resume PROPERTIES PROCESSORS 4)
 
-set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_rank_exit mpi_comm_mpi_error
+set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_hang_serialized
+                  mpi_comm_serialized_np2 mpi_comm_rank_exit mpi_comm_mpi_error
                   mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill)
 set_tests_properties(${MOE_MPI_TESTS} PROPERTIES LABELS "cpu;mpi" TIMEOUT 150)
 set_tests_properties(mpi_comm_hang mpi_comm_rank_exit PROPERTIES PROCESSORS 4)
 set_tests_properties(mpi_comm_mpi_error PROPERTIES PROCESSORS 2)
 if(MOE_SANITIZE)
   # Open MPI's own allocations at exit are not ours to fix.
-  set_tests_properties(${MOE_MPI_TESTS} PROPERTIES ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
+  set_property(TEST ${MOE_MPI_TESTS} APPEND PROPERTY ENVIRONMENT "ASAN_OPTIONS=detect_leaks=0")
 endif()

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -27,6 +28,7 @@
 #include "moe/comm.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/error.hpp"
+#include "parallel/mpi_runtime.hpp"
 
 using namespace moe;
 
@@ -110,6 +112,20 @@ void check_all_reduce(Comm& comm, int tag, const char* name) {
          std::string("all_reduce_sum ") + name + " matches the local sum");
   expect(same_bits_everywhere(comm, v),
          std::string("all_reduce_sum ") + name + " gives the same bits on every rank");
+}
+
+// Every rank as the root in turn; the others' buffers are unspecified afterwards (not checked).
+template <class T>
+void check_reduce(Comm& comm, int tag, const char* name) {
+  const size_t n = 1000 + 37;
+  for (int root = 0; root < comm.world(); ++root) {
+    std::vector<T> v = rank_data<T>(tag, comm.rank(), n);
+    comm.reduce_sum(view(v, {static_cast<int64_t>(n)}), root);
+    if (comm.rank() == root)
+      expect(close_to(v, reference_sum<T>(tag, comm.world(), n)),
+             std::string("reduce_sum ") + name + " matches the local sum at root " +
+                 std::to_string(root));
+  }
 }
 
 template <class T>
@@ -224,6 +240,9 @@ int run_checks(Comm& comm) {
   check_all_to_all_v<uint16_t>(comm, "f16 (moved as 16-bit words)", DType::f16);
   check_broadcast<double>(comm, 10, "f64");
   check_broadcast<int32_t>(comm, 11, "i32");
+  check_reduce<float>(comm, 13, "f32");
+  check_reduce<double>(comm, 14, "f64");
+  check_reduce<int32_t>(comm, 15, "i32");
 
   // Contract errors are thrown on every rank before any message moves: the job goes on.
   std::vector<uint16_t> half(4);
@@ -248,6 +267,23 @@ int run_checks(Comm& comm) {
   }
   expect(msg.find("did not start as one MPI job") != std::string::npos,
          "a launcher/MPI mismatch is a clear CommError (got '" + msg + "')");
+
+  // The thread level: MULTIPLE by default (the watchdog thread may call MPI_Abort), SERIALIZED
+  // when MOE_MPI_THREAD_LEVEL asks for it; a bad value is refused before MPI starts.
+  const char* asked = std::getenv("MOE_MPI_THREAD_LEVEL");
+  const int want_level =
+      asked && std::string(asked) == "serialized" ? MPI_THREAD_SERIALIZED : MPI_THREAD_MULTIPLE;
+  expect(dist::mpi_thread_level() == want_level,
+         std::string("MPI granted ") + dist::mpi_thread_level_name(dist::mpi_thread_level()) +
+             ", expected " + dist::mpi_thread_level_name(want_level));
+  std::string level_msg;
+  try {
+    dist::mpi_requested_thread_level("funneled");
+  } catch (const InputError& e) {
+    level_msg = e.what();
+  }
+  expect(level_msg.find("MOE_MPI_THREAD_LEVEL: \"funneled\"") != std::string::npos,
+         "a bad MOE_MPI_THREAD_LEVEL is an InputError naming it (got '" + level_msg + "')");
 
   // A GPU comm needs NCCL and a GPU per local rank; without them the error says so, before any
   // MPI traffic (so all ranks can go on).

@@ -1,0 +1,19 @@
+#include "train/step_outcome.hpp"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace moe {
+
+bool finish_step(Ctx& ctx, Model& model, double gnorm, double loss_total, bool loss_scaling,
+                 int step) {
+  const bool overflow = !std::isfinite(gnorm);
+  if ((overflow && !loss_scaling) || (!overflow && !std::isfinite(loss_total)))
+    throw std::runtime_error("the loss became non-finite at step " + std::to_string(step) +
+                             "; lower optimizer.params.lr or enable gradient_clipping");
+  if (!overflow) model.after_step(ctx);
+  return overflow;
+}
+
+}  // namespace moe
