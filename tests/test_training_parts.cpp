@@ -296,6 +296,14 @@ TEST_CASE("ZeRO partition: chunks and the shared tail cover the buffer once", "[
   }
 }
 
+// Seeded weights and a fixed, non-trivial gradient: the same starting point for every optimizer
+// that the ZeRO and offload tests compare.
+static void with_sine_gradient(Model& model) {
+  model.init_weights(5);
+  double* g = model.grads().ptr<double>();
+  for (int64_t i = 0; i < model.grads().numel(); ++i) g[i] = std::sin(0.37 * i);
+}
+
 TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise", "[optim][zero]") {
   ModelConfig m = small_config();
   OptimizerConfig oc;
@@ -303,13 +311,8 @@ TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise"
   oc.weight_decay = 0.1;
   Ctx ctx;
   // Every "rank" starts from the same weights and the same (reduced) gradient.
-  auto prepared = [&](Model& model) {
-    model.init_weights(5);
-    double* g = model.grads().ptr<double>();
-    for (int64_t i = 0; i < model.grads().numel(); ++i) g[i] = std::sin(0.37 * i);
-  };
   Model full(m, DType::f64, Device{}, 1, 4);
-  prepared(full);
+  with_sine_gradient(full);
   AdamW full_opt(oc, full);
   for (int s = 0; s < 2; ++s) full_opt.step(ctx, full, oc.lr, 0.5);
   const size_t total = full.table().total;
@@ -317,7 +320,7 @@ TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise"
     std::vector<double> assembled(total, NAN);
     for (int r = 0; r < world; ++r) {
       Model model(m, DType::f64, Device{}, 1, 4);
-      prepared(model);
+      with_sine_gradient(model);
       AdamW opt(oc, model, ZeroPartition::split(total, r, world));
       CHECK(opt.moment1().numel() == static_cast<int64_t>(opt.partition().local()));
       for (int s = 0; s < 2; ++s) opt.step(ctx, model, oc.lr, 0.5);
@@ -402,19 +405,14 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
   oc.lr = 0.05;
   oc.weight_decay = 0.1;
   Ctx ctx;
-  auto prepared = [&](Model& model) {
-    model.init_weights(5);
-    double* g = model.grads().ptr<double>();
-    for (int64_t i = 0; i < model.grads().numel(); ++i) g[i] = std::sin(0.37 * i);
-  };
   std::vector<double> norm_sq = {0};
   const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
   for (int world : {1, 3}) {
     const size_t total = build_param_table(m).total;
     const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
     Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
-    prepared(dev_model);
-    prepared(host_model);
+    with_sine_gradient(dev_model);
+    with_sine_gradient(host_model);
     AdamW on_device(oc, dev_model, part);
     OffloadOptions offload;
     offload.enabled = true;
