@@ -247,22 +247,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   std::unique_ptr<Model> model_owner;
   std::unique_ptr<DataParallel> dp_owner;
   std::unique_ptr<AdamW> optimizer_owner;
-  try {
-    model_owner =
-        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
-    const size_t bucket_elems = cfg.zero_optimization.overlap_comm
-                                    ? static_cast<size_t>(cfg.zero_optimization.reduce_bucket_size)
-                                    : 0;
-    dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
-                                              model_owner->table().total, bucket_elems);
-    OffloadOptions offload;
-    offload.enabled = cfg.zero_optimization.offloads_optimizer();
-    offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
-    optimizer_owner =
-        std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
-  } catch (const std::runtime_error& e) {
-    if (dev.type != DeviceType::cuda) throw;
-    // Out of GPU memory at start-up: say what the run needs and what to change.
+  // Out of GPU memory at start-up: say what the run needs and what to change.
+  const auto gpu_oom = [&](const std::runtime_error& e) {
     Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, cfg.train.recompute_layers);
     const double state_elems = cfg.zero_optimization.stage >= 1
                                    ? static_cast<double>(plan.table().total) / world
@@ -271,11 +257,44 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
-    throw std::runtime_error(std::string(e.what()) + "; this run needs about " +
-                             std::to_string(static_cast<long>(need / 1048576)) +
-                             " MiB (weights, gradients, AdamW state, activations): "
-                             "lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
-                             "smaller model");
+    return std::runtime_error(std::string(e.what()) + "; this run needs about " +
+                              std::to_string(static_cast<long>(need / 1048576)) +
+                              " MiB (weights, gradients, AdamW state, activations): "
+                              "lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
+                              "smaller model");
+  };
+  try {
+    model_owner =
+        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
+    const size_t bucket_elems = cfg.zero_optimization.overlap_comm
+                                    ? static_cast<size_t>(cfg.zero_optimization.reduce_bucket_size)
+                                    : 0;
+    dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
+                                              model_owner->table().total, bucket_elems);
+  } catch (const std::runtime_error& e) {
+    if (dev.type != DeviceType::cuda) throw;
+    throw gpu_oom(e);
+  }
+  OffloadOptions offload;
+  offload.enabled = cfg.zero_optimization.offloads_optimizer();
+  offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
+  try {
+    optimizer_owner =
+        std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
+  } catch (const std::runtime_error& e) {
+    if (!offload.enabled) {
+      if (dev.type != DeviceType::cuda) throw;
+      throw gpu_oom(e);
+    }
+    // The offloaded state lives in host memory: a failure here is the host's, not the GPU's.
+    const double bytes =
+        static_cast<double>(dp_owner->partition().local()) * 16;  // m, v, master, grads
+    throw std::runtime_error(
+        std::string(e.what()) + "; zero_optimization.offload_optimizer keeps this rank's AdamW " +
+        "state and fp32 master weights in host memory (about " +
+        std::to_string(static_cast<long>(bytes / 1048576)) +
+        " MiB): free host memory, use more ranks, or set pin_memory to false (page-locked memory " +
+        "is limited by `ulimit -l`)");
   }
   Model& model = *model_owner;
   DataParallel& dp = *dp_owner;
