@@ -50,6 +50,14 @@ add_test(NAME mpi_dp_kill COMMAND ${MOE_DP_TRAIN} kill)
 set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill PROPERTIES PROCESSORS 2)
 set_tests_properties(mpi_dp_equal_np4 mpi_dp_resume PROPERTIES PROCESSORS 4)
 
+# The same equivalences on 2 GPU ranks over NCCL (label gpu: skipped, exit 77, without 2 GPUs).
+if(MOE_CUDA)
+  add_test(NAME gpu_mpi_dp_equal_np2
+           COMMAND ${CMAKE_COMMAND} -E env MOE_DP_DEVICE=cuda ${MOE_DP_TRAIN} equal 2)
+  set_tests_properties(gpu_mpi_dp_equal_np2 PROPERTIES LABELS "gpu;mpi" SKIP_RETURN_CODE 77
+                       TIMEOUT 300 PROCESSORS 2)
+endif()
+
 set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_hang_serialized
                   mpi_comm_serialized_np2 mpi_comm_rank_exit mpi_comm_mpi_error
                   mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill)
