@@ -10,9 +10,9 @@
 // flop.
 //
 // A block: 2 x 2 warps, 128 x 128 outputs, k-slices of 32 in 4 stages (64 in 3 with
-// MOE_GROUPED_TILE_K=64). Shared tiles keep the
-// operand's global layout, padded by 8 elements per row so the 8 row addresses of one ldmatrix hit
-// 8 different 16-byte bank groups (80 B or 272 B row strides). The operands:
+// MOE_GROUPED_TILE_K=64). Shared tiles keep the operand's global layout, padded by 8 elements per
+// row so the 8 row addresses of one ldmatrix hit 8 different 16-byte bank groups (80, 144 or 272 B
+// row strides). The operands:
 //   y  = x w_e^T        A = x [R, in] (k fast)         B(k, n) = w_e[n, k] (k fast)   rows kernel
 //   dx = dy w_e         A = dy [R, out] (k fast)       B(k, n) = w_e[k, n] (n fast)   rows kernel
 //   dw_e += dy_e^T x_e  A(m, k) = dy[k, m] (m fast)    B(k, n) = x[k, n] (n fast)     dw kernel
