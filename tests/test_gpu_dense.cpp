@@ -196,9 +196,11 @@ TEST_CASE("gpu sum_squares: accumulates in double, deterministically", "[gpu]") 
 
 TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const int64_t vocab = 50, n = 77;
-  std::mt19937 rng(11);
-  std::vector<int32_t> ids(n);
+  const int64_t vocab = 50;
+  // 2500 tokens: the backward's token lists span three chunks of 1024 (the last one partial).
+  const int64_t n = GENERATE(int64_t{77}, int64_t{2500});
+  std::mt19937 rng(static_cast<unsigned>(11 + n));
+  std::vector<int32_t> ids(static_cast<size_t>(n));
   for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
   ids[5] = ids[6] = ids[40] = ids[76] = 7;  // a token repeated, adjacent and far apart
   ids[0] = 0;
