@@ -79,6 +79,14 @@ std::vector<std::string> small_run_overrides(int steps) {
           "train.save_at_end=false"};
 }
 
+// max_i |losses_i - ref_i| / ref_i over the steps of two runs (same length: REQUIREd first).
+double worst_relative(const std::vector<double>& losses, const std::vector<double>& ref) {
+  double worst = 0;
+  for (size_t i = 0; i < ref.size(); ++i)
+    worst = std::max(worst, std::fabs(losses[i] - ref[i]) / ref[i]);
+  return worst;
+}
+
 }  // namespace
 
 TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[gpu][model]") {
@@ -125,9 +133,7 @@ TEST_CASE("gpu model: a training run tracks the CPU run", "[gpu][train]") {
   const TrainResult rc = train(c, log), rg = train(g, log);
   REQUIRE(rc.losses.size() == 30);
   REQUIRE(rg.losses.size() == 30);
-  double worst = 0;
-  for (size_t i = 0; i < 30; ++i)
-    worst = std::max(worst, std::fabs(rg.losses[i] - rc.losses[i]) / rc.losses[i]);
+  const double worst = worst_relative(rg.losses, rc.losses);
   INFO("worst relative loss difference over 30 steps: " << worst);
   CHECK(rc.losses.back() < rc.losses.front() - 0.05);  // it learns (30 steps from ln 61)
   CHECK(worst < 1e-3);  // stated tolerance: 0.1% of the loss at every step
@@ -202,13 +208,11 @@ TEST_CASE("gpu model: bf16 and fp16 training runs track the fp32 run", "[gpu][tr
     return train(parse_config("{}", v, "test"), log);
   };
   const TrainResult rb = with("bf16.enabled"), rh = with("fp16.enabled");
+  REQUIRE(r32.losses.size() == 40);
   REQUIRE(rb.losses.size() == 40);
   REQUIRE(rh.losses.size() == 40);
-  double worst_b = 0, worst_h = 0;
-  for (size_t i = 0; i < 40; ++i) {
-    worst_b = std::max(worst_b, std::fabs(rb.losses[i] - r32.losses[i]) / r32.losses[i]);
-    worst_h = std::max(worst_h, std::fabs(rh.losses[i] - r32.losses[i]) / r32.losses[i]);
-  }
+  const double worst_b = worst_relative(rb.losses, r32.losses),
+               worst_h = worst_relative(rh.losses, r32.losses);
   INFO("worst relative loss difference: bf16 " << worst_b << ", fp16 " << worst_h << "\n"
                                                << log.str());
   CHECK(rb.losses.back() < rb.losses.front() - 0.05);  // they learn, as the fp32 run does
@@ -328,9 +332,7 @@ TEST_CASE("gpu model: an offloaded optimizer (pinned) trains like the one on the
   const TrainResult rp = train(plain, log), ro = train(offload, log);
   REQUIRE(rp.losses.size() == 12);
   REQUIRE(ro.losses.size() == 12);
-  double worst = 0;
-  for (size_t i = 0; i < 12; ++i)
-    worst = std::max(worst, std::fabs(ro.losses[i] - rp.losses[i]) / rp.losses[i]);
+  const double worst = worst_relative(ro.losses, rp.losses);
   INFO("worst relative loss difference over 12 steps: " << worst);
   CHECK(log.str().find("AdamW state of this rank's partition in pinned host memory") !=
         std::string::npos);

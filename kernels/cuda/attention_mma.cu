@@ -27,6 +27,7 @@
 #include "cuda/attention_mma.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/mma_common.cuh"
+#include "cuda/vec16.cuh"
 
 namespace moe::cuda_detail {
 namespace {
@@ -432,10 +433,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
-}
-
 template <class T>
 bool compiled_for() {
   return compiled_arch(flash_forward_kernel<T>) >= kMmaArch<T> &&
@@ -448,7 +445,7 @@ void forward(Ctx& ctx, void* out, float* lse, const void* q, const void* k, cons
              const AttentionShape& s) {
   const dim3 grid(blocks_for(s.seq, kBM), static_cast<unsigned>(s.heads),
                   static_cast<unsigned>(s.batch));
-  const bool vec = aligned16(q) && aligned16(k) && aligned16(v);
+  const bool vec = aligned16({q, k, v});
   flash_forward_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(
       static_cast<T*>(out), lse, static_cast<const T*>(q), static_cast<const T*>(k),
       static_cast<const T*>(v), s.seq, static_cast<int>(s.heads), static_cast<int>(s.kv_heads),
@@ -461,7 +458,7 @@ void backward(Ctx& ctx, void* dq, void* dk, void* dv, const void* dout, const vo
               const void* k, const void* v, const void* out, const float* lse,
               const AttentionShape& s) {
   const float scale = static_cast<float>(1.0 / std::sqrt(double(kD)));
-  const bool vec = aligned16(dout) && aligned16(q) && aligned16(k) && aligned16(v);
+  const bool vec = aligned16({dout, q, k, v});
   const dim3 dq_grid(blocks_for(s.seq, kBM), static_cast<unsigned>(s.heads),
                      static_cast<unsigned>(s.batch));
   flash_dq_kernel<T><<<dq_grid, kThreads, 0, stream_of(ctx)>>>(

@@ -6,13 +6,14 @@
 #include <cstdint>
 
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 
 namespace moe::cuda_detail {
 
 // Whether a 16-bit matrix at p with leading dimension ld_elems (and experts stride_elems apart)
 // can be read in whole 16-byte chunks: an aligned base and both strides multiples of 8 elements.
 inline bool aligned16_rows(const void* p, int64_t ld_elems, int64_t stride_elems = 0) {
-  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && ld_elems % 8 == 0 && stride_elems % 8 == 0;
+  return aligned16({p}) && ld_elems % 8 == 0 && stride_elems % 8 == 0;
 }
 
 // Offsets are clamped to [0, rows]: malformed offsets (a caller bug; the CPU op checks them) can
