@@ -39,6 +39,9 @@ struct ParamTable {
   const ParamInfo& find(const std::string& name) const;
 };
 ParamTable build_param_table(const ModelConfig& m);
+// The units ZeRO stage 3 gathers and reduces whole: the embedding, each layer, then the final
+// norm with an untied head. Unit starts in the parameter buffer, then its total P.
+std::vector<size_t> param_unit_bounds(const ParamTable& t, const ModelConfig& m);
 
 // Parameter counts for `info` and the progress header.
 struct ParamCounts {
@@ -68,6 +71,16 @@ struct RoutingStats {
 
 class Layer;
 struct LayerEnv;
+class ShardedParams;
+class Comm;
+struct ZeroPartition;
+
+// ZeRO stage 3: the model keeps only this rank's chunk of each unit and gathers a unit over the
+// comm just before it runs (src/model/sharded_params.hpp).
+struct ParamSharding {
+  const ZeroPartition* partition = nullptr;  // ZeroPartition::per_unit over param_unit_bounds
+  Comm* comm = nullptr;                      // may be null for a plan (allocate = false)
+};
 
 class Model {
  public:
@@ -80,8 +93,12 @@ class Model {
   // recompute_layers: keep only each layer's input between forward and backward and re-run the
   // layer's forward just before its backward (activation recomputation): one layer's
   // activations in memory instead of all of them, for about one more forward pass of compute.
+  // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
+  // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
+  // the model runs that unit; weights are written with init_weights or through the partition.
   Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-        bool allocate = true, bool recompute_layers = false);
+        bool allocate = true, bool recompute_layers = false,
+        const ParamSharding* sharding = nullptr);
   ~Model();
 
   void init_weights(uint64_t seed);
@@ -127,8 +144,15 @@ class Model {
   const ParamTable& table() const { return table_; }
   DType dtype() const { return param_dtype_; }  // master weights, gradients, optimizer state
   DType compute_dtype() const { return compute_; }
-  Tensor params() const;  // master weights
+  Tensor params() const;  // master weights (ZeRO-3: this rank's chunks)
   Tensor grads() const;
+  bool params_sharded() const { return sharded_ != nullptr; }
+  // ZeRO-3, for code that needs the whole weights (checkpoints, imports): gather_params writes
+  // them all into `host` ([P] of the master dtype in host memory; may be null on ranks that do
+  // not need them) and must be called on every rank (each unit is gathered over the comm);
+  // scatter_params takes this rank's chunks out of the whole weights `host`.
+  void gather_params(Ctx& ctx, void* host);
+  void scatter_params(Ctx& ctx, const void* host);
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
@@ -150,9 +174,14 @@ class Model {
  private:
   friend struct LayerEnv;
   void plan();
+  // Parameter p's initial values (all p.numel() of them; ZeRO-3 keeps this rank's part).
+  void write_param(const ParamInfo& p, const std::vector<double>& host);
   void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
                   const GradientReady& ready = nullptr);
   void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);
+  // ZeRO-3: unit's weights gathered and ready, `next` (default unit + 1) gathering meanwhile.
+  void acquire_unit(Ctx& ctx, int unit, int next);
+  void acquire_unit(Ctx& ctx, int unit) { acquire_unit(ctx, unit, unit + 1); }
 
   ModelConfig cfg_;
   DType compute_, param_dtype_;
@@ -164,6 +193,7 @@ class Model {
   std::vector<size_t> layer_offsets_;
   Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
   Arena acts_, scratch_;
+  std::unique_ptr<ShardedParams> sharded_;  // ZeRO stage 3 only
   std::unique_ptr<LayerEnv> env_;
   std::vector<std::unique_ptr<Layer>> layers_;
   RoutingStats routing_;

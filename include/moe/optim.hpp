@@ -21,6 +21,14 @@ double learning_rate(const SchedulerConfig& s, double base_lr, int step, int max
 // identically from the same all-reduced gradient. So every collective works in place on the
 // model's own buffers (all_gather / reduce_scatter need world equal chunks) without padding.
 // Stage 0 (and world 1): one rank owns everything.
+//
+// ZeRO stage 3 (per_unit) shards the parameters themselves, so the split must line up with what
+// is gathered at once: the model's units (embedding, each layer, final norm + head; see
+// param_unit_bounds). Unit u of S_u elements is cut into `world` chunks of ceil(S_u / world)
+// (the last ones shorter or empty); rank r owns chunk r of every unit, stored at a fixed padded
+// slot of ceil(S_u / world) elements in its local buffers, so one all_gather (equal chunks)
+// rebuilds a unit and one reduce_scatter gives each rank its chunk of a unit's gradient. There
+// the model's own params() / grads() hold only the local elements (local_buffers).
 struct ZeroPartition {
   size_t total = 0;       // P
   size_t chunk = 0;       // elements per rank in the split part (the whole buffer when unsharded)
@@ -28,19 +36,38 @@ struct ZeroPartition {
   size_t tail_begin = 0;  // [tail_begin, total): updated by every rank (empty when unsharded)
   int rank = 0, world = 1;
   bool sharded = false;
+  // per_unit only: the model's params() / grads() are this rank's local elements (Range::local)
+  // rather than the whole buffer (Range::global).
+  bool local_buffers = false;
 
   static ZeroPartition whole(size_t total);
   static ZeroPartition split(size_t total, int rank, int world);
+  // bounds: unit starts, then P (bounds.front() == 0).
+  static ZeroPartition per_unit(const std::vector<size_t>& bounds, int rank, int world);
   size_t split_end() const { return sharded ? chunk * static_cast<size_t>(world) : total; }
   size_t tail() const { return total - tail_begin; }
-  // Elements of optimizer state this rank keeps: its chunk, then the tail.
-  size_t local() const { return chunk + tail(); }
+  // Elements of optimizer state this rank keeps: its chunk, then the tail (per_unit: every
+  // unit's padded chunk).
+  size_t local() const { return local_buffers ? local_elems_ : chunk + tail(); }
+  // Elements this rank owns (local() without per_unit's padding).
+  size_t owned() const;
   // The global ranges this rank owns, with their offset in the local state.
   struct Range {
     size_t global, count, local;
   };
   std::vector<Range> ranges() const;
+  // Where a range's elements sit in the model's params() / grads().
+  size_t model_offset(const Range& r) const { return local_buffers ? r.local : r.global; }
+
+ private:
+  std::vector<Range> unit_ranges_;  // per_unit: one per unit with elements here
+  size_t local_elems_ = 0;          // per_unit: the sum of the padded chunks
 };
+
+// Elements per rank of unit [begin, end) under ZeroPartition::per_unit.
+inline size_t unit_chunk(size_t begin, size_t end, int world) {
+  return (end - begin + static_cast<size_t>(world) - 1) / static_cast<size_t>(world);
+}
 
 // Queues acc[0] = sum of squared gradients over the whole gradient buffer; `acc` is a 1-element
 // f64 tensor on the model's device (kept by the caller, so a step allocates nothing). Nothing is

@@ -300,10 +300,10 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
       in_file += r.count;
     }
   }
-  if (covered != part.local())
+  if (covered != part.owned())
     throw InputError(step_dir + ": the rank_*.state files of " + std::to_string(writers) +
                      " ranks hold " + std::to_string(covered) + " of the " +
-                     std::to_string(part.local()) +
+                     std::to_string(part.owned()) +
                      " optimizer moments this rank needs (missing or overlapping shards)");
 
   StateReader r(f0);

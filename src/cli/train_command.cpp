@@ -3,7 +3,6 @@
 #include <cstdio>
 #include <algorithm>
 #include <iostream>
-#include <map>
 #include <memory>
 
 #include "cli/commands.hpp"
@@ -11,6 +10,7 @@
 #include "moe/config.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/model.hpp"
+#include "moe/optim.hpp"
 #include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
 
@@ -44,22 +44,6 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
 }
 
 // The parameters of the largest decoder layer (ZeRO-3 gathers one layer at a time).
-double largest_layer_params(const ParamTable& table) {
-  std::map<std::string, double> per_layer;
-  for (const ParamInfo& p : table.params) {
-    const std::string prefix = "model.layers.";
-    if (p.name.rfind(prefix, 0) != 0) {
-      per_layer[p.name] += static_cast<double>(p.numel());  // embeddings, head, final norm
-      continue;
-    }
-    const size_t dot = p.name.find('.', prefix.size());
-    per_layer[p.name.substr(0, dot)] += static_cast<double>(p.numel());
-  }
-  double largest = 0;
-  for (const auto& kv : per_layer) largest = std::max(largest, kv.second);
-  return largest;
-}
-
 // Data-parallel ranks for the per-rank table: --world, else train_batch_size / (micro * accum)
 // when the config states it, else the ranks this process was launched with.
 int info_world(const Config& cfg, int flag) {
@@ -111,18 +95,30 @@ void run_info(const ConfigFlags& f, int world_flag) {
   //   stage 1            (4 + c) P + 4 P + 8 P / N               + A
   //   stage 2            as stage 1 here: the gradient buffer stays full-size (it accumulates
   //                      across micro-batches); DeepSpeed's figure 4 P / N for it is the ideal
-  //   stage 3 (planned)  (4 + c + 4 + 8) P / N + 2 w L + A  (the compute weights of the current
-  //                      layer and one prefetched; w = c, or 4 in f32)
+  //   stage 3            4 P / N + 4 P / N + 8 P / N + (8 + c) (2 L + E + H) + A: the fp32
+  //                      chunks of the weights and the gradients, the moments, and the slots a
+  //                      unit is gathered into (fp32 weights, compute copy, gradient): two for
+  //                      the layers (the current one and the next, prefetched), one each for
+  //                      the embedding (E) and the final norm + head (H); P / N and the slots
+  //                      rounded up to whole chunks (src/model/sharded_params.hpp)
   //   1 or 2 + offload   GPU: (4 + c) P + 4 P + A: the model keeps its fp32 weights and its
   //                      gradient buffer on the device (its ops and collectives use them), the
   //                      optimizer state is gone from it;
   //                      CPU: 16 P / N per rank (fp32 master of the partition, m, v, and the
   //                      staging buffer its gradients are copied into). DeepSpeed's offload also
   //                      drops the fp32 weights from the GPU (c P there); not done here.
+  //   3 + offload        stage 3's GPU figures without the moments; CPU as above
   const int world = info_world(cfg, world_flag);
   const double n = std::max(1, world), p = c.total, cb = copy_bytes / std::max(1.0, c.total);
-  const double layer = largest_layer_params(plan.table());
   const double a = act_bytes + scratch_bytes;
+  // Stage 3 as rank 0 holds it (the largest chunks): the sharded model's own plan.
+  const ZeroPartition part3 =
+      ZeroPartition::per_unit(param_unit_bounds(plan.table(), m), 0, static_cast<int>(n));
+  const ParamSharding sharding{&part3, nullptr};
+  const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, cfg.train.recompute_layers,
+                    &sharding);
+  const double shard = static_cast<double>(part3.local());
+  const double slots = static_cast<double>(plan3.weight_bytes()) - 8 * shard;
   struct Row {
     const char* name;
     double weights, grads, optim, gathered, cpu;
@@ -133,18 +129,20 @@ void run_info(const ConfigFlags& f, int world_flag) {
       {"1", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0, ""},
       {"2", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0,
        "full gradient buffer (DeepSpeed ideal: grads / N)"},
-      {"3", (4 + cb) * p / n, 4 * p / n, 8 * p / n, 2 * (cb > 0 ? cb : 4) * layer, 0,
-       "not available yet"},
+      {"3", 4 * shard, 4 * shard, 8 * shard, slots, 0,
+       "gathered: the slots of the units in use (weights, compute copy, gradients)"},
       {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 16 * p / n,
        "stage 1 + offload alike; CPU: master, m, v, gradient staging"},
+      {"3+offload", 4 * shard, 4 * shard, 0, slots, 16 * shard, "CPU as for 2+offload"},
   };
   std::printf("per rank with %d data-parallel rank(s) (--world N; MiB):\n", world);
   std::printf("  %-10s %10s %10s %10s %10s %10s %10s  %s\n", "ZeRO", "weights", "gradients",
               "optimizer", "gathered", "act+scr", "GPU total", "CPU (offload)");
   // The row this config trains with is marked with "*".
+  const int stage = cfg.zero_optimization.stage;
   const std::string mine = cfg.zero_optimization.offloads_optimizer()
-                               ? "2+offload"
-                               : std::to_string(cfg.zero_optimization.stage);
+                               ? (stage == 3 ? "3+offload" : "2+offload")
+                               : std::to_string(stage);
   for (const Row& r : rows) {
     const double gpu = r.weights + r.grads + r.optim + r.gathered + a;
     std::printf("%c %-10s %10.1f %10.1f %10.1f %10.1f %10.1f %10.1f  %10.1f %s\n",

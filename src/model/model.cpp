@@ -5,7 +5,9 @@
 #include <cmath>
 
 #include "model/layers.hpp"
+#include "model/sharded_params.hpp"
 #include "moe/model.hpp"
+#include "moe/optim.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/embedding.hpp"
 #include "moe/ops/linear.hpp"
@@ -57,7 +59,7 @@ struct Model::Staging {
 };
 
 Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-             bool allocate, bool recompute_layers)
+             bool allocate, bool recompute_layers, const ParamSharding* sharding)
     : cfg_(cfg),
       compute_(compute),
       param_dtype_(acc_dtype(compute)),
@@ -75,7 +77,12 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   layer_offsets_.push_back(table_.find("model.norm.weight").offset);
   MOE_CHECK(!allocate || compute_ == param_dtype_ || dev.type == DeviceType::cuda,
             std::string("Model: ") + dtype_name(compute_) + " compute needs a GPU");
-  if (allocate) {
+  if (sharding != nullptr) {
+    MOE_CHECK(sharding->partition != nullptr, "Model: sharding without a partition");
+    sharded_ =
+        std::make_unique<ShardedParams>(param_unit_bounds(table_, cfg), *sharding->partition,
+                                        sharding->comm, param_dtype_, compute_, dev, allocate);
+  } else if (allocate) {
     param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
@@ -106,6 +113,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   std::vector<int32_t> pos(static_cast<size_t>(batch) * seq_len);
   for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i % seq_len);
   copy_from_host(pos_, pos.data());
+  if (sharded_) fill(ctx, params(), 0.0);  // the chunks' padding is gathered, never read
   reset_stats(ctx);
 }
 
@@ -146,15 +154,18 @@ void Model::plan() {
 }
 
 size_t Model::weight_bytes() const {
+  if (sharded_) return sharded_->device_bytes();
   size_t per = 2 * dtype_size(param_dtype_);
   if (compute_ != param_dtype_) per += dtype_size(compute_);
   return table_.total * per;
 }
 
 Tensor Model::params() const {
+  if (sharded_) return sharded_->master_shard();
   return param_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
 }
 Tensor Model::grads() const {
+  if (sharded_) return sharded_->grad_shard();
   return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
 }
 
@@ -170,12 +181,15 @@ static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev
 }
 
 Tensor Model::param(const ParamInfo& p) const {
+  if (sharded_) return sharded_->master(p);
   return param_view(param_buf_, allocated_, param_dtype_, dev_, p);
 }
 Tensor Model::grad(const ParamInfo& p) const {
+  if (sharded_) return sharded_->grad(p);
   return param_view(grad_buf_, allocated_, param_dtype_, dev_, p);
 }
 Tensor Model::work(const ParamInfo& p) const {
+  if (sharded_) return sharded_->work(p);
   if (compute_ == param_dtype_) return param(p);
   return param_view(work_buf_, allocated_, compute_, dev_, p);
 }
@@ -185,6 +199,10 @@ void Model::zero_grads(Ctx& ctx) {
 }
 
 void Model::weights_changed(Ctx& ctx) {
+  if (sharded_) {  // the next use of each unit gathers (and converts) it again
+    sharded_->invalidate();
+    return;
+  }
   if (compute_ == param_dtype_) return;
   convert(ctx, work_buf_.as(compute_, {static_cast<int64_t>(table_.total)}), params(), false);
 }
@@ -205,15 +223,56 @@ void Model::init_weights(uint64_t seed) {
       const double s = p.kind == ParamKind::residual ? std_res : std0;
       for (auto& v : host) v = s * rng.normal();
     }
-    Tensor t = param(p);
-    if (param_dtype_ == DType::f64) {
-      copy_from_host(t, host.data());
-    } else {
-      std::vector<float> f(host.begin(), host.end());
-      copy_from_host(t, f.data());
-    }
+    write_param(p, host);
   }
   zero_grads(ctx);
+  weights_changed(ctx);
+}
+
+// ZeRO-3: only the elements of this rank's chunks are stored.
+void Model::write_param(const ParamInfo& p, const std::vector<double>& host) {
+  auto put = [&](const Tensor& dst, size_t from) {  // dst <- host[from, from + dst.numel())
+    if (param_dtype_ == DType::f64) {
+      copy_from_host(dst, host.data() + from);
+    } else {
+      std::vector<float> f(host.begin() + static_cast<std::ptrdiff_t>(from),
+                           host.begin() + static_cast<std::ptrdiff_t>(from + dst.numel()));
+      copy_from_host(dst, f.data());
+    }
+  };
+  if (!sharded_) {
+    put(param(p), 0);
+    return;
+  }
+  for (const ZeroPartition::Range& r : sharded_->partition().ranges()) {
+    const size_t b = std::max(r.global, p.offset);
+    const size_t e = std::min(r.global + r.count, p.offset + p.numel());
+    if (b >= e) continue;
+    const auto at = static_cast<int64_t>(r.local + (b - r.global));
+    put(params().rows(at, at + static_cast<int64_t>(e - b)), b - p.offset);
+  }
+}
+
+void Model::gather_params(Ctx& ctx, void* host) {
+  MOE_CHECK(sharded_ != nullptr, "Model::gather_params: the parameters are not sharded");
+  const size_t elem = dtype_size(param_dtype_);
+  const std::vector<size_t> bounds = param_unit_bounds(table_, cfg_);
+  for (int u = 0; u + 1 < static_cast<int>(bounds.size()); ++u) {
+    sharded_->acquire(ctx, u);
+    if (host == nullptr) continue;
+    const auto n = static_cast<int64_t>(bounds[u + 1] - bounds[u]);
+    copy_to_host(static_cast<char*>(host) + bounds[u] * elem, sharded_->unit_master(u).rows(0, n));
+  }
+}
+
+void Model::scatter_params(Ctx& ctx, const void* host) {
+  MOE_CHECK(sharded_ != nullptr, "Model::scatter_params: the parameters are not sharded");
+  const size_t elem = dtype_size(param_dtype_);
+  for (const ZeroPartition::Range& r : sharded_->partition().ranges()) {
+    const auto at = static_cast<int64_t>(r.local);
+    copy_from_host(params().rows(at, at + static_cast<int64_t>(r.count)),
+                   static_cast<const char*>(host) + r.global * elem);
+  }
   weights_changed(ctx);
 }
 
@@ -308,11 +367,18 @@ Losses Model::read_stats(Ctx& ctx) {
 // Embedding -> layers -> final norm -> head -> per-token losses (summed into stats_ as this
 // micro-batch's mean), then the backward when asked. Works in dry-run mode too (the planning
 // pass that measures the scratch arena).
+// ZeRO-3 (sharded_): unit 0 is the embedding, unit l + 1 layer l, the last the final norm and
+// head; each is gathered before it runs, the next one while it runs (ShardedParams).
 void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const GradientReady& ready) {
+  const int last_unit = static_cast<int>(layers_.size()) + 1;
+  acquire_unit(ctx, 0);
   const auto& embed = table_.find("model.embed_tokens.weight");
   embedding_forward(ctx, stream_[0], ids_, work(embed));
-  for (size_t l = 0; l < layers_.size(); ++l)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    acquire_unit(ctx, static_cast<int>(l) + 1);
     layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
+  }
+  acquire_unit(ctx, last_unit);
   const auto& normf = table_.find("model.norm.weight");
   const auto& head =
       table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
@@ -321,14 +387,24 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const Gra
   cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
   const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
   accumulate_sum(ctx, stats_.rows(kStatLm, kStatLm + 1), losses_, per_valid);
-  if (backward_too) backward(ctx, grad_scale, grad_scale * per_valid, ready);
+  if (backward_too)
+    backward(ctx, grad_scale, grad_scale * per_valid, ready);
+  else if (sharded_)
+    sharded_->flush(ctx);
+}
+
+void Model::acquire_unit(Ctx& ctx, int unit, int next) {
+  if (!sharded_) return;
+  sharded_->acquire(ctx, unit);
+  sharded_->prefetch(ctx, next);
 }
 
 // ce_scale = grad_scale / valid targets: d loss / d logits = (softmax - onehot) / valid.
 // The parameter layout is embedding, layers 0..L-1, final norm, head (params.cpp), so the
 // backward finishes gradient ranges from the end of the buffer toward its start.
 void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready) {
-  auto finished = [&](size_t begin, size_t end) {
+  auto finished = [&](int unit, size_t begin, size_t end) {
+    if (sharded_) sharded_->grads_done(ctx, unit);
     if (ready && !ctx.dry_run) ready(ctx, begin, end);
   };
   const size_t num_layers = layers_.size();
@@ -336,23 +412,35 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const Gradien
   const auto& normf = table_.find("model.norm.weight");
   const auto& head =
       table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
+  const int last_unit = static_cast<int>(num_layers) + 1;
+  if (sharded_) {  // a tied head writes into the embedding's gradient
+    sharded_->begin_grads(ctx, last_unit);
+    sharded_->begin_grads(ctx, 0);
+  }
   cross_entropy_backward(ctx, logits_, logits_, lse_, targets_, ce_scale);
   linear_backward(ctx, dstream_b_, grad(head), logits_, xf_, work(head), false);
   rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), work(normf), rstdf_);
-  finished(layer_offsets_[num_layers], table_.total);  // final norm and an untied head
+  finished(last_unit, layer_offsets_[num_layers], table_.total);  // final norm, untied head
   Tensor dout = dstream_a_, dx = dstream_b_;
   for (size_t l = layers_.size(); l-- > 0;) {
+    const int unit = static_cast<int>(l) + 1;
+    if (sharded_) {
+      sharded_->acquire(ctx, unit);
+      sharded_->begin_grads(ctx, unit);
+      sharded_->prefetch(ctx, unit - 1);
+    }
     if (recompute_) {  // rebuild this layer's activations from its saved input
       env_->recomputing = true;
       layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
       env_->recomputing = false;
     }
     layers_[l]->backward(ctx, dx, dout, stream_[l], pos_, grad_scale);
-    finished(layer_offsets_[l], layer_offsets_[l + 1]);
+    finished(unit, layer_offsets_[l], layer_offsets_[l + 1]);
     std::swap(dx, dout);
   }
   embedding_backward(ctx, grad(embed), dout, ids_);
-  finished(0, layer_offsets_[0]);  // the embedding (a tied head wrote into it first)
+  finished(0, 0, layer_offsets_[0]);  // the embedding (a tied head wrote into it first)
+  if (sharded_) sharded_->flush(ctx);
 }
 
 std::vector<Tensor> Model::router_biases() const {

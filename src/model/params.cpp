@@ -8,7 +8,9 @@
 
 namespace moe {
 
-bool param_kind_decays(ParamKind k) { return k != ParamKind::norm; }
+bool param_kind_decays(ParamKind k) {
+  return k != ParamKind::norm;
+}
 
 size_t ParamInfo::numel() const {
   size_t n = static_cast<size_t>(stack);
@@ -72,6 +74,16 @@ ParamTable build_param_table(const ModelConfig& m) {
   b.add("model.norm.weight", ParamKind::norm, {d});
   if (!m.tie_word_embeddings) b.add("lm_head.weight", ParamKind::matrix, {m.vocab_size, d});
   return b.t;
+}
+
+std::vector<size_t> param_unit_bounds(const ParamTable& t, const ModelConfig& m) {
+  std::vector<size_t> bounds{0};
+  for (int l = 0; l < m.num_hidden_layers; ++l)
+    bounds.push_back(
+        t.find("model.layers." + std::to_string(l) + ".input_layernorm.weight").offset);
+  bounds.push_back(t.find("model.norm.weight").offset);
+  bounds.push_back(t.total);
+  return bounds;
 }
 
 }  // namespace moe

@@ -48,7 +48,35 @@ ZeroPartition ZeroPartition::split(size_t total, int rank, int world) {
   return p;
 }
 
+ZeroPartition ZeroPartition::per_unit(const std::vector<size_t>& bounds, int rank, int world) {
+  MOE_CHECK(world >= 1 && rank >= 0 && rank < world, "ZeroPartition: bad rank / world");
+  MOE_CHECK(bounds.size() >= 2 && bounds.front() == 0, "ZeroPartition: bad unit bounds");
+  ZeroPartition p;
+  p.total = bounds.back();
+  p.rank = rank;
+  p.world = world;
+  p.sharded = true;
+  p.local_buffers = true;
+  p.tail_begin = p.total;  // no shared tail: every element has one owner
+  for (size_t u = 0; u + 1 < bounds.size(); ++u) {
+    MOE_CHECK(bounds[u] <= bounds[u + 1], "ZeroPartition: unit bounds must not decrease");
+    const size_t c = unit_chunk(bounds[u], bounds[u + 1], world);
+    const size_t first = bounds[u] + c * static_cast<size_t>(rank);
+    if (first < bounds[u + 1])
+      p.unit_ranges_.push_back({first, std::min(c, bounds[u + 1] - first), p.local_elems_});
+    p.local_elems_ += c;
+  }
+  return p;
+}
+
+size_t ZeroPartition::owned() const {
+  size_t n = 0;
+  for (const Range& r : ranges()) n += r.count;
+  return n;
+}
+
 std::vector<ZeroPartition::Range> ZeroPartition::ranges() const {
+  if (local_buffers) return unit_ranges_;
   std::vector<Range> r;
   if (chunk > 0) r.push_back({begin, chunk, 0});
   if (tail() > 0) r.push_back({tail_begin, tail(), chunk});
@@ -156,9 +184,11 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
       a.grad_scale = grad_scale;
       a.norm_sq = norm_sq;
       a.max_norm = max_norm;
-      const auto gb = static_cast<int64_t>(b), ge = static_cast<int64_t>(e);
-      const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + (ge - gb);
-      adamw_step(ctx, p.rows(gb, ge), g.rows(gb, ge), m.rows(lb, le), v.rows(lb, le), a);
+      // The moments are local; the weights and gradients local too under ZeRO-3.
+      const auto n = static_cast<int64_t>(e - b);
+      const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;
+      const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
+      adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
     }
 }
 
@@ -175,11 +205,11 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
   const std::vector<ZeroPartition::Range> ranges = part_.ranges();
   if (!master_current_) {
     for (const auto& r : ranges)
-      copy_to_host(owned(master, r.local, r.count).data, owned(p, r.global, r.count));
+      copy_to_host(owned(master, r.local, r.count).data, owned(p, part_.model_offset(r), r.count));
     master_current_ = true;
   }
   for (const auto& r : ranges)
-    copy_to_host(owned(grads, r.local, r.count).data, owned(g, r.global, r.count));
+    copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
 
   AdamWArgs a;
   a.lr = lr;
@@ -217,7 +247,7 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
   // Back into the model's weights. Pinned: queued on the step's stream (the next step's copies to
   // the host wait for the device, so the host buffer is not rewritten before this copy is done).
   for (const auto& r : ranges) {
-    const Tensor dst = owned(p, r.global, r.count);
+    const Tensor dst = owned(p, part_.model_offset(r), r.count);
     const Tensor src = owned(master, r.local, r.count);
     if (master_.pinned())
       gpu::copy_to_device_async(dst.data, src.data, dst.nbytes(), ctx.stream);

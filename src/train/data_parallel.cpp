@@ -13,15 +13,26 @@ Tensor span(const Tensor& flat, size_t begin, size_t end) {
 
 }  // namespace
 
-DataParallel::DataParallel(Comm& comm, int zero_stage, size_t param_count, size_t bucket_elems)
-    : comm_(comm),
-      stage_(zero_stage),
-      part_(zero_stage >= 1 ? ZeroPartition::split(param_count, comm.rank(), comm.world())
-                            : ZeroPartition::whole(param_count)) {
-  MOE_CHECK(zero_stage >= 0 && zero_stage <= 2, "DataParallel: ZeRO stage must be 0, 1 or 2");
-  if (bucket_elems > 0 && comm.world() > 1)
+namespace {
+
+ZeroPartition partition_for(int stage, const std::vector<size_t>& bounds, const Comm& comm) {
+  MOE_CHECK(!bounds.empty(), "DataParallel: no unit bounds");
+  if (stage == 3) return ZeroPartition::per_unit(bounds, comm.rank(), comm.world());
+  if (stage >= 1) return ZeroPartition::split(bounds.back(), comm.rank(), comm.world());
+  return ZeroPartition::whole(bounds.back());
+}
+
+}  // namespace
+
+DataParallel::DataParallel(Comm& comm, int zero_stage, const std::vector<size_t>& unit_bounds,
+                           size_t bucket_elems)
+    : comm_(comm), stage_(zero_stage), part_(partition_for(zero_stage, unit_bounds, comm)) {
+  MOE_CHECK(zero_stage >= 0 && zero_stage <= 3, "DataParallel: ZeRO stage must be 0 to 3");
+  // Stage 3 reduces each unit's gradient as the backward finishes it anyway.
+  if (bucket_elems > 0 && comm.world() > 1 && zero_stage != 3)
     buckets_ = std::make_unique<GradientBuckets>(
-        param_count, bucket_elems, [this](size_t begin, size_t end) { reduce_bucket(begin, end); });
+        unit_bounds.back(), bucket_elems,
+        [this](size_t begin, size_t end) { reduce_bucket(begin, end); });
 }
 
 void DataParallel::reduce_bucket(size_t begin, size_t end) {
@@ -49,7 +60,9 @@ Model::GradientReady DataParallel::backward_hook(Model& model) {
 void DataParallel::reduce_gradients_and_stats(Model& model) {
   if (world() == 1) return;
   const Tensor g = model.grads();
-  if (buckets_) {
+  if (stage_ == 3) {
+    // The backward reduce-scattered every unit into its owner's chunk.
+  } else if (buckets_) {
     buckets_->flush();
     comm_.join_compute();
   } else if (stage_ == 2 && part_.sharded) {
@@ -67,6 +80,11 @@ void DataParallel::reduce_gradients_and_stats(Model& model) {
 }
 
 void DataParallel::queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
+  if (stage_ == 3) {  // grads() is this rank's chunks (their padding holds zeros)
+    moe::queue_grad_norm_sq(ctx, model, acc);
+    if (world() > 1) comm_.all_reduce_sum(acc);
+    return;
+  }
   if (!(stage_ == 2 && part_.sharded)) {
     moe::queue_grad_norm_sq(ctx, model, acc);
     return;
@@ -80,7 +98,7 @@ void DataParallel::queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) 
 }
 
 void DataParallel::gather_params(Model& model) {
-  if (!part_.sharded || part_.chunk == 0) return;
+  if (stage_ == 3 || !part_.sharded || part_.chunk == 0) return;
   const Tensor p = model.params();
   comm_.all_gather(span(p, 0, part_.split_end()), span(p, part_.begin, part_.begin + part_.chunk));
 }

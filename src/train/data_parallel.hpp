@@ -7,7 +7,13 @@
 //   stage 2  reduce_scatter(gradients) into each rank's chunk (+ all_reduce of the short tail);
 //            gradient norm = all_reduce of the per-rank chunk sums of squares; update; all_gather
 // The 1/world of the gradient mean is folded into the micro-batches' grad_scale by the trainer.
-// World 1: every call here is a no-op, so a single-rank run is bitwise what it was without DP.
+//   stage 3  the parameters themselves are sharded (ZeroPartition::per_unit): the model gathers
+//            each unit before use and reduce-scatters its gradient into this rank's chunk during
+//            the backward (src/model/sharded_params.hpp); here only the statistics are summed,
+//            the norm is the all_reduce of the chunk sums of squares, and nothing is gathered
+//            after the update (the next forward gathers the new weights)
+// World 1: every call here is a no-op, so a single-rank run is bitwise what it was without DP
+// (stage 3 at world 1 gathers and reduces by copying).
 //
 // With overlap (zero_optimization.overlap_comm) the gradients are not reduced after the backward
 // but during the last micro-batch's: backward_hook() gathers the ranges the model finishes into
@@ -31,7 +37,9 @@ class DataParallel {
  public:
   // bucket_elems > 0: overlap the gradient reduction with the backward in buckets of at least
   // that many elements; 0: one reduction after the backward.
-  DataParallel(Comm& comm, int zero_stage, size_t param_count, size_t bucket_elems = 0);
+  // unit_bounds: param_unit_bounds of the model (ZeRO-3's units; the last entry is P).
+  DataParallel(Comm& comm, int zero_stage, const std::vector<size_t>& unit_bounds,
+               size_t bucket_elems = 0);
   bool overlaps() const { return buckets_ != nullptr; }
   // For the last micro-batch's queue_forward_backward: reduces the gradient buckets as the
   // backward finishes them (empty when not overlapping: nothing to do during the backward).
@@ -42,6 +50,9 @@ class DataParallel {
   Comm& comm() { return comm_; }
   // The optimizer state this rank keeps (whole buffer for stage 0 or world 1).
   const ZeroPartition& partition() const { return part_; }
+  // Stage 3: what the model is built with (the partition and this comm).
+  ParamSharding sharding() { return ParamSharding{&part_, &comm_}; }
+  bool shards_params() const { return stage_ == 3; }
 
   // After the last micro-batch: sums gradients (stage 0/1 everywhere, stage 2 this rank's
   // chunk and the tail; overlapping: the last bucket, then the compute stream waits for the

@@ -18,18 +18,25 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 // Draws up to `batches` batches with `fill` and runs a forward pass over those of this rank
-// (index i with i % world == rank), summing their LM losses.
+// (index i with i % world == rank), summing their LM losses. A ZeRO-3 forward gathers each unit
+// from every rank, so there every rank runs the same number of forwards: a rank with fewer
+// batches of its own repeats its last one and does not count it.
 template <class Fill>
 EvalSums loss_sums(Ctx& ctx, Model& model, int batches, int rank, int world, Fill&& fill) {
   const size_t n = static_cast<size_t>(model.batch()) * model.seq_len();
   std::vector<int32_t> ids(n), targets(n);
   EvalSums s;
+  int drawn = 0;
   for (int i = 0; i < batches; ++i) {
     if (!fill(ids.data(), targets.data())) break;
+    ++drawn;
     if (i % world != rank) continue;
     s.loss_sum += model.forward(ctx, ids.data(), targets.data()).lm;
     ++s.batches;
   }
+  if (model.params_sharded())
+    for (int64_t k = s.batches; k < (drawn + world - 1) / world; ++k)
+      model.forward(ctx, ids.data(), targets.data());
   return s;
 }
 

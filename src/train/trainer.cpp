@@ -28,6 +28,7 @@
 #include "train/loss_scaler.hpp"
 #include "train/step_outcome.hpp"
 #include "train/train_data.hpp"
+#include "train/whole_weights.hpp"
 
 namespace moe {
 
@@ -249,10 +250,13 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   std::unique_ptr<AdamW> optimizer_owner;
   // Out of GPU memory at start-up: say what the run needs and what to change.
   const auto gpu_oom = [&](const std::runtime_error& e) {
-    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, cfg.train.recompute_layers);
-    const double state_elems = cfg.zero_optimization.stage >= 1
-                                   ? static_cast<double>(plan.table().total) / world
-                                   : static_cast<double>(plan.table().total);
+    const ZeroPartition part =
+        dp_owner ? dp_owner->partition() : ZeroPartition::whole(build_param_table(cfg.model).total);
+    const ParamSharding sharding{&part, nullptr};
+    const bool sharded = cfg.zero_optimization.stage == 3 && dp_owner;
+    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, cfg.train.recompute_layers,
+               sharded ? &sharding : nullptr);
+    const double state_elems = static_cast<double>(part.local());
     const double optimizer_bytes = cfg.zero_optimization.offloads_optimizer() ? 0 : state_elems * 8;
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
@@ -264,13 +268,16 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
                               "smaller model");
   };
   try {
-    model_owner =
-        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers);
     const size_t bucket_elems = cfg.zero_optimization.overlap_comm
                                     ? static_cast<size_t>(cfg.zero_optimization.reduce_bucket_size)
                                     : 0;
-    dp_owner = std::make_unique<DataParallel>(*comm, cfg.zero_optimization.stage,
-                                              model_owner->table().total, bucket_elems);
+    dp_owner = std::make_unique<DataParallel>(
+        *comm, cfg.zero_optimization.stage,
+        param_unit_bounds(build_param_table(cfg.model), cfg.model), bucket_elems);
+    const ParamSharding sharding = dp_owner->sharding();
+    model_owner =
+        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers,
+                                dp_owner->shards_params() ? &sharding : nullptr);
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
     throw gpu_oom(e);
@@ -311,8 +318,16 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   TrainResult result;
   TrainerState state;
   const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
-  if (!resume_dir.empty()) {
+  // ZeRO-3: checkpoints and imports go through the whole weights on the host (whole_weights.hpp).
+  std::unique_ptr<Model> whole;
+  if (!resume_dir.empty() && model.params_sharded()) {
+    whole = make_whole_copy(model);
+    load_checkpoint(resume_dir, ranks.rank, *whole, optimizer, state);
+    scatter_whole(ctx, *whole, model);
+  } else if (!resume_dir.empty()) {
     load_checkpoint(resume_dir, ranks.rank, model, optimizer, state);
+  }
+  if (!resume_dir.empty()) {
     data->restore(state);
     if (scaler.enabled())
       scaler.restore({state.loss_scale, static_cast<int>(state.loss_scale_hysteresis),
@@ -320,10 +335,17 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     result.resumed_from = static_cast<int>(state.step);
     out << "resumed from " << resume_dir << " at step " << state.step << "\n";
   } else if (!cfg.model.init_from.empty()) {
-    init_from_hf(model, cfg.model.init_from);
+    if (model.params_sharded()) {
+      whole = make_whole_copy(model);
+      init_from_hf(*whole, cfg.model.init_from);
+      scatter_whole(ctx, *whole, model);
+    } else {
+      init_from_hf(model, cfg.model.init_from);
+    }
     optimizer.params_written();
     out << "initialised weights from " << cfg.model.init_from << "\n";
   }
+  whole.reset();  // host memory of the size of the weights, needed again only to save
   std::unique_ptr<MetricsWriter> metrics;
   if (ranks.rank == 0)
     metrics = std::make_unique<MetricsWriter>(cfg.train.out_dir + "/metrics.jsonl",
@@ -501,7 +523,14 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     if ((last && cfg.train.save_at_end) ||
         (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
       data->save(state);
-      const std::string dir = save_checkpoint(save_opt, cfg, model, optimizer, state);
+      Model* saved = &model;
+      if (model.params_sharded()) {  // rank 0 writes the whole weights
+        if (ranks.rank == 0) whole = make_whole_copy(model);
+        gather_whole(ctx, model, whole.get());
+        if (whole) saved = whole.get();
+      }
+      const std::string dir = save_checkpoint(save_opt, cfg, *saved, optimizer, state);
+      whole.reset();
       out << "saved " << dir << "\n" << std::flush;
       last_log = Clock::now();
     }

@@ -85,7 +85,7 @@ same() {
 case "$mode" in
   equal)
     run 1 "$work/ref"
-    for stage in 0 1 2; do
+    for stage in 0 1 2 3; do
       run "$np" "$work/z$stage" --set zero_optimization.stage=$stage
       grep -q "data parallel: $np ranks" "$work/z$stage.log" || fail "no data-parallel line"
       same "$work/ref" "$work/z$stage" "$tol"
@@ -102,7 +102,7 @@ case "$mode" in
       same "$work/ref" "$work/ov$stage" "$tol"
     done
     same "$work/ov0" "$work/ov1" 0
-    for stage in 1 2; do
+    for stage in 1 2 3; do
       run "$np" "$work/off$stage" --set zero_optimization.stage=$stage "${offload[@]}"
       grep -q "optimizer offload: AdamW state" "$work/off$stage.log" || fail "no offload line"
       same "$work/z$stage" "$work/off$stage" "$tol_offload"
@@ -125,8 +125,10 @@ case "$mode" in
       same "$work/ref" "$work/on$1" 1e-6
     done
     run 2 "$work/twooff" --set zero_optimization.stage=2 "${offload[@]}" --set train.max_steps=3
-    # (the last also with overlap_comm: ZeRO 2 buckets on 3 ranks reach the shared tail)
-    for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two overlap"; do
+    # (the fourth also with overlap_comm: ZeRO 2 buckets on 3 ranks reach the shared tail)
+    run 2 "$work/three" --set zero_optimization.stage=3 --set train.max_steps=3
+    for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two overlap" \
+      "3 3 none two" "4 3 cpu twooff" "1 0 none three" "3 3 cpu three" "4 2 none three"; do
       set -- $target
       dir="$work/from_$4_on$1_$3"
       cp -r "$work/$4" "$dir"

@@ -1,0 +1,94 @@
+// ZeRO stage 3 inside the model: each rank keeps only its chunk of every unit of the parameter
+// buffer (ZeroPartition::per_unit over param_unit_bounds: the embedding, each layer, the final
+// norm with an untied head), and a unit's weights exist whole only while it runs.
+//
+// The layers' parameter views point into slots, not into the model's buffers: the embedding and
+// the final unit have a slot each (in use at both ends of a step, and a tied head reads the
+// embedding's), and the layers alternate between two, so layer l+1 can be gathered into one
+// while layer l runs from the other. Each slot holds the unit's gathered fp32 (master dtype)
+// weights, their compute-dtype copy (mixed precision) and the unit's gradient.
+//
+// A step, per micro-batch (Model::run_layers calls these at unit boundaries):
+//   forward   acquire(u) waits for unit u's gather (issued by the previous prefetch, else now)
+//             and converts it to the compute dtype; prefetch(u + 1) queues the next gather on the
+//             comm's side stream (NcclComm::fork_from_compute), behind the work queued so far,
+//             so it overlaps unit u's compute; a slot whose unit is already there is not
+//             gathered again (the last two layers stay for the backward, the embedding and the
+//             final unit for the whole step)
+//   backward  the same in reverse, and around each unit's backward: begin_grads(u) zeroes its
+//             gradient slot; after grads_done(u) the next prefetch queues the reduce_scatter of it
+//             on the side stream (so it overlaps the next unit's backward), and at the join after
+//             that its chunk is added into this rank's gradient shard (grads()); so gradients
+//             accumulate across micro-batches in the shard, as DeepSpeed's stage 3 does
+//   flush()   at the end of the backward: every pending reduction added
+// After an optimizer step (Model::weights_changed) every slot is stale. On CPU ranks (MpiComm,
+// SingleComm) the collectives complete where they are called: the same order, no overlap.
+#pragma once
+#include <vector>
+
+#include "moe/comm.hpp"
+#include "moe/memory.hpp"
+#include "moe/model.hpp"
+#include "moe/optim.hpp"
+
+namespace moe {
+
+class ShardedParams {
+ public:
+  // bounds: param_unit_bounds; `part`: ZeroPartition::per_unit over them. With allocate = false
+  // nothing is allocated (memory plans) and comm may be null.
+  ShardedParams(const std::vector<size_t>& bounds, const ZeroPartition& part, Comm* comm,
+                DType master, DType compute, Device dev, bool allocate);
+
+  int units() const { return static_cast<int>(bounds_.size()) - 1; }
+  const ZeroPartition& partition() const { return part_; }
+  // The unit holding element `offset` of the (global) parameter buffer.
+  int unit_of(size_t offset) const;
+  // Views of a parameter in its unit's slot: gathered master weights, compute copy, gradient.
+  Tensor master(const ParamInfo& p) const;
+  Tensor work(const ParamInfo& p) const;
+  Tensor grad(const ParamInfo& p) const;
+  // The slot holding unit u's gathered master weights (valid after acquire(u)).
+  Tensor unit_master(int unit) const;
+  // This rank's chunks (ZeroPartition::local() elements, per_unit layout).
+  Tensor master_shard() const;
+  Tensor grad_shard() const;
+
+  void prefetch(Ctx& ctx, int unit);
+  void acquire(Ctx& ctx, int unit);
+  void begin_grads(Ctx& ctx, int unit);
+  void grads_done(Ctx& ctx, int unit);
+  void flush(Ctx& ctx);
+  void invalidate();  // the shards changed (optimizer step, load): every slot is stale
+
+  // Device bytes of the shards and the slots.
+  size_t device_bytes() const;
+
+ private:
+  int slot_of(int unit) const;
+  size_t chunk(int unit) const { return unit_chunk(bounds_[unit], bounds_[unit + 1], world_); }
+  size_t local_offset(int unit) const { return local_at_[unit]; }
+  Tensor slot_view(const Buffer& buf, DType dt, const ParamInfo& p) const;
+  void join(Ctx& ctx);  // the compute stream waits for the side stream; pending sums land
+  void launch_reductions(Ctx& ctx);  // the deferred units' reduce_scatters, on the side stream
+
+  std::vector<size_t> bounds_, local_at_;
+  ZeroPartition part_;
+  int rank_, world_;
+  Comm* comm_;
+  DType master_dtype_, compute_dtype_;
+  Device dev_;
+  bool allocated_;
+  size_t local_elems_;
+  Buffer master_shard_, grad_shard_;
+  static constexpr int kSlots = 4;  // two for layers, the embedding's, the final unit's
+  size_t slot_elems_[kSlots] = {};
+  Buffer slot_master_[kSlots], slot_work_[kSlots], slot_grad_[kSlots];
+  int gathered_[kSlots];       // unit whose gather into the slot is queued or done, or -1
+  int resident_[kSlots];       // unit gathered, waited for and converted: ready for its ops, or -1
+  bool in_flight_ = false;     // collectives queued on the side stream since the last join
+  std::vector<int> deferred_;  // units whose gradient is final, reduction not yet launched
+  std::vector<int> reducing_;  // units whose reduce_scatter is queued, not yet added to the shard
+};
+
+}  // namespace moe
