@@ -84,42 +84,69 @@ __device__ __forceinline__ void wgmma_step(float (&d)[kN / 2], uint64_t da, uint
     wgmma_m64n128<T, kTransA, kTransB>(d, da, db);
 }
 
-// Starts the copy of one operand's k-slice [kb, kb + kBK) x [mn_begin, mn_begin + kMN) into the
-// swizzled tile at shared address `dst`. The operand's element (mn, k) is src[mn * ld + k]
-// (kKFast) or src[k * ld + mn]; elements at mn >= mn_end or k >= k_end read as zero.
+// Copies one operand's k-slices [kb, kb + kBK) x [mn_begin, mn_begin + kMN) into swizzled tiles.
+// The operand's element (mn, k) is src[mn * ld + k] (kKFast) or src[k * ld + mn]; elements at
+// mn >= mn_end or k >= k_end read as zero. Each thread's chunks sit a fixed stride apart in global
+// and shared memory and keep their swizzle phase from slice to slice, so the addresses and the m/n
+// bounds are worked out once per tile and a slice costs a pointer step and a k compare per chunk
+// (computing them afresh took ~250 of the loop's ~360 instructions per slice).
 template <class T, bool kKFast, int kMN>
-__device__ __forceinline__ void load_slice(uint32_t dst, const T* src, int64_t ld, int64_t mn_begin,
-                                           int64_t mn_end, int64_t kb, int64_t k_end) {
-  constexpr int kChunks = kMN * kBK / 8;  // 16-byte chunks in the slice
-  static_assert(kChunks % kThreads == 0, "the slice must split evenly");
+struct SliceLoader {
+  // A thread's chunks: global rows (mn when kKFast, else k) row + it * kRowsPerIt, one chunk each.
+  static constexpr int kPerRow = kKFast ? 8 : kMN / 8;  // 16-byte chunks per global row
+  static constexpr int kRowsPerIt = kThreads / kPerRow;
+  static constexpr int kIters = kMN * kBK / 8 / kThreads;
+  static_assert(kIters * kThreads * 8 == kMN * kBK && kRowsPerIt % 8 == 0,
+                "whole rows per step, the swizzle phase (row % 8) kept");
+  const T* src;     // the tensor's base: the address of zero-filled chunks
+  const T* first;   // this thread's first chunk of slice 0
+  int64_t it_step;  // elements between this thread's successive chunks of one slice
+  int64_t slice_step;
+  uint32_t smem0;  // byte offset of the first chunk in a stage's tile
+  uint32_t mn_ok;  // bit it: chunk it lies inside the m/n bounds
+  int64_t k_left;  // chunk it of slice t is inside the k bounds iff t * kBK (+ it * kRowsPerIt) <
+                   // k_left
+
+  __device__ __forceinline__ SliceLoader(const T* src_, int64_t ld, int64_t mn_begin,
+                                         int64_t mn_end, int64_t k_begin, int64_t k_end) {
+    const int tid = static_cast<int>(threadIdx.x);
+    const int row = tid / kPerRow, chunk = tid % kPerRow;
+    src = src_;
+    mn_ok = 0;
+    if constexpr (kKFast) {  // rows = mn: row + it * kRowsPerIt, 8 k-chunks per row
+      first = src_ + (mn_begin + row) * ld + k_begin + chunk * 8;
+      it_step = kRowsPerIt * ld;
+      slice_step = kBK;
+      smem0 = row * Sw128::kRowBytes + ((chunk ^ (row & 7)) << 4);
 #pragma unroll
-  for (int it = 0; it < kChunks / kThreads; ++it) {
-    const int c = static_cast<int>(threadIdx.x) + it * kThreads;
-    int row, chunk, block;  // 128-byte row within its 64-wide block, 16-byte chunk, block
-    int64_t g_mn, g_k;
-    if constexpr (kKFast) {  // rows = mn, 8 chunks of k per row
-      row = c >> 3;
-      chunk = c & 7;
-      block = 0;
-      g_mn = mn_begin + row;
-      g_k = kb + chunk * 8;
-    } else {  // rows = k, kMN / 8 chunks of mn per k: block = chunk / 8
-      constexpr int kPerRow = kMN / 8;
-      row = c / kPerRow;
-      const int mc = c % kPerRow;
-      block = mc >> 3;
-      chunk = mc & 7;
-      g_mn = mn_begin + mc * 8;
-      g_k = kb + row;
+      for (int it = 0; it < kIters; ++it)
+        if (mn_begin + row + it * kRowsPerIt < mn_end) mn_ok |= 1u << it;
+      k_left = k_end - (k_begin + chunk * 8);
+    } else {  // rows = k: row + it * kRowsPerIt, kMN / 8 m/n-chunks per row in 64-wide blocks
+      first = src_ + (k_begin + row) * ld + mn_begin + chunk * 8;
+      it_step = kRowsPerIt * ld;
+      slice_step = kBK * ld;
+      smem0 = (chunk >> 3) * Sw128::kBlockBytes + row * Sw128::kRowBytes +
+              (((chunk & 7) ^ (row & 7)) << 4);
+      if (mn_begin + chunk * 8 < mn_end) mn_ok = ~0u;
+      k_left = k_end - (k_begin + row);
     }
-    const bool valid = g_mn < mn_end && g_k < k_end;
-    const T* p = valid ? (kKFast ? src + g_mn * ld + g_k : src + g_k * ld + g_mn) : src;
-    const uint32_t off =
-        block * Sw128::kBlockBytes + row * Sw128::kRowBytes + ((chunk ^ (row & 7)) << 4);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + off), "l"(p),
-                 "r"(valid ? 16 : 0));
   }
-}
+
+  // Starts the copies of slice t into the tile at shared address `dst`.
+  __device__ __forceinline__ void load(uint32_t dst, int t) const {
+    const T* p = first + t * slice_step;
+    const int64_t k0 = int64_t(t) * kBK;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const bool valid =
+          ((mn_ok >> it) & 1u) && (kKFast ? k0 < k_left : k0 + it * kRowsPerIt < k_left);
+      const uint32_t off = smem0 + it * kRowsPerIt * Sw128::kRowBytes;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + off),
+                   "l"(valid ? p + it * it_step : src), "r"(valid ? 16 : 0));
+    }
+  }
+};
 
 // Descriptor of the k16 step `s` (0..3) of a staged slice for a 64-row (A) or kN-column (B) piece
 // starting at m/n-block offset `mn0` (a multiple of 64) of the tile at `base`.
@@ -146,11 +173,12 @@ __device__ __forceinline__ void wgmma_mainloop(float (&acc)[C::kAcc], uint32_t r
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const int slices = static_cast<int>((k_end - k_begin + kBK - 1) / kBK);
+  const SliceLoader<T, kAKFast, kBM> load_a(a, lda, m_begin, m_end, k_begin, k_end);
+  const SliceLoader<T, kBKFast, C::kBN> load_b(b, ldb, n_begin, n_end, k_begin, k_end);
   auto load = [&](int t) {
     const uint32_t stage = ring + (t % kStages) * C::kStageBytes;
-    const int64_t kb = k_begin + int64_t(t) * kBK;
-    load_slice<T, kAKFast, kBM>(stage, a, lda, m_begin, m_end, kb, k_end);
-    load_slice<T, kBKFast, C::kBN>(stage + C::kABytes, b, ldb, n_begin, n_end, kb, k_end);
+    load_a.load(stage, t);
+    load_b.load(stage + C::kABytes, t);
   };
   // One cp.async commit per slice (empty past the end): "slice t has landed" is always "at most
   // kAhead - 1 younger groups pending".
