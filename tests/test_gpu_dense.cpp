@@ -486,6 +486,11 @@ const GroupedCase kGroupedCases[] = {
     // feature count that is not a multiple of 8 (no 16-byte loads)
     {700, 256, 192, {0, 10, 10, 400, 700}},
     {300, 52, 70, {0, 130, 300}},
+    // the sm_90 wgmma kernels' edges: 128-row tiles cut mid-expert, features that are multiples of
+    // 8 but not of the 64-wide k-slices or the 128 / 256-column tiles, more k-slices than the
+    // 4-deep ring (forward 5, dx 9, dw up to 8), an empty expert between full ones
+    {1001, 264, 520, {0, 129, 129, 600, 1001}},
+    {640, 136, 72, {0, 0, 256, 640, 640}},
 };
 
 // 40 experts: the device-side tile scan takes two 32-expert passes; a few empty, one large.
@@ -504,9 +509,14 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
   cases.push_back(forty_experts());
-  // Both configurations of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
-  const std::string tile_k = GENERATE(as<std::string>{}, "32", "64");
-  setenv("MOE_GROUPED_TILE_K", tile_k.c_str(), 1);
+  // Each kernel configuration this device runs: the sm_90 wgmma kernels (grouped_wgmma_sm90.cu,
+  // 256- and 128-column tiles; elsewhere they decline) and, with those off, both of the sm_80+
+  // kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
+  const bool sm90 = kernel.rfind("sm90", 0) == 0;
+  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
+  setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
@@ -514,7 +524,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
     int64_t max_rows = 0;
     for (int64_t i = 0; i < e; ++i)
       max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
-    const std::string tag = " [case " + std::to_string(case_index++) + ", k-slices " + tile_k + "]";
+    const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
       const auto x = rounded_random_values(dt, r * in, 80),
@@ -555,6 +565,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
     }
   }
   unsetenv("MOE_GROUPED_TILE_K");
+  unsetenv("MOE_GROUPED_SM90");
 }
 
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {

@@ -16,7 +16,8 @@
 // Results are stored through a per-warp 16 x 16 fp32 staging tile: one rounding to the output
 // dtype, or an fp32 += for dw.
 // These kernels are single-buffered (no cp.async): the sm_70/sm_75 path and the fallback for
-// unaligned operands. On sm_80+ the pipelined kernels of grouped_mma_sm80.cu run first.
+// unaligned operands. On sm_80+ the pipelined kernels of grouped_mma_sm80.cu run first, and on
+// sm_90 the wgmma kernels of grouped_wgmma_sm90.cu before those.
 #include <mma.h>
 
 #include <mutex>
@@ -237,7 +238,9 @@ bool grouped_mma_available(DType t) {
 void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                       const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                       int64_t k_total, int64_t expert_stride, bool b_k_fast) {
-  if (grouped_sm80_rows(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total, expert_stride,
+  if (grouped_sm90_rows(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total, expert_stride,
+                        b_k_fast) ||
+      grouped_sm80_rows(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total, expert_stride,
                         b_k_fast))
     return;
   if (t == DType::f16)
@@ -252,7 +255,9 @@ void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in) {
-  if (grouped_sm80_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in)) return;
+  if (grouped_sm90_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in) ||
+      grouped_sm80_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in))
+    return;
   if (t == DType::f16)
     launch_dw<__half>(ctx, dw, dy, x, offsets, experts, rows, out, in);
   else if (t == DType::bf16)

@@ -31,6 +31,15 @@ bool grouped_sm80_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
 
+// The wgmma kernels for sm_90 (grouped_wgmma_sm90.cu), tried before the sm_80 ones with the same
+// contract: false, launching nothing, when the device is not sm_90, the binary has no sm_90a code
+// for them, or the operands miss the same alignment requirements.
+bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
+                       const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
+                       int64_t k_total, int64_t expert_stride, bool b_k_fast);
+bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
+
 // dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
 // An expert without rows leaves dw[e] untouched.
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
