@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with several GPUs (or CPU ranks, for trying the script): trains one config on 1
-# rank and on N ranks for each ZeRO stage (and stage 2 with overlapped buckets, stage 1 with
-# optimizer offload) and prints tokens/s, the scaling over 1 rank, and rank 0's peak memory.
+# rank and on N ranks for each ZeRO stage (and stage 2 with overlapped buckets, stages 1 and 3
+# with optimizer offload) and prints tokens/s, the scaling over 1 rank, and rank 0's peak memory.
 #   scripts/device_dp_bench.sh BUILD_DIR [config] [ranks]      (default moe-small, 2)
 # Each run: `scripts/launch.sh -n W -- BUILD_DIR/moe-train train --config configs/<config>.json`
 # with the micro-batch per rank unchanged (the global batch grows with W), 20 steps, tokens/s of
@@ -30,8 +30,11 @@ run() {  # label world extra --set args...
     "$world" "$rc" "${tps:-?}" "$scale" "${mem:-n/a}")")
 }
 run stage0 1
-for s in 0 1 2; do run "stage$s" "$ranks" --set zero_optimization.stage=$s; done
+for s in 0 1 2 3; do run "stage$s" "$ranks" --set zero_optimization.stage=$s; done
 run stage2-overlap "$ranks" --set zero_optimization.stage=2 --set zero_optimization.overlap_comm=true
-run stage1-offload "$ranks" --set zero_optimization.stage=1 \
-  --set zero_optimization.offload_optimizer.device=\"cpu\"
+for s in 1 3; do
+  run "stage$s-offload" "$ranks" --set zero_optimization.stage=$s \
+    --set zero_optimization.offload_optimizer.device=\"cpu\" \
+    --set zero_optimization.offload_optimizer.pin_memory=true
+done
 printf '%s\n' "${rows[@]}" | tee "$OUT/dp_bench.txt"

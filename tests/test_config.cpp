@@ -52,7 +52,8 @@ const char* kFullConfig = R"({
            "loss_scale_window": 500, "hysteresis": 3, "min_loss_scale": 0.5},
   "bf16": {"enabled": false},
   "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 1000000.0,
-                        "offload_optimizer": {"device": "cpu", "pin_memory": true}},
+                        "offload_optimizer": {"device": "cpu", "pin_memory": true},
+                        "offload_param": {"device": "none", "pin_memory": true}},
   "model": {"vocab_size": 512, "hidden_size": 96, "intermediate_size": 160,
             "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
             "head_dim": 24, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
@@ -103,6 +104,8 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.zero_optimization.reduce_bucket_size == 1e6);
   CHECK(c.zero_optimization.offload_optimizer.device == "cpu");
   CHECK(c.zero_optimization.offload_optimizer.pin_memory);
+  CHECK(c.zero_optimization.offload_param.device == "none");
+  CHECK(c.zero_optimization.offload_param.pin_memory);
   CHECK(c.zero_optimization.offloads_optimizer());
   CHECK(c.gradient_clipping == 0.5);
   CHECK(c.optimizer.lr == 0.001);
@@ -562,6 +565,27 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "bf16.enabled",
        {"both true", "at most one"}},
+      {"parameter offload below stage 3",
+       R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"},
+           "offload_param": {"device": "cpu"}}})",
+       {},
+       "zero_optimization.offload_param.device",
+       {"needs zero_optimization.stage 3", "got stage 2"}},
+      {"parameter offload without optimizer offload",
+       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})",
+       {},
+       "zero_optimization.offload_param.device",
+       {"offload_optimizer.device \"cpu\" too"}},
+      {"parameter offload to nvme",
+       R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})",
+       {},
+       "zero_optimization.offload_param.device",
+       {"not available"}},
+      {"parameter offload pin_memory mistyped",
+       R"({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}})",
+       {},
+       "zero_optimization.offload_param.pin_memory",
+       {}},
       {"ZeRO stage 4",
        R"({"zero_optimization": {"stage": 4}})",
        {},

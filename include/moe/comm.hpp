@@ -104,6 +104,11 @@ class Comm {
                             const std::vector<int64_t>& in_counts) = 0;
   // t = t of rank `root`, on every rank.
   virtual void broadcast(Tensor t, int root) = 0;
+  // dst (on device()) = dst.nbytes() bytes of host memory at src, queued where the collectives
+  // go (so a collective after it sees the data): ZeRO-3's parameter offload stages a weight
+  // chunk this way before gathering it. Not a collective: each rank copies its own. src should
+  // be page-locked for the copy to be asynchronous on a GPU.
+  virtual void copy_from_host(Tensor dst, const void* src) = 0;
   // Returns (on the host) once every rank has called it; NCCL: after this rank's enqueued
   // collectives completed.
   virtual void barrier() = 0;

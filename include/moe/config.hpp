@@ -87,7 +87,9 @@ struct Fp16Config {
 };
 
 // DeepSpeed's zero_optimization.offload_optimizer: this rank's fp32 master weights and AdamW
-// moments in host memory, updated by a CPU AdamW (ZeRO stage 1 or 2).
+// moments in host memory, updated by a CPU AdamW (ZeRO stage 1, 2 or 3).
+// offload_param (stage 3, with offload_optimizer): this rank's chunks of the weights and of the
+// gradients live in host memory too; each unit streams to the GPU just before use.
 struct OffloadOptimizerConfig {
   std::string device = "none";  // none | cpu
   bool pin_memory = false;      // page-locked host buffers (GPU runs: faster copies)
@@ -100,7 +102,9 @@ struct ZeroConfig {
   bool overlap_comm = false;
   double reduce_bucket_size = 5e8;  // elements per bucket (a whole number; DeepSpeed writes 5e8)
   OffloadOptimizerConfig offload_optimizer;
+  OffloadOptimizerConfig offload_param;  // the same two keys
   bool offloads_optimizer() const { return offload_optimizer.device == "cpu"; }
+  bool offloads_params() const { return offload_param.device == "cpu"; }
 };
 
 struct SyntheticDataConfig {

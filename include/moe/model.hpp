@@ -80,6 +80,10 @@ struct ZeroPartition;
 struct ParamSharding {
   const ZeroPartition* partition = nullptr;  // ZeroPartition::per_unit over param_unit_bounds
   Comm* comm = nullptr;                      // may be null for a plan (allocate = false)
+  // zero_optimization.offload_param: the chunks of the weights and gradients live in host
+  // memory (page-locked with pin_memory on a GPU); params() / grads() are host tensors.
+  bool offload = false;
+  bool pin_memory = false;
 };
 
 class Model {
@@ -156,6 +160,8 @@ class Model {
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
+  // The next backward starts the gradients from zero. (With ZeRO-3 parameter offload the host
+  // chunks keep their old values until that backward overwrites them.)
   void zero_grads(Ctx& ctx);
   const RoutingStats& routing() const { return routing_; }
   // Logits [B*T, V] of the last forward() (forward_backward overwrites them with gradients).

@@ -87,6 +87,9 @@ double clip_factor(double norm, double max_norm);
 struct OffloadOptions {
   bool enabled = false;
   bool pin_memory = false;  // page-locked host buffers; only with a GPU model (else ignored)
+  // ZeRO-3 parameter offload: the model's params() and grads() are this rank's chunks in host
+  // memory already; the CPU AdamW updates them where they lie (no master copy, no staging).
+  bool in_place = false;
 };
 
 class AdamW {

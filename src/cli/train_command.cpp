@@ -108,6 +108,9 @@ void run_info(const ConfigFlags& f, int world_flag) {
   //                      staging buffer its gradients are copied into). DeepSpeed's offload also
   //                      drops the fp32 weights from the GPU (c P there); not done here.
   //   3 + offload        stage 3's GPU figures without the moments; CPU as above
+  //   3 + offload_param  GPU: the slots alone (+ A); CPU: 16 P / N (the weight and gradient
+  //                      chunks, m, v; the CPU AdamW updates the chunks in place), and 4 P / N
+  //                      more with gradient accumulation (the later micro-batches' staging)
   const int world = info_world(cfg, world_flag);
   const double n = std::max(1, world), p = c.total, cb = copy_bytes / std::max(1.0, c.total);
   const double a = act_bytes + scratch_bytes;
@@ -134,6 +137,8 @@ void run_info(const ConfigFlags& f, int world_flag) {
       {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 16 * p / n,
        "stage 1 + offload alike; CPU: master, m, v, gradient staging"},
       {"3+offload", 4 * shard, 4 * shard, 0, slots, 16 * shard, "CPU as for 2+offload"},
+      {"3+param", 0, 0, 0, slots, (cfg.gradient_accumulation_steps > 1 ? 20 : 16) * shard,
+       "+ offload_param; CPU: weight and gradient chunks, m, v"},
   };
   std::printf("per rank with %d data-parallel rank(s) (--world N; MiB):\n", world);
   std::printf("  %-10s %10s %10s %10s %10s %10s %10s  %s\n", "ZeRO", "weights", "gradients",
@@ -141,7 +146,9 @@ void run_info(const ConfigFlags& f, int world_flag) {
   // The row this config trains with is marked with "*".
   const int stage = cfg.zero_optimization.stage;
   const std::string mine = cfg.zero_optimization.offloads_optimizer()
-                               ? (stage == 3 ? "3+offload" : "2+offload")
+                               ? (stage < 3                                 ? "2+offload"
+                                  : cfg.zero_optimization.offloads_params() ? "3+param"
+                                                                            : "3+offload")
                                : std::to_string(stage);
   for (const Row& r : rows) {
     const double gpu = r.weights + r.grads + r.optim + r.gathered + a;

@@ -238,16 +238,18 @@ KeyNode train_section() {
        leaf("recompute_layers", AT(train.recompute_layers))});
 }
 
-// DeepSpeed's zero_optimization, with its offload_optimizer block.
+// DeepSpeed's zero_optimization, with its offload_optimizer and offload_param blocks.
 KeyNode zero_section() {
-  return section(
-      "zero_optimization",
-      {leaf("stage", AT(zero_optimization.stage)),
-       leaf("overlap_comm", AT(zero_optimization.overlap_comm)),
-       leaf("reduce_bucket_size", AT(zero_optimization.reduce_bucket_size)),
-       section("offload_optimizer",
-               {leaf("device", AT(zero_optimization.offload_optimizer.device)),
-                leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory))})});
+  return section("zero_optimization",
+                 {leaf("stage", AT(zero_optimization.stage)),
+                  leaf("overlap_comm", AT(zero_optimization.overlap_comm)),
+                  leaf("reduce_bucket_size", AT(zero_optimization.reduce_bucket_size)),
+                  section("offload_optimizer",
+                          {leaf("device", AT(zero_optimization.offload_optimizer.device)),
+                           leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory))}),
+                  section("offload_param",
+                          {leaf("device", AT(zero_optimization.offload_param.device)),
+                           leaf("pin_memory", AT(zero_optimization.offload_param.pin_memory))})});
 }
 
 KeyNode build_schema() {

@@ -197,6 +197,23 @@ void validate_zero(const ZeroConfig& z) {
   if (dev != "none" && dev != "cpu")
     fail("zero_optimization.offload_optimizer.device",
          "must be \"none\" or \"cpu\", got \"" + dev + "\"");
+  const std::string& pdev = z.offload_param.device;
+  if (pdev == "nvme")
+    fail("zero_optimization.offload_param.device",
+         "\"nvme\" (ZeRO-Infinity) is not available; use \"cpu\" or \"none\"");
+  if (pdev != "none" && pdev != "cpu")
+    fail("zero_optimization.offload_param.device",
+         "must be \"none\" or \"cpu\", got \"" + pdev + "\"");
+  if (pdev == "cpu" && z.stage != 3)
+    fail("zero_optimization.offload_param.device",
+         "\"cpu\" needs zero_optimization.stage 3 (only stage 3 shards the parameters), got "
+         "stage " +
+             std::to_string(z.stage));
+  // The offloaded weight chunks are the CPU AdamW's master weights, updated where they lie.
+  if (pdev == "cpu" && dev != "cpu")
+    fail("zero_optimization.offload_param.device",
+         "\"cpu\" needs zero_optimization.offload_optimizer.device \"cpu\" too (the host "
+         "weights are updated by the CPU AdamW)");
   // DeepSpeed's rule: the offloaded optimizer state is this rank's ZeRO partition.
   if (dev == "cpu" && z.stage < 1)
     fail("zero_optimization.offload_optimizer.device",

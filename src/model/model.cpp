@@ -79,9 +79,9 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
             std::string("Model: ") + dtype_name(compute_) + " compute needs a GPU");
   if (sharding != nullptr) {
     MOE_CHECK(sharding->partition != nullptr, "Model: sharding without a partition");
-    sharded_ =
-        std::make_unique<ShardedParams>(param_unit_bounds(table_, cfg), *sharding->partition,
-                                        sharding->comm, param_dtype_, compute_, dev, allocate);
+    sharded_ = std::make_unique<ShardedParams>(param_unit_bounds(table_, cfg), *sharding->partition,
+                                               sharding->comm, param_dtype_, compute_, dev,
+                                               allocate, sharding->offload, sharding->pin_memory);
   } else if (allocate) {
     param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
@@ -113,7 +113,8 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   std::vector<int32_t> pos(static_cast<size_t>(batch) * seq_len);
   for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i % seq_len);
   copy_from_host(pos_, pos.data());
-  if (sharded_) fill(ctx, params(), 0.0);  // the chunks' padding is gathered, never read
+  // The chunks' padding is gathered, never read (offloaded chunks are zeroed host memory).
+  if (sharded_ && !sharded_->offloaded()) fill(ctx, params(), 0.0);
   reset_stats(ctx);
 }
 
@@ -195,6 +196,11 @@ Tensor Model::work(const ParamInfo& p) const {
 }
 
 void Model::zero_grads(Ctx& ctx) {
+  if (sharded_ && sharded_->offloaded()) {
+    // Host chunks: the step's first backward overwrites them (no pass over host memory here).
+    sharded_->grads_zeroed();
+    return;
+  }
   fill(ctx, grads(), 0.0);
 }
 

@@ -4,12 +4,24 @@
 
 #include <algorithm>
 
+#include "moe/cuda_runtime.hpp"
 #include "moe/ops/elementwise.hpp"
 
 namespace moe {
 
+namespace {
+
+template <class T>
+void host_accumulate(T* sum, const T* add, int64_t n) {
+#pragma omp parallel for if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) sum[i] += add[i];
+}
+
+}  // namespace
+
 ShardedParams::ShardedParams(const std::vector<size_t>& bounds, const ZeroPartition& part,
-                             Comm* comm, DType master, DType compute, Device dev, bool allocate)
+                             Comm* comm, DType master, DType compute, Device dev, bool allocate,
+                             bool offload, bool pin_memory)
     : bounds_(bounds),
       part_(part),
       rank_(part.rank),
@@ -19,6 +31,7 @@ ShardedParams::ShardedParams(const std::vector<size_t>& bounds, const ZeroPartit
       compute_dtype_(compute),
       dev_(dev),
       allocated_(allocate),
+      offload_(offload),
       local_elems_(part.local()) {
   MOE_CHECK(part.local_buffers && part.total == bounds.back(),
             "ShardedParams: the partition must be per_unit over the model's units");
@@ -36,8 +49,14 @@ ShardedParams::ShardedParams(const std::vector<size_t>& bounds, const ZeroPartit
   for (int s = 0; s < kSlots; ++s) resident_[s] = gathered_[s] = -1;
   if (!allocate) return;
   const size_t m = dtype_size(master), c = dtype_size(compute);
-  master_shard_ = Buffer(dev, local_elems_ * m);
-  grad_shard_ = Buffer(dev, local_elems_ * m);
+  if (offload) {  // zeroed host memory
+    const bool pinned = pin_memory && dev.type == DeviceType::cuda;
+    master_shard_ = Buffer::host(local_elems_ * m, pinned);
+    grad_shard_ = Buffer::host(local_elems_ * m, pinned);
+  } else {
+    master_shard_ = Buffer(dev, local_elems_ * m);
+    grad_shard_ = Buffer(dev, local_elems_ * m);
+  }
   for (int s = 0; s < kSlots; ++s) {
     slot_master_[s] = Buffer(dev, slot_elems_[s] * m);
     slot_grad_[s] = Buffer(dev, slot_elems_[s] * m);
@@ -47,7 +66,7 @@ ShardedParams::ShardedParams(const std::vector<size_t>& bounds, const ZeroPartit
 
 size_t ShardedParams::device_bytes() const {
   const size_t m = dtype_size(master_dtype_), c = dtype_size(compute_dtype_);
-  size_t bytes = 2 * local_elems_ * m;
+  size_t bytes = offload_ ? 0 : 2 * local_elems_ * m;
   for (int s = 0; s < kSlots; ++s)
     bytes += slot_elems_[s] * (2 * m + (compute_dtype_ != master_dtype_ ? c : 0));
   return bytes;
@@ -107,8 +126,14 @@ void ShardedParams::prefetch(Ctx& ctx, int unit) {
   if (gathered_[s] == unit) return;
   const auto c = static_cast<int64_t>(chunk(unit)), at = static_cast<int64_t>(local_at_[unit]);
   comm_->fork_from_compute();  // after the work queued so far (which may still read the slot)
-  comm_->all_gather(slot_master_[s].as(master_dtype_, {c * world_}),
-                    master_shard().rows(at, at + c));
+  const Tensor all = slot_master_[s].as(master_dtype_, {c * world_});
+  if (offload_) {  // this rank's chunk into its place in the slot, then gathered in place
+    const Tensor mine = all.rows(c * rank_, c * (rank_ + 1));
+    comm_->copy_from_host(mine, host_at(master_shard_, local_at_[unit]));
+    comm_->all_gather(all, mine);
+  } else {
+    comm_->all_gather(all, master_shard().rows(at, at + c));
+  }
   gathered_[s] = unit;
   resident_[s] = -1;
   in_flight_ = true;
@@ -169,16 +194,46 @@ void ShardedParams::join(Ctx& ctx) {
   for (const int unit : reducing_) {
     const auto c = static_cast<int64_t>(chunk(unit)), at = static_cast<int64_t>(local_at_[unit]);
     const Tensor sum = slot_grad_[slot_of(unit)].as(master_dtype_, {c * world_});
-    const Tensor mine = grad_shard().rows(at, at + c);
-    add(ctx, mine, mine, sum.rows(c * rank_, c * (rank_ + 1)));
+    const Tensor reduced = sum.rows(c * rank_, c * (rank_ + 1));
+    if (!offload_) {
+      const Tensor mine = grad_shard().rows(at, at + c);
+      add(ctx, mine, mine, reduced);
+    } else if (fresh_grads_) {
+      copy_out(ctx, host_at(grad_shard_, local_at_[unit]), reduced);
+      got_grads_ = true;
+    } else {
+      if (staging_.data() == nullptr)
+        staging_ = Buffer::host(local_elems_ * dtype_size(master_dtype_), grad_shard_.pinned());
+      copy_out(ctx, host_at(staging_, local_at_[unit]), reduced);
+      staged_ = got_grads_ = true;
+    }
   }
   reducing_.clear();
+}
+
+void ShardedParams::copy_out(Ctx& ctx, void* host, const Tensor& chunk) {
+  if (chunk.device.type == DeviceType::cuda)
+    gpu::copy_to_host_async(host, chunk.data, chunk.nbytes(), ctx.stream);
+  else
+    copy_to_host(host, chunk);
 }
 
 void ShardedParams::flush(Ctx& ctx) {
   if (ctx.dry_run || !allocated_) return;
   launch_reductions(ctx);
   join(ctx);
+  if (offload_ && staged_) {  // a later micro-batch: its chunks are added on the host
+    if (dev_.type == DeviceType::cuda) gpu::stream_synchronize(ctx.stream);
+    const auto n = static_cast<int64_t>(local_elems_);
+    if (master_dtype_ == DType::f32)
+      host_accumulate(static_cast<float*>(grad_shard_.data()),
+                      static_cast<const float*>(staging_.data()), n);
+    else
+      host_accumulate(static_cast<double*>(grad_shard_.data()),
+                      static_cast<const double*>(staging_.data()), n);
+    staged_ = false;
+  }
+  if (got_grads_) fresh_grads_ = got_grads_ = false;  // (a forward-only pass leaves them)
 }
 
 void ShardedParams::invalidate() {

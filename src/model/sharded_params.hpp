@@ -23,6 +23,13 @@
 //   flush()   at the end of the backward: every pending reduction added
 // After an optimizer step (Model::weights_changed) every slot is stale. On CPU ranks (MpiComm,
 // SingleComm) the collectives complete where they are called: the same order, no overlap.
+//
+// Parameter offload (zero_optimization.offload_param): the two shards are host memory. A prefetch
+// first copies the unit's chunk from the host into this rank's place in the slot (on the side
+// stream, Comm::copy_from_host) and gathers in place; a reduced gradient chunk is copied to the
+// host after the join, straight into the gradient shard for the first micro-batch of a step and
+// into a host staging buffer for later ones, which flush() adds on the CPU (waiting for the
+// device). The CPU AdamW then updates the host weights where they lie (OffloadOptions::in_place).
 #pragma once
 #include <vector>
 
@@ -38,7 +45,8 @@ class ShardedParams {
   // bounds: param_unit_bounds; `part`: ZeroPartition::per_unit over them. With allocate = false
   // nothing is allocated (memory plans) and comm may be null.
   ShardedParams(const std::vector<size_t>& bounds, const ZeroPartition& part, Comm* comm,
-                DType master, DType compute, Device dev, bool allocate);
+                DType master, DType compute, Device dev, bool allocate, bool offload = false,
+                bool pin_memory = false);
 
   int units() const { return static_cast<int>(bounds_.size()) - 1; }
   const ZeroPartition& partition() const { return part_; }
@@ -60,8 +68,11 @@ class ShardedParams {
   void grads_done(Ctx& ctx, int unit);
   void flush(Ctx& ctx);
   void invalidate();  // the shards changed (optimizer step, load): every slot is stale
+  // The next gradients start a step: the first micro-batch's chunks overwrite the host shard.
+  void grads_zeroed() { fresh_grads_ = true; }
+  bool offloaded() const { return offload_; }
 
-  // Device bytes of the shards and the slots.
+  // Device bytes of the shards (unless offloaded) and the slots.
   size_t device_bytes() const;
 
  private:
@@ -71,6 +82,11 @@ class ShardedParams {
   Tensor slot_view(const Buffer& buf, DType dt, const ParamInfo& p) const;
   void join(Ctx& ctx);  // the compute stream waits for the side stream; pending sums land
   void launch_reductions(Ctx& ctx);  // the deferred units' reduce_scatters, on the side stream
+  // Offload: a reduced chunk (device) to host memory, queued on ctx's stream.
+  void copy_out(Ctx& ctx, void* host, const Tensor& chunk);
+  char* host_at(const Buffer& b, size_t local) const {
+    return static_cast<char*>(b.data()) + local * dtype_size(master_dtype_);
+  }
 
   std::vector<size_t> bounds_, local_at_;
   ZeroPartition part_;
@@ -78,8 +94,10 @@ class ShardedParams {
   Comm* comm_;
   DType master_dtype_, compute_dtype_;
   Device dev_;
-  bool allocated_;
+  bool allocated_, offload_;
   size_t local_elems_;
+  Buffer staging_;  // offload, gradient accumulation: later micro-batches' chunks (host)
+  bool fresh_grads_ = true, staged_ = false, got_grads_ = false;
   Buffer master_shard_, grad_shard_;
   static constexpr int kSlots = 4;  // two for layers, the embedding's, the final unit's
   size_t slot_elems_[kSlots] = {};

@@ -135,7 +135,11 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
   MOE_CHECK(part.total == model.table().total, "AdamW: partition of another parameter buffer");
   MOE_CHECK(dtype_ == DType::f32 || dtype_ == DType::f64,
             "AdamW: master weights must be f32 or f64");
-  if (offload_.enabled) {
+  MOE_CHECK(!offload_.in_place || (offload_.enabled && part.local_buffers &&
+                                   model.params().device.type == DeviceType::cpu &&
+                                   model.params().numel() == static_cast<int64_t>(part.local())),
+            "AdamW: in-place offload needs the model's own host chunks (ZeRO-3 offload_param)");
+  if (offload_.enabled && !offload_.in_place) {
     master_ = state_buffer(model, part.local(), offload);
     grads_ = state_buffer(model, part.local(), offload);
   }
@@ -198,18 +202,25 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
 void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                            double max_norm) {
   const Tensor p = model.params(), g = model.grads();
-  const Tensor master = local(master_), grads = local(grads_);
   auto owned = [](const Tensor& flat, size_t begin, size_t count) {
     return flat.rows(static_cast<int64_t>(begin), static_cast<int64_t>(begin + count));
   };
   const std::vector<ZeroPartition::Range> ranges = part_.ranges();
-  if (!master_current_) {
+  // In place (ZeRO-3 parameter offload) the model's host chunks are the master and the
+  // gradients, at the same local offsets; else this rank's ranges are copied in and out.
+  char* master_base = static_cast<char*>(offload_.in_place ? p.data : master_.data());
+  char* grads_base = static_cast<char*>(offload_.in_place ? g.data : grads_.data());
+  if (!offload_.in_place) {
+    const Tensor master = local(master_), grads = local(grads_);
+    if (!master_current_) {
+      for (const auto& r : ranges)
+        copy_to_host(owned(master, r.local, r.count).data,
+                     owned(p, part_.model_offset(r), r.count));
+      master_current_ = true;
+    }
     for (const auto& r : ranges)
-      copy_to_host(owned(master, r.local, r.count).data, owned(p, part_.model_offset(r), r.count));
-    master_current_ = true;
+      copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
   }
-  for (const auto& r : ranges)
-    copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
 
   AdamWArgs a;
   a.lr = lr;
@@ -234,18 +245,21 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
       a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
       const HostAdamWStep hs = host_adamw_step(a, scale);
       const size_t at = (b - r.global + r.local) * elem;  // byte offset in the host buffers
-      auto host = [at](const Buffer& buf) { return static_cast<char*>(buf.data()) + at; };
+      char* w = master_base + at;
+      const char* gr = grads_base + at;
+      char* m = static_cast<char*>(m_.data()) + at;
+      char* v = static_cast<char*>(v_.data()) + at;
       if (dtype_ == DType::f32)
-        host_adamw_update(
-            reinterpret_cast<float*>(host(master_)), reinterpret_cast<const float*>(host(grads_)),
-            reinterpret_cast<float*>(host(m_)), reinterpret_cast<float*>(host(v_)), e - b, hs);
+        host_adamw_update(reinterpret_cast<float*>(w), reinterpret_cast<const float*>(gr),
+                          reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), e - b, hs);
       else
-        host_adamw_update(
-            reinterpret_cast<double*>(host(master_)), reinterpret_cast<const double*>(host(grads_)),
-            reinterpret_cast<double*>(host(m_)), reinterpret_cast<double*>(host(v_)), e - b, hs);
+        host_adamw_update(reinterpret_cast<double*>(w), reinterpret_cast<const double*>(gr),
+                          reinterpret_cast<double*>(m), reinterpret_cast<double*>(v), e - b, hs);
     }
+  if (offload_.in_place) return;
   // Back into the model's weights. Pinned: queued on the step's stream (the next step's copies to
   // the host wait for the device, so the host buffer is not rewritten before this copy is done).
+  const Tensor master = local(master_);
   for (const auto& r : ranges) {
     const Tensor dst = owned(p, part_.model_offset(r), r.count);
     const Tensor src = owned(master, r.local, r.count);

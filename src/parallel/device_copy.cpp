@@ -1,5 +1,6 @@
 // The byte copy the comms use for their local chunk (SingleComm's gathers, NcclComm's self part
-// of all_to_all_v): memmove on the CPU, a stream-ordered device-to-device copy on a GPU.
+// of all_to_all_v) and for Comm::copy_from_host: memmove on the CPU, a stream-ordered copy on a
+// GPU (device to device, or from host memory: the direction is taken from the pointers).
 #include <cstring>
 #include <string>
 
@@ -20,7 +21,7 @@ void copy_bytes(Device dev, void* dst, const void* src, size_t bytes, void* stre
   }
 #ifdef MOE_WITH_CUDA
   cudaError_t err =
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream));
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream));
   if (err != cudaSuccess)
     throw CommError(std::string("CUDA error: ") + cudaGetErrorString(err) +
                     " in cudaMemcpyAsync (comm copy of " + std::to_string(bytes) + " bytes on " +

@@ -169,6 +169,11 @@ class MpiComm final : public Comm {
                   op, rank());
   }
 
+  void copy_from_host(Tensor dst, const void* src) override {  // CPU tensors: a plain copy
+    check_tensor(*this, dst, "copy_from_host", "dst", mpi_accepts, DTypeUse::move);
+    copy_bytes(device(), dst.data, src, dst.nbytes(), nullptr);
+  }
+
   void broadcast(Tensor t, int root) override {
     const char* op = "broadcast";
     check_tensor(*this, t, op, "t", mpi_accepts, DTypeUse::move);

@@ -274,6 +274,12 @@ class NcclComm final : public Comm {
     enqueued(bracket);
   }
 
+  // Not a collective (no watchdog deadline): a stream-ordered copy where the next one goes.
+  void copy_from_host(Tensor dst, const void* src) override {
+    check_tensor(*this, dst, "copy_from_host", "dst", nccl_accepts, DTypeUse::move);
+    copy_bytes(device(), dst.data, src, dst.nbytes(), stream_);
+  }
+
   void barrier() override {
     // Not armed: the wait may cover a long stretch of compute, and the collectives in it are
     // timed by their own events (poll), which catch a dead peer.

@@ -61,14 +61,20 @@ class SingleComm final : public Comm {
     check_root(*this, root, "broadcast");
   }
 
+  void copy_from_host(Tensor dst, const void* src) override {
+    check_tensor(*this, dst, "copy_from_host", "dst", any_dtype, DTypeUse::move);
+    copy_bytes(device(), dst.data, src, dst.nbytes(), stream());
+  }
+
   void barrier() override {}
 
  private:
+  void* stream() const {
+    if (device().type != DeviceType::cuda) return nullptr;
+    return stream_ ? stream_ : gpu::default_stream(device().index);
+  }
   void copy(const Tensor& dst, const Tensor& src) {
-    void* stream = nullptr;
-    if (device().type == DeviceType::cuda)
-      stream = stream_ ? stream_ : gpu::default_stream(device().index);
-    copy_bytes(device(), dst.data, src.data, src.nbytes(), stream);
+    copy_bytes(device(), dst.data, src.data, src.nbytes(), stream());
   }
 
   void* stream_ = nullptr;

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "moe/cuda_runtime.hpp"
+
 namespace moe {
 
 namespace {
@@ -14,6 +16,14 @@ Tensor span(const Tensor& flat, size_t begin, size_t end) {
 }  // namespace
 
 namespace {
+
+template <class T>
+double host_sum_squares(const T* x, int64_t n) {
+  double sum = 0;
+#pragma omp parallel for reduction(+ : sum) if (n > (1 << 16))
+  for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return sum;
+}
 
 ZeroPartition partition_for(int stage, const std::vector<size_t>& bounds, const Comm& comm) {
   MOE_CHECK(!bounds.empty(), "DataParallel: no unit bounds");
@@ -81,7 +91,15 @@ void DataParallel::reduce_gradients_and_stats(Model& model) {
 
 void DataParallel::queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
   if (stage_ == 3) {  // grads() is this rank's chunks (their padding holds zeros)
-    moe::queue_grad_norm_sq(ctx, model, acc);
+    const Tensor g = model.grads();
+    if (g.device.type == acc.device.type) {
+      moe::queue_grad_norm_sq(ctx, model, acc);
+    } else {  // parameter offload: host chunks, once their copies from the device have landed
+      if (ctx.device.type == DeviceType::cuda) gpu::stream_synchronize(ctx.stream);
+      double sum = g.dtype == DType::f32 ? host_sum_squares(g.ptr<float>(), g.numel())
+                                         : host_sum_squares(g.ptr<double>(), g.numel());
+      copy_from_host(acc, &sum);
+    }
     if (world() > 1) comm_.all_reduce_sum(acc);
     return;
   }

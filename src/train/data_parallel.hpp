@@ -51,7 +51,9 @@ class DataParallel {
   // The optimizer state this rank keeps (whole buffer for stage 0 or world 1).
   const ZeroPartition& partition() const { return part_; }
   // Stage 3: what the model is built with (the partition and this comm).
-  ParamSharding sharding() { return ParamSharding{&part_, &comm_}; }
+  ParamSharding sharding(bool offload = false, bool pin_memory = false) {
+    return ParamSharding{&part_, &comm_, offload, pin_memory};
+  }
   bool shards_params() const { return stage_ == 3; }
 
   // After the last micro-batch: sums gradients (stage 0/1 everywhere, stage 2 this rank's

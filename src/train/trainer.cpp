@@ -252,7 +252,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   const auto gpu_oom = [&](const std::runtime_error& e) {
     const ZeroPartition part =
         dp_owner ? dp_owner->partition() : ZeroPartition::whole(build_param_table(cfg.model).total);
-    const ParamSharding sharding{&part, nullptr};
+    const ParamSharding sharding{&part, nullptr, cfg.zero_optimization.offloads_params()};
     const bool sharded = cfg.zero_optimization.stage == 3 && dp_owner;
     Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, cfg.train.recompute_layers,
                sharded ? &sharding : nullptr);
@@ -261,10 +261,18 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const double need = static_cast<double>(plan.weight_bytes()) + optimizer_bytes +
                         static_cast<double>(plan.activation_bytes()) +
                         static_cast<double>(plan.scratch_bytes());
+    // With parameter offload the chunks are host memory: either may have run out.
+    const std::string host =
+        cfg.zero_optimization.offloads_params()
+            ? " on the GPU, and zero_optimization.offload_param keeps about " +
+                  std::to_string(static_cast<long>(state_elems * 8 / 1048576)) +
+                  " MiB of weight and gradient chunks in host memory (pinned memory is limited "
+                  "by `ulimit -l`)"
+            : "";
     return std::runtime_error(std::string(e.what()) + "; this run needs about " +
                               std::to_string(static_cast<long>(need / 1048576)) +
-                              " MiB (weights, gradients, AdamW state, activations): "
-                              "lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
+                              " MiB (weights, gradients, AdamW state, activations)" + host +
+                              ": lower train_micro_batch_size_per_gpu or data.seq_len, or use a "
                               "smaller model");
   };
   try {
@@ -274,7 +282,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     dp_owner = std::make_unique<DataParallel>(
         *comm, cfg.zero_optimization.stage,
         param_unit_bounds(build_param_table(cfg.model), cfg.model), bucket_elems);
-    const ParamSharding sharding = dp_owner->sharding();
+    const ParamSharding sharding = dp_owner->sharding(
+        cfg.zero_optimization.offloads_params(), cfg.zero_optimization.offload_param.pin_memory);
     model_owner =
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, cfg.train.recompute_layers,
                                 dp_owner->shards_params() ? &sharding : nullptr);
@@ -285,6 +294,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   OffloadOptions offload;
   offload.enabled = cfg.zero_optimization.offloads_optimizer();
   offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
+  offload.in_place = cfg.zero_optimization.offloads_params();
   try {
     optimizer_owner =
         std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
@@ -376,6 +386,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
         << int64_t{b} * accum * world << " sequences"
         << (dp.overlaps() ? ", gradients reduced in buckets during the backward" : "") << "\n";
+  if (cfg.zero_optimization.offloads_params())
+    out << "parameter offload: this rank's chunks of the weights and gradients in "
+        << (cfg.zero_optimization.offload_param.pin_memory && dev.type == DeviceType::cuda
+                ? "pinned "
+                : "")
+        << "host memory, each unit streamed in before use\n";
   if (optimizer.offloaded())
     out << "optimizer offload: AdamW state of this rank's partition in "
         << (cfg.zero_optimization.offload_optimizer.pin_memory && dev.type == DeviceType::cuda

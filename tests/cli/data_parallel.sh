@@ -59,4 +59,10 @@ grep -qF "zero_optimization.offload_optimizer.device" <<<"$out" ||
 out=$("$bin" info --config "$src/configs/tiny.json" --world 2 --set zero_optimization.stage=3 \
   --set 'zero_optimization.offload_optimizer.device="cpu"') || fail "info (stage 3) exited $?"
 grep -Eq '^\* 3\+offload ' <<<"$out" || fail "info does not mark the stage-3 offload row: $out"
+# with offload_param nothing but the gathered slots stays on the GPU
+out=$("$bin" info --config "$src/configs/tiny.json" --world 2 --set zero_optimization.stage=3 \
+  --set 'zero_optimization.offload_optimizer.device="cpu"' \
+  --set 'zero_optimization.offload_param.device="cpu"') || fail "info (offload_param) exited $?"
+grep -Eq '^\* 3\+param +0\.0 +0\.0 +0\.0 +[0-9.]+ ' <<<"$out" ||
+  fail "info's offload_param row: $out"
 echo "ok: data-parallel settings on one rank"

@@ -108,6 +108,14 @@ case "$mode" in
       same "$work/z$stage" "$work/off$stage" "$tol_offload"
       same "$work/ref" "$work/off$stage" "$tol"
     done
+    # ZeRO-3 parameter offload: the weight and gradient chunks in host memory, updated in place
+    # by the CPU AdamW: the arithmetic of the optimizer offload (on GPUs the gradient norm is
+    # summed on the host instead of the device)
+    run "$np" "$work/offp3" --set zero_optimization.stage=3 "${offload[@]}" \
+      --set 'zero_optimization.offload_param.device="cpu"' --set zero_optimization.offload_param.pin_memory=true
+    grep -q "parameter offload: this rank's chunks" "$work/offp3.log" || fail "no parameter offload line"
+    same "$work/off3" "$work/offp3" "$tol_offload"
+    same "$work/ref" "$work/offp3" "$tol"
     # rank 0 alone reports: one config print, one progress line per step, one done line
     [ "$(grep -c '^step ' "$work/z2.log")" = 6 ] || fail "progress lines not from rank 0 alone"
     [ "$(grep -c '^resolved config' "$work/z2.log")" = 1 ] || fail "config printed by every rank"
@@ -128,13 +136,16 @@ case "$mode" in
     # (the fourth also with overlap_comm: ZeRO 2 buckets on 3 ranks reach the shared tail)
     run 2 "$work/three" --set zero_optimization.stage=3 --set train.max_steps=3
     for target in "1 1 cpu twooff" "4 2 none twooff" "3 1 cpu twooff" "3 2 cpu two overlap" \
-      "3 3 none two" "4 3 cpu twooff" "1 0 none three" "3 3 cpu three" "4 2 none three"; do
+      "3 3 none two" "4 3 cpu twooff" "1 0 none three" "3 3 cpu three" "4 2 none three" \
+      "2 3 cpu three param" "3 3 cpu twooff param"; do
       set -- $target
       dir="$work/from_$4_on$1_$3"
       cp -r "$work/$4" "$dir"
       extra=()
       if [ "${5:-}" = overlap ]; then
         extra=(--set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000)
+      elif [ "${5:-}" = param ]; then
+        extra=(--set 'zero_optimization.offload_param.device="cpu"')
       fi
       run "$1" "$dir" --set zero_optimization.stage=$2 "${extra[@]}" \
         --set "zero_optimization.offload_optimizer.device=\"$3\"" --set train.resume=auto
