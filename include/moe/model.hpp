@@ -180,8 +180,9 @@ class Model {
  private:
   friend struct LayerEnv;
   void plan();
-  // Parameter p's initial values (all p.numel() of them; ZeRO-3 keeps this rank's part).
-  void write_param(const ParamInfo& p, const std::vector<double>& host);
+  // Parameter p's initial values (all p.numel() of them, in the master dtype; ZeRO-3 keeps this
+  // rank's part).
+  void write_param(const ParamInfo& p, const void* host);
   void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
                   const GradientReady& ready = nullptr);
   void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);

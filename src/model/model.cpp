@@ -3,6 +3,8 @@
 // layer's plan(), backward scratch by a dry run of backward (ops skip, the Arena measures).
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include "model/layers.hpp"
 #include "model/sharded_params.hpp"
@@ -215,36 +217,55 @@ void Model::weights_changed(Ctx& ctx) {
 
 // Normal(0, initializer_range) for matrices, scaled by 1/sqrt(2L) for residual output
 // projections (GPT-2), ones for norms. Each parameter draws from its own stream seeded by its
-// name, so the weights do not depend on the layout order.
+// name, so the weights do not depend on the layout order, and the parameters of a batch are drawn
+// in parallel (a billion-parameter model would take minutes one at a time); a batch holds at
+// most 2^30 values (or one larger parameter), which bounds the host memory.
 void Model::init_weights(uint64_t seed) {
   const double std0 = cfg_.initializer_range;
   const double std_res = std0 / std::sqrt(2.0 * cfg_.num_hidden_layers);
   Ctx ctx = make_ctx(dev_);
-  for (const auto& p : table_.params) {
-    std::vector<double> host(p.numel());
-    if (p.kind == ParamKind::norm) {
-      std::fill(host.begin(), host.end(), 1.0);
-    } else {
-      Rng rng(hash_name(p.name, seed));
-      const double s = p.kind == ParamKind::residual ? std_res : std0;
-      for (auto& v : host) v = s * rng.normal();
+  const std::vector<ParamInfo>& ps = table_.params;
+  const size_t budget = size_t{1} << 30;
+  for (size_t first = 0; first < ps.size();) {
+    size_t last = first, elems = 0;
+    while (last < ps.size() && (last == first || elems + ps[last].numel() <= budget))
+      elems += ps[last++].numel();
+    std::vector<std::vector<double>> f64(param_dtype_ == DType::f64 ? last - first : 0);
+    std::vector<std::vector<float>> f32(param_dtype_ == DType::f64 ? 0 : last - first);
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t i = first; i < last; ++i) {
+      const ParamInfo& p = ps[i];
+      auto draw = [&](auto& host) {
+        host.resize(p.numel());
+        if (p.kind == ParamKind::norm) {
+          std::fill(host.begin(), host.end(), 1.0f);
+          return;
+        }
+        Rng rng(hash_name(p.name, seed));
+        const double s = p.kind == ParamKind::residual ? std_res : std0;
+        using T = typename std::decay_t<decltype(host)>::value_type;
+        for (auto& v : host) v = static_cast<T>(s * rng.normal());
+      };
+      if (f64.empty())
+        draw(f32[i - first]);
+      else
+        draw(f64[i - first]);
     }
-    write_param(p, host);
+    for (size_t i = first; i < last; ++i)
+      write_param(ps[i], f64.empty() ? static_cast<const void*>(f32[i - first].data())
+                                     : static_cast<const void*>(f64[i - first].data()));
+    first = last;
   }
   zero_grads(ctx);
   weights_changed(ctx);
 }
 
-// ZeRO-3: only the elements of this rank's chunks are stored.
-void Model::write_param(const ParamInfo& p, const std::vector<double>& host) {
+// ZeRO-3: only the elements of this rank's chunks are stored. `host`: p.numel() values of the
+// master dtype.
+void Model::write_param(const ParamInfo& p, const void* host) {
+  const size_t elem = dtype_size(param_dtype_);
   auto put = [&](const Tensor& dst, size_t from) {  // dst <- host[from, from + dst.numel())
-    if (param_dtype_ == DType::f64) {
-      copy_from_host(dst, host.data() + from);
-    } else {
-      std::vector<float> f(host.begin() + static_cast<std::ptrdiff_t>(from),
-                           host.begin() + static_cast<std::ptrdiff_t>(from + dst.numel()));
-      copy_from_host(dst, f.data());
-    }
+    copy_from_host(dst, static_cast<const char*>(host) + from * elem);
   };
   if (!sharded_) {
     put(param(p), 0);

@@ -143,7 +143,9 @@ void ShardedParams::acquire(Ctx& ctx, int unit) {
   if (ctx.dry_run || !allocated_) return;
   const int s = slot_of(unit);
   if (resident_[s] == unit) return;
-  prefetch(ctx, unit);
+  // Gathered by an earlier prefetch: only wait for it. (Calling prefetch here would also launch
+  // the deferred reductions, which this join would then wait for before the unit's backward.)
+  if (gathered_[s] != unit) prefetch(ctx, unit);
   join(ctx);
   if (compute_dtype_ != master_dtype_) {
     const auto n = static_cast<int64_t>(bounds_[unit + 1] - bounds_[unit]);

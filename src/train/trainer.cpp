@@ -385,7 +385,14 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
         << int64_t{b} * accum * world << " sequences"
-        << (dp.overlaps() ? ", gradients reduced in buckets during the backward" : "") << "\n";
+        << (dp.overlaps() ? ", gradients reduced in buckets during the backward" : "")
+        << (dp.shards_params() ? ", each unit gathered before use and its gradient "
+                                 "reduce-scattered during the backward"
+                               : "")
+        << (dp.shards_params() && cfg.zero_optimization.overlap_comm
+                ? " (overlap_comm: nothing more to overlap at stage 3)"
+                : "")
+        << "\n";
   if (cfg.zero_optimization.offloads_params())
     out << "parameter offload: this rank's chunks of the weights and gradients in "
         << (cfg.zero_optimization.offload_param.pin_memory && dev.type == DeviceType::cuda
