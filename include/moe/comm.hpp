@@ -109,6 +109,9 @@ class Comm {
   // chunk this way before gathering it. Not a collective: each rank copies its own. src should
   // be page-locked for the copy to be asynchronous on a GPU.
   virtual void copy_from_host(Tensor dst, const void* src) = 0;
+  // The other way: src.nbytes() bytes of src (on device()) to host memory at dst, queued the
+  // same way (the reduced gradient chunks of the parameter offload); dst should be page-locked.
+  virtual void copy_to_host(void* dst, Tensor src) = 0;
   // Returns (on the host) once every rank has called it; NCCL: after this rank's enqueued
   // collectives completed.
   virtual void barrier() = 0;

@@ -48,7 +48,6 @@ void* blas_handle(int index);
 void* malloc_pinned(size_t bytes);
 void free_pinned(void* p);
 void copy_to_device_async(void* dst, const void* pinned_src, size_t bytes, void* stream);
-void copy_to_host_async(void* pinned_dst, const void* src, size_t bytes, void* stream);
 void* event_create();        // for ordering only (no timing: cheaper)
 void* event_create_timed();  // for event_elapsed_ms
 float event_elapsed_ms(void* start, void* stop);

@@ -229,10 +229,6 @@ void copy_to_device_async(void* dst, const void* pinned_src, size_t bytes, void*
   MOE_CUDA_CHECK(cudaMemcpyAsync(dst, pinned_src, bytes, cudaMemcpyHostToDevice,
                                  static_cast<cudaStream_t>(stream)));
 }
-void copy_to_host_async(void* pinned_dst, const void* src, size_t bytes, void* stream) {
-  MOE_CUDA_CHECK(cudaMemcpyAsync(pinned_dst, src, bytes, cudaMemcpyDeviceToHost,
-                                 static_cast<cudaStream_t>(stream)));
-}
 void* event_create() {
   cudaEvent_t e = nullptr;
   MOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));

@@ -251,8 +251,9 @@ std::string find_latest_checkpoint(const std::string& run_dir, std::ostream* war
   return "";
 }
 
-// Rank 0's file gives trainer state, router biases and weights; the moments this rank's
-// partition needs are collected from every writer's file (N writers, any M readers).
+// Rank 0's file gives trainer state, router biases and weights (a ZeRO-3 model reads only its
+// chunks of them); the moments this rank's partition needs are collected from every writer's
+// file (N writers, any M readers).
 void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW& optimizer,
                      TrainerState& state) {
   require_complete(step_dir);
@@ -311,8 +312,16 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
   long adam_step = 0;
   const TrainerState loaded = decode_trainer_block(r.bytes(kTrainerBlockBytes), adam_step);
   for (const Tensor& b : model.router_biases()) r.tensor(b);
-  r.seek(l0.weights_at);
-  r.tensor(model.params());
+  if (part.local_buffers) {  // ZeRO-3: only this rank's chunks of the weights, at local places
+    for (const ZeroPartition::Range& range : part.ranges()) {
+      r.seek(l0.weights_at + range.global * elem);
+      const auto at = static_cast<int64_t>(range.local);
+      r.tensor(model.params().rows(at, at + static_cast<int64_t>(range.count)));
+    }
+  } else {
+    r.seek(l0.weights_at);
+    r.tensor(model.params());
+  }
   optimizer.params_written();  // an offloaded master copy is taken from the loaded weights
   for (const Copy& c : copies) {
     StateReader cr(*files[c.file]);

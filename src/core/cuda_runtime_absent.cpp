@@ -64,9 +64,6 @@ void free_pinned(void*) {}
 void copy_to_device_async(void*, const void*, size_t, void*) {
   absent("copy_to_device_async");
 }
-void copy_to_host_async(void*, const void*, size_t, void*) {
-  absent("copy_to_host_async");
-}
 void* event_create() {
   absent("event_create");
 }

@@ -177,12 +177,23 @@ void ShardedParams::grads_done(Ctx& ctx, int unit) {
   deferred_.push_back(unit);
 }
 
+// Offloaded, the reduced chunk goes to the host right behind its reduction on the side stream
+// (so that copy overlaps the backward too): into the host gradient chunks for a step's first
+// micro-batch, else into the staging buffer that flush() adds.
 void ShardedParams::launch_reductions(Ctx&) {
   for (const int unit : deferred_) {
     const auto c = static_cast<int64_t>(chunk(unit));
     const Tensor all = slot_grad_[slot_of(unit)].as(master_dtype_, {c * world_});
-    comm_->fork_from_compute();  // after the unit's backward
-    comm_->reduce_scatter_sum(all.rows(c * rank_, c * (rank_ + 1)), all);  // in place
+    const Tensor reduced = all.rows(c * rank_, c * (rank_ + 1));
+    comm_->fork_from_compute();               // after the unit's backward
+    comm_->reduce_scatter_sum(reduced, all);  // in place
+    if (offload_) {
+      if (!fresh_grads_ && staging_.data() == nullptr)
+        staging_ = Buffer::host(local_elems_ * dtype_size(master_dtype_), grad_shard_.pinned());
+      comm_->copy_to_host(host_at(fresh_grads_ ? grad_shard_ : staging_, local_at_[unit]), reduced);
+      staged_ = staged_ || !fresh_grads_;
+      got_grads_ = true;
+    }
     reducing_.push_back(unit);
     in_flight_ = true;
   }
@@ -194,30 +205,13 @@ void ShardedParams::join(Ctx& ctx) {
   comm_->join_compute();
   in_flight_ = false;
   for (const int unit : reducing_) {
+    if (offload_) continue;  // its chunk went to the host on the side stream
     const auto c = static_cast<int64_t>(chunk(unit)), at = static_cast<int64_t>(local_at_[unit]);
     const Tensor sum = slot_grad_[slot_of(unit)].as(master_dtype_, {c * world_});
-    const Tensor reduced = sum.rows(c * rank_, c * (rank_ + 1));
-    if (!offload_) {
-      const Tensor mine = grad_shard().rows(at, at + c);
-      add(ctx, mine, mine, reduced);
-    } else if (fresh_grads_) {
-      copy_out(ctx, host_at(grad_shard_, local_at_[unit]), reduced);
-      got_grads_ = true;
-    } else {
-      if (staging_.data() == nullptr)
-        staging_ = Buffer::host(local_elems_ * dtype_size(master_dtype_), grad_shard_.pinned());
-      copy_out(ctx, host_at(staging_, local_at_[unit]), reduced);
-      staged_ = got_grads_ = true;
-    }
+    const Tensor mine = grad_shard().rows(at, at + c);
+    add(ctx, mine, mine, sum.rows(c * rank_, c * (rank_ + 1)));
   }
   reducing_.clear();
-}
-
-void ShardedParams::copy_out(Ctx& ctx, void* host, const Tensor& chunk) {
-  if (chunk.device.type == DeviceType::cuda)
-    gpu::copy_to_host_async(host, chunk.data, chunk.nbytes(), ctx.stream);
-  else
-    copy_to_host(host, chunk);
 }
 
 void ShardedParams::flush(Ctx& ctx) {

@@ -27,9 +27,10 @@
 // Parameter offload (zero_optimization.offload_param): the two shards are host memory. A prefetch
 // first copies the unit's chunk from the host into this rank's place in the slot (on the side
 // stream, Comm::copy_from_host) and gathers in place; a reduced gradient chunk is copied to the
-// host after the join, straight into the gradient shard for the first micro-batch of a step and
-// into a host staging buffer for later ones, which flush() adds on the CPU (waiting for the
-// device). The CPU AdamW then updates the host weights where they lie (OffloadOptions::in_place).
+// host right behind its reduction on the side stream (Comm::copy_to_host), straight into the
+// gradient shard for the first micro-batch of a step and into a host staging buffer for later
+// ones, which flush() adds on the CPU (waiting for the device). The CPU AdamW then updates the
+// host weights where they lie (OffloadOptions::in_place).
 #pragma once
 #include <vector>
 
@@ -82,8 +83,6 @@ class ShardedParams {
   Tensor slot_view(const Buffer& buf, DType dt, const ParamInfo& p) const;
   void join(Ctx& ctx);  // the compute stream waits for the side stream; pending sums land
   void launch_reductions(Ctx& ctx);  // the deferred units' reduce_scatters, on the side stream
-  // Offload: a reduced chunk (device) to host memory, queued on ctx's stream.
-  void copy_out(Ctx& ctx, void* host, const Tensor& chunk);
   char* host_at(const Buffer& b, size_t local) const {
     return static_cast<char*>(b.data()) + local * dtype_size(master_dtype_);
   }

@@ -174,6 +174,11 @@ class MpiComm final : public Comm {
     copy_bytes(device(), dst.data, src, dst.nbytes(), nullptr);
   }
 
+  void copy_to_host(void* dst, Tensor src) override {
+    check_tensor(*this, src, "copy_to_host", "src", mpi_accepts, DTypeUse::move);
+    copy_bytes(device(), dst, src.data, src.nbytes(), nullptr);
+  }
+
   void broadcast(Tensor t, int root) override {
     const char* op = "broadcast";
     check_tensor(*this, t, op, "t", mpi_accepts, DTypeUse::move);

@@ -280,6 +280,11 @@ class NcclComm final : public Comm {
     copy_bytes(device(), dst.data, src, dst.nbytes(), stream_);
   }
 
+  void copy_to_host(void* dst, Tensor src) override {
+    check_tensor(*this, src, "copy_to_host", "src", nccl_accepts, DTypeUse::move);
+    copy_bytes(device(), dst, src.data, src.nbytes(), stream_);
+  }
+
   void barrier() override {
     // Not armed: the wait may cover a long stretch of compute, and the collectives in it are
     // timed by their own events (poll), which catch a dead peer.
@@ -289,10 +294,24 @@ class NcclComm final : public Comm {
   }
 
  private:
-  // The events around one collective (none when the watchdog has no deadline).
+  // The events around one collective (none when the watchdog has no deadline). enqueued() hands
+  // them to the watchdog; a collective that throws before that gives them back here instead.
   struct Bracket {
+    NcclComm* owner;
     const char* op;
     cudaEvent_t start = nullptr, end = nullptr;
+    Bracket(NcclComm* o, const char* name) : owner(o), op(name) {}
+    Bracket(Bracket&& b) noexcept : owner(b.owner), op(b.op), start(b.start), end(b.end) {
+      b.start = b.end = nullptr;
+    }
+    Bracket(const Bracket&) = delete;
+    Bracket& operator=(const Bracket&) = delete;
+    ~Bracket() {
+      if (!start && !end) return;
+      std::lock_guard<std::mutex> lock(owner->pending_mu_);
+      for (cudaEvent_t e : {start, end})
+        if (e) owner->free_events_.push_back(e);
+    }
   };
 
   cudaEvent_t take_event(const char* op) {
@@ -308,7 +327,7 @@ class NcclComm final : public Comm {
 
   // Records the event that marks the stream reaching `op` (its deadline starts there).
   Bracket begin(const char* op) {
-    Bracket b{op};
+    Bracket b(this, op);
     if (timeout_s() <= 0) return b;
     std::lock_guard<std::mutex> lock(pending_mu_);
     b.start = take_event(op);
@@ -318,11 +337,12 @@ class NcclComm final : public Comm {
   }
 
   // Records the event after the collective and hands both to the watchdog's poll.
-  void enqueued(const Bracket& b) {
+  void enqueued(Bracket& b) {
     if (!b.start) return;
     std::lock_guard<std::mutex> lock(pending_mu_);
     MOE_COMM_CUDA_CHECK(cudaEventRecord(b.end, stream_), b.op);
     pending_.push(b.op, b.start, b.end);
+    b.start = b.end = nullptr;  // the watchdog's now
   }
 
   // The watchdog's hook: "" while healthy, else the line to print before aborting.

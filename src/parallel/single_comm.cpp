@@ -66,6 +66,11 @@ class SingleComm final : public Comm {
     copy_bytes(device(), dst.data, src, dst.nbytes(), stream());
   }
 
+  void copy_to_host(void* dst, Tensor src) override {
+    check_tensor(*this, src, "copy_to_host", "src", any_dtype, DTypeUse::move);
+    copy_bytes(device(), dst, src.data, src.nbytes(), stream());
+  }
+
   void barrier() override {}
 
  private:

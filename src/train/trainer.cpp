@@ -328,16 +328,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   TrainResult result;
   TrainerState state;
   const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
-  // ZeRO-3: checkpoints and imports go through the whole weights on the host (whole_weights.hpp).
+  // ZeRO-3: saving and imports go through the whole weights on the host (whole_weights.hpp); a
+  // resume reads this rank's chunks of them only.
   std::unique_ptr<Model> whole;
-  if (!resume_dir.empty() && model.params_sharded()) {
-    whole = make_whole_copy(model);
-    load_checkpoint(resume_dir, ranks.rank, *whole, optimizer, state);
-    scatter_whole(ctx, *whole, model);
-  } else if (!resume_dir.empty()) {
-    load_checkpoint(resume_dir, ranks.rank, model, optimizer, state);
-  }
   if (!resume_dir.empty()) {
+    load_checkpoint(resume_dir, ranks.rank, model, optimizer, state);
     data->restore(state);
     if (scaler.enabled())
       scaler.restore({state.loss_scale, static_cast<int>(state.loss_scale_hysteresis),

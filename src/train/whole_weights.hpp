@@ -1,7 +1,8 @@
-// ZeRO stage 3 and the code that reads or writes whole weights (checkpoints, a Hugging Face
-// import): a CPU model of the same config in the master dtype holds them, and the sharded model
-// gathers into it or takes its chunks from it. So the checkpoint format and its N-to-M resume are
-// the same for every stage: rank 0 writes the whole weights, each rank its optimizer ranges.
+// ZeRO stage 3 and the code that writes or imports whole weights (saving a checkpoint, a Hugging
+// Face import): a CPU model of the same config in the master dtype holds them, and the sharded
+// model gathers into it or takes its chunks from it. So the checkpoint format and its N-to-M
+// resume are the same for every stage: rank 0 writes the whole weights, each rank its optimizer
+// ranges. (A resume reads each rank's chunks straight from the file: load_checkpoint.)
 #pragma once
 #include <memory>
 
