@@ -114,6 +114,12 @@ class AdamW {
   // gathers and calls Model::weights_changed as after any step.
   void step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq = Tensor(),
             double max_norm = 0);
+  // Offloaded (not in place): the host staging of this rank's gradients (partition().local()
+  // elements of the master dtype), else nullptr. After gradients_on_host() the next step() takes
+  // the gradients from there as they are (someone copied them in, e.g. during the backward)
+  // instead of copying them from the model.
+  void* host_gradients() const;
+  void gradients_on_host() { grads_on_host_ = true; }
   // The last step() was skipped on the device: its bias-correction count is taken back.
   void undo_step() { --step_; }
   long steps_taken() const { return step_; }
@@ -149,6 +155,7 @@ class AdamW {
   OffloadOptions offload_;
   Buffer master_, grads_;  // offloaded: host copies of the owned weights and their gradients
   bool master_current_ = false;
+  bool grads_on_host_ = false;
 };
 
 }  // namespace moe

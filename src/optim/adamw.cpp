@@ -156,6 +156,10 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
 Tensor AdamW::local(const Buffer& b) const {
   return b.as(dtype_, {static_cast<int64_t>(part_.local())});
 }
+void* AdamW::host_gradients() const {
+  return offload_.enabled && !offload_.in_place ? grads_.data() : nullptr;
+}
+
 Tensor AdamW::moment1() const {
   return local(m_);
 }
@@ -218,9 +222,13 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
                      owned(p, part_.model_offset(r), r.count));
       master_current_ = true;
     }
-    for (const auto& r : ranges)
-      copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
+    if (!grads_on_host_)
+      for (const auto& r : ranges)
+        copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
+    else if (ctx.device.type == DeviceType::cuda)  // copies queued during the backward
+      gpu::stream_synchronize(ctx.stream);
   }
+  grads_on_host_ = false;
 
   AdamWArgs a;
   a.lr = lr;

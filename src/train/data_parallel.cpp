@@ -47,6 +47,19 @@ DataParallel::DataParallel(Comm& comm, int zero_stage, const std::vector<size_t>
 
 void DataParallel::reduce_bucket(size_t begin, size_t end) {
   comm_.fork_from_compute();  // after the backward queued so far
+  reduce_bucket_parts(begin, end);
+  if (host_grads_ == nullptr) return;
+  // This rank's (reduced) elements of the bucket to the optimizer's host staging.
+  const size_t elem = dtype_size(grads_.dtype);
+  for (const ZeroPartition::Range& r : part_.ranges()) {
+    const size_t b = std::max(begin, r.global), e = std::min(end, r.global + r.count);
+    if (b < e)
+      comm_.copy_to_host(static_cast<char*>(host_grads_) + (b - r.global + r.local) * elem,
+                         span(grads_, b, e));
+  }
+}
+
+void DataParallel::reduce_bucket_parts(size_t begin, size_t end) {
   if (!(stage_ == 2 && part_.sharded)) {
     comm_.all_reduce_sum(span(grads_, begin, end));
     return;
@@ -61,9 +74,11 @@ void DataParallel::reduce_bucket(size_t begin, size_t end) {
   if (b < end) comm_.all_reduce_sum(span(grads_, b, end));  // the tail: every rank updates it
 }
 
-Model::GradientReady DataParallel::backward_hook(Model& model) {
+Model::GradientReady DataParallel::backward_hook(Model& model, void* host_grads) {
+  host_grads_ = nullptr;
   if (!buckets_) return nullptr;
   grads_ = model.grads();
+  host_grads_ = host_grads;
   return [this](Ctx&, size_t begin, size_t end) { buckets_->ready(begin, end); };
 }
 

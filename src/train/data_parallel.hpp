@@ -43,7 +43,12 @@ class DataParallel {
   bool overlaps() const { return buckets_ != nullptr; }
   // For the last micro-batch's queue_forward_backward: reduces the gradient buckets as the
   // backward finishes them (empty when not overlapping: nothing to do during the backward).
-  Model::GradientReady backward_hook(Model& model);
+  // host_grads (optimizer offload: AdamW::host_gradients(), this rank's elements in the
+  // partition's local layout): each bucket's owned part is also copied there, right behind its
+  // reduction on the comm's stream, so the copy to the host overlaps the backward too; then
+  // gradients_on_host() is true after reduce_gradients_and_stats.
+  Model::GradientReady backward_hook(Model& model, void* host_grads = nullptr);
+  bool gradients_on_host() const { return host_grads_ != nullptr; }
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
   int stage() const { return stage_; }
@@ -72,7 +77,9 @@ class DataParallel {
   int stage_;
   ZeroPartition part_;
   void reduce_bucket(size_t begin, size_t end);
-  Tensor grads_;  // the model's gradient buffer, while a backward hook is in use
+  void reduce_bucket_parts(size_t begin, size_t end);  // the collectives of one bucket
+  Tensor grads_;                // the model's gradient buffer, while a backward hook is in use
+  void* host_grads_ = nullptr;  // where owned parts of buckets go (see backward_hook)
   std::unique_ptr<GradientBuckets> buckets_;
 };
 

@@ -430,13 +430,15 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       model.upload_batch(ctx, ids.data(), targets.data());
       // The last micro-batch's backward reduces its gradient buckets as it goes (overlap_comm).
       const bool last_micro = micro % accum == accum - 1;
-      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world),
-                                   last_micro ? dp.backward_hook(model) : nullptr);
+      model.queue_forward_backward(
+          ctx, loss_scale / (static_cast<double>(accum) * world),
+          last_micro ? dp.backward_hook(model, optimizer.host_gradients()) : nullptr);
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
     dp.reduce_gradients_and_stats(model);
+    if (dp.gradients_on_host()) optimizer.gradients_on_host();
     dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     dp.gather_params(model);

@@ -102,6 +102,13 @@ case "$mode" in
       same "$work/ref" "$work/ov$stage" "$tol"
     done
     same "$work/ov0" "$work/ov1" 0
+    # overlap_comm with the optimizer offloaded: each bucket's owned part also goes to the host
+    # staging during the backward (no copy after it): the arithmetic of the overlap run
+    for stage in 1 2; do
+      run "$np" "$work/ovoff$stage" --set zero_optimization.stage=$stage "${offload[@]}" \
+        --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000
+      same "$work/ov$stage" "$work/ovoff$stage" "$tol_offload"
+    done
     for stage in 1 2 3; do
       run "$np" "$work/off$stage" --set zero_optimization.stage=$stage "${offload[@]}"
       grep -q "optimizer offload: AdamW state" "$work/off$stage.log" || fail "no offload line"
