@@ -157,6 +157,9 @@ class Model {
   // scatter_params takes this rank's chunks out of the whole weights `host`.
   void gather_params(Ctx& ctx, void* host);
   void scatter_params(Ctx& ctx, const void* host);
+  // ZeRO-3 parameter offload: `wait(local_end)` is called before a unit's host chunk (ending at
+  // that local offset) is copied to the GPU, so the optimizer may still be updating later units.
+  void set_chunk_wait(std::function<void(size_t local_end)> wait);
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)

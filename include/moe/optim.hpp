@@ -1,6 +1,7 @@
 // The optimizer side of a step: AdamW state over the contiguous parameter buffer, the learning
 // rate schedule and global-norm gradient clipping.
 #pragma once
+#include <memory>
 #include <vector>
 
 #include "moe/config.hpp"
@@ -120,6 +121,16 @@ class AdamW {
   // instead of copying them from the model.
   void* host_gradients() const;
   void gradients_on_host() { grads_on_host_ = true; }
+  // In place (ZeRO-3 parameter offload), step() returns once the update is decided and leaves the
+  // CPU AdamW running in a thread, range by range in local order, behind the next forward:
+  // wait_local(end) blocks until every owned range starting below local offset `end` is updated
+  // (the model waits so before it gathers a unit: Model::set_chunk_wait), finish() until all
+  // is. The moments' accessors and the next step finish first; so does the destructor.
+  void wait_local(size_t end) const;
+  void finish() const;
+  ~AdamW();
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
   // The last step() was skipped on the device: its bias-correction count is taken back.
   void undo_step() { --step_; }
   long steps_taken() const { return step_; }
@@ -156,6 +167,8 @@ class AdamW {
   Buffer master_, grads_;  // offloaded: host copies of the owned weights and their gradients
   bool master_current_ = false;
   bool grads_on_host_ = false;
+  struct Background;
+  std::unique_ptr<Background> background_;
 };
 
 }  // namespace moe

@@ -292,6 +292,11 @@ void Model::gather_params(Ctx& ctx, void* host) {
   }
 }
 
+void Model::set_chunk_wait(std::function<void(size_t local_end)> wait) {
+  MOE_CHECK(sharded_ != nullptr, "Model::set_chunk_wait: the parameters are not sharded");
+  sharded_->set_chunk_wait(std::move(wait));
+}
+
 void Model::scatter_params(Ctx& ctx, const void* host) {
   MOE_CHECK(sharded_ != nullptr, "Model::scatter_params: the parameters are not sharded");
   const size_t elem = dtype_size(param_dtype_);

@@ -129,6 +129,7 @@ void ShardedParams::prefetch(Ctx& ctx, int unit) {
   const Tensor all = slot_master_[s].as(master_dtype_, {c * world_});
   if (offload_) {  // this rank's chunk into its place in the slot, then gathered in place
     const Tensor mine = all.rows(c * rank_, c * (rank_ + 1));
+    if (chunk_wait_) chunk_wait_(local_at_[unit] + chunk(unit));
     comm_->copy_from_host(mine, host_at(master_shard_, local_at_[unit]));
     comm_->all_gather(all, mine);
   } else {

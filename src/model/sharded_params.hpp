@@ -32,6 +32,7 @@
 // ones, which flush() adds on the CPU (waiting for the device). The CPU AdamW then updates the
 // host weights where they lie (OffloadOptions::in_place).
 #pragma once
+#include <functional>
 #include <vector>
 
 #include "moe/comm.hpp"
@@ -72,6 +73,9 @@ class ShardedParams {
   // The next gradients start a step: the first micro-batch's chunks overwrite the host shard.
   void grads_zeroed() { fresh_grads_ = true; }
   bool offloaded() const { return offload_; }
+  // Offload: called with a unit's local end before its host chunk is copied to the GPU (the CPU
+  // AdamW may still be updating the chunks behind the forward: AdamW::wait_local).
+  void set_chunk_wait(std::function<void(size_t local_end)> wait) { chunk_wait_ = std::move(wait); }
 
   // Device bytes of the shards (unless offloaded) and the slots.
   size_t device_bytes() const;
@@ -96,6 +100,7 @@ class ShardedParams {
   bool allocated_, offload_;
   size_t local_elems_;
   Buffer staging_;  // offload, gradient accumulation: later micro-batches' chunks (host)
+  std::function<void(size_t)> chunk_wait_;
   bool fresh_grads_ = true, staged_ = false, got_grads_ = false;
   Buffer master_shard_, grad_shard_;
   static constexpr int kSlots = 4;  // two for layers, the embedding's, the final unit's

@@ -3,6 +3,10 @@
 // global-norm clipping and the learning-rate schedule.
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <thread>
 
 #include "moe/cuda_runtime.hpp"
 #include "moe/ops/elementwise.hpp"
@@ -131,7 +135,8 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
       m_(state_buffer(model, part.local(), offload)),
       v_(state_buffer(model, part.local(), offload)),
       dtype_(model.dtype()),
-      offload_(offload) {
+      offload_(offload),
+      background_(std::make_unique<Background>()) {
   MOE_CHECK(part.total == model.table().total, "AdamW: partition of another parameter buffer");
   MOE_CHECK(dtype_ == DType::f32 || dtype_ == DType::f64,
             "AdamW: master weights must be f32 or f64");
@@ -156,14 +161,24 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
 Tensor AdamW::local(const Buffer& b) const {
   return b.as(dtype_, {static_cast<int64_t>(part_.local())});
 }
+// The in-place offloaded update running in a thread behind the next forward (step_offloaded).
+struct AdamW::Background {
+  std::thread worker;
+  std::mutex mu;
+  std::condition_variable cv;
+  size_t done_below = SIZE_MAX;  // local offset below which every owned element is updated
+};
+
 void* AdamW::host_gradients() const {
   return offload_.enabled && !offload_.in_place ? grads_.data() : nullptr;
 }
 
 Tensor AdamW::moment1() const {
+  finish();
   return local(m_);
 }
 Tensor AdamW::moment2() const {
+  finish();
   return local(v_);
 }
 
@@ -205,6 +220,7 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
 // (the step's reduction and norm), which is why offload trades step time for device memory.
 void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                            double max_norm) {
+  finish();  // the previous in-place update (normally done long ago)
   const Tensor p = model.params(), g = model.grads();
   auto owned = [](const Tensor& flat, size_t begin, size_t count) {
     return flat.rows(static_cast<int64_t>(begin), static_cast<int64_t>(begin + count));
@@ -244,27 +260,57 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
   double scale = grad_scale;
   if (!host_adamw_scale(a, host_norm_sq, &scale)) return;  // not finite: skipped, as on a device
 
+  // The work, range by range in local order: one update per (range x weight-decay segment).
+  struct Item {
+    size_t at, n;  // byte offset in the host buffers, elements
+    HostAdamWStep hs;
+  };
+  std::vector<std::vector<Item>> work(ranges.size());
   const size_t elem = dtype_size(dtype_);
-  for (const auto& r : ranges)
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    const auto& r = ranges[i];
     for (const auto& s : segments_) {
       const size_t b = std::max(r.global, s.offset);
       const size_t e = std::min(r.global + r.count, s.offset + s.numel);
       if (b >= e) continue;
       a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
-      const HostAdamWStep hs = host_adamw_step(a, scale);
-      const size_t at = (b - r.global + r.local) * elem;  // byte offset in the host buffers
-      char* w = master_base + at;
-      const char* gr = grads_base + at;
-      char* m = static_cast<char*>(m_.data()) + at;
-      char* v = static_cast<char*>(v_.data()) + at;
-      if (dtype_ == DType::f32)
+      work[i].push_back({(b - r.global + r.local) * elem, e - b, host_adamw_step(a, scale)});
+    }
+  }
+  char* m_base = static_cast<char*>(m_.data());
+  char* v_base = static_cast<char*>(v_.data());
+  const DType dt = dtype_;
+  auto run = [=](const std::vector<Item>& items) {
+    for (const Item& it : items) {
+      char *w = master_base + it.at, *m = m_base + it.at, *v = v_base + it.at;
+      const char* gr = grads_base + it.at;
+      if (dt == DType::f32)
         host_adamw_update(reinterpret_cast<float*>(w), reinterpret_cast<const float*>(gr),
-                          reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), e - b, hs);
+                          reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), it.n, it.hs);
       else
         host_adamw_update(reinterpret_cast<double*>(w), reinterpret_cast<const double*>(gr),
-                          reinterpret_cast<double*>(m), reinterpret_cast<double*>(v), e - b, hs);
+                          reinterpret_cast<double*>(m), reinterpret_cast<double*>(v), it.n, it.hs);
     }
-  if (offload_.in_place) return;
+  };
+  if (offload_.in_place) {
+    // Behind the next forward: the model's gather of a unit waits for that unit's update only
+    // (wait_local), so the CPU updates unit u + 1 while the GPU runs unit u.
+    Background& bg = *background_;
+    bg.done_below = 0;
+    bg.worker = std::thread([&bg, run, work = std::move(work), ranges] {
+      for (size_t i = 0; i < work.size(); ++i) {
+        run(work[i]);
+        std::lock_guard<std::mutex> lock(bg.mu);
+        bg.done_below = i + 1 < ranges.size() ? ranges[i + 1].local : SIZE_MAX;
+        bg.cv.notify_all();
+      }
+      std::lock_guard<std::mutex> lock(bg.mu);
+      bg.done_below = SIZE_MAX;
+      bg.cv.notify_all();
+    });
+    return;
+  }
+  for (const auto& items : work) run(items);
   // Back into the model's weights. Pinned: queued on the step's stream (the next step's copies to
   // the host wait for the device, so the host buffer is not rewritten before this copy is done).
   const Tensor master = local(master_);
@@ -276,6 +322,21 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
     else
       copy_from_host(dst, src.data);
   }
+}
+
+void AdamW::wait_local(size_t end) const {
+  Background& bg = *background_;
+  std::unique_lock<std::mutex> lock(bg.mu);
+  bg.cv.wait(lock, [&] { return bg.done_below >= end; });
+}
+
+void AdamW::finish() const {
+  Background& bg = *background_;
+  if (bg.worker.joinable()) bg.worker.join();
+}
+
+AdamW::~AdamW() {
+  finish();
 }
 
 }  // namespace moe

@@ -316,6 +316,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   Model& model = *model_owner;
   DataParallel& dp = *dp_owner;
   AdamW& optimizer = *optimizer_owner;
+  // Parameter offload: the CPU AdamW runs behind the next forward, which waits unit by unit.
+  if (offload.in_place)
+    model.set_chunk_wait([&optimizer](size_t end) { optimizer.wait_local(end); });
   model.init_weights(cfg.train.seed);  // the same seed on every rank: the same weights
   optimizer.params_written();
   std::unique_ptr<TrainData> data = make_train_data(cfg);
