@@ -30,7 +30,8 @@
 // host right behind its reduction on the side stream (Comm::copy_to_host), straight into the
 // gradient shard for the first micro-batch of a step and into a host staging buffer for later
 // ones, which flush() adds on the CPU (waiting for the device). The CPU AdamW then updates the
-// host weights where they lie (OffloadOptions::in_place).
+// host weights where they lie (OffloadOptions::in_place), in a thread behind the next forward:
+// a prefetch first waits (set_chunk_wait) until the unit's chunk is updated.
 #pragma once
 #include <functional>
 #include <vector>
