@@ -548,6 +548,65 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
   }
 }
 
+// ZeRO-3 parameter offload: the CPU AdamW updates the model's host chunks in place, in a thread,
+// range by range; wait_local(end) returns only once every range below `end` is updated (checked
+// right after step() returns, while the thread is still working on a 1M-element embedding: a
+// wait that returned early would show stale weights) and finish() once all are. The result is the
+// device op's, bit for bit, after clipped and skipped steps.
+TEST_CASE("offload: the in-place AdamW behind the forward waits range by range",
+          "[optim][offload][zero]") {
+  ModelConfig m = small_config();
+  m.vocab_size = 4096;
+  m.hidden_size = 256;
+  m.max_position_embeddings = 16;
+  OptimizerConfig oc;
+  oc.lr = 0.05;
+  oc.weight_decay = 0.1;
+  Ctx ctx;
+  std::vector<double> norm_sq = {0};
+  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
+  const ParamTable table = build_param_table(m);
+  const std::unique_ptr<Comm> comm = make_comm(RankInfo{}, Device{}, 0);
+  const ZeroPartition part = ZeroPartition::per_unit(param_unit_bounds(table, m), 0, 1);
+  ParamSharding sharding{&part, comm.get(), /*offload=*/true};
+  Model ref(m, DType::f64, Device{}, 1, 4);
+  Model host(m, DType::f64, Device{}, 1, 4, true, false, &sharding);
+  with_sine_gradient(ref);
+  host.init_weights(5);
+  // One rank: the local layout is the global one.
+  std::copy(ref.grads().ptr<double>(), ref.grads().ptr<double>() + ref.grads().numel(),
+            host.grads().ptr<double>());
+  AdamW on_device(oc, ref, part);
+  OffloadOptions offload;
+  offload.enabled = true;
+  offload.in_place = true;
+  AdamW in_place(oc, host, part, offload);
+  const std::vector<ZeroPartition::Range> ranges = part.ranges();
+  REQUIRE(ranges.size() >= 3);
+  auto same_rows = [](const Tensor& a, const Tensor& b, size_t begin, size_t end) {
+    return std::equal(a.ptr<double>() + begin, a.ptr<double>() + end, b.ptr<double>() + begin);
+  };
+  for (double nsq : {1e6, double(INFINITY), 4.0}) {
+    norm_sq[0] = nsq;
+    on_device.step(ctx, ref, oc.lr, 0.5, norm_sq_t, 1.0);
+    in_place.step(ctx, host, oc.lr, 0.5, norm_sq_t, 1.0);
+    if (!std::isfinite(nsq)) {
+      on_device.undo_step(), in_place.undo_step();
+      continue;
+    }
+    in_place.wait_local(ranges[0].local + ranges[0].count);  // the embedding
+    CHECK(same_rows(host.params(), ref.params(), 0, ranges[0].count));
+    in_place.wait_local(ranges[1].local + ranges[1].count);
+    CHECK(
+        same_rows(host.params(), ref.params(), ranges[1].local, ranges[1].local + ranges[1].count));
+    in_place.finish();
+    CHECK(same_rows(host.params(), ref.params(), 0, table.total));
+  }
+  CHECK(std::equal(in_place.moment1().ptr<double>(),
+                   in_place.moment1().ptr<double>() + in_place.moment1().numel(),
+                   on_device.moment1().ptr<double>()));
+}
+
 // The backward's gradient-ready ranges: adjacent, descending, covering the buffer once, and each
 // reported only when its gradient is final (a snapshot taken at the report equals the gradient
 // after the whole backward), for a tied head (whose gradient lands in the embedding first), an
