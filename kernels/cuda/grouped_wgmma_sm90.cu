@@ -31,8 +31,8 @@
 //
 // Which code runs: the kernels' bodies exist only in sm_90a code (kHasWgmma). The top
 // CMakeLists.txt builds MOE_CUDA_ARCHS entry 90 as sm_90a machine code (no compute_90 PTX) and
-// then defines MOE_WITH_SM90A; with it, a kernel whose code for this device is version 9.0 on an sm_90
-// device is the sm_90a code, and the host launches these kernels. Otherwise they decline.
+// then defines MOE_WITH_SM90A; with it, a kernel whose code for this device is version 9.0 on an
+// sm_90 device is the sm_90a code, and the host launches these kernels. Otherwise they decline.
 #include <cstdlib>
 #include <mutex>
 #include <string>
