@@ -1,4 +1,4 @@
-// Data parallelism with ZeRO stages 0-2: what happens between the backward of a step's
+// Data parallelism with ZeRO stages 0-3: what happens between the backward of a step's
 // micro-batches and the optimizer, and after it. Every rank runs the same calls in the same order;
 // on GPUs the collectives are queued on the model's stream (no host wait).
 //

@@ -1,11 +1,13 @@
 // The training loop. Each step: zero gradients, run gradient_accumulation_steps micro-batches
 // (each scaled by 1/(accum * world) so the step sees the mean), reduce gradients, loss sums and
-// expert loads over the data-parallel ranks (ZeRO 0-2, train/data_parallel.hpp), clip by global
-// norm, AdamW (on this rank's shard, then gather the weights), then, once the host has read the
-// step's statistics and knows the step was not skipped (fp16 overflow), router bias updates. Every
-// log_interval steps a progress line and a metrics.jsonl record; every eval_interval steps and at
-// the end a held-out evaluation; every save_interval steps and at the end a checkpoint. A resumed
-// run restores model, optimizer, RNG and data position and continues with bitwise the same losses.
+// expert loads over the data-parallel ranks (ZeRO 0-3, train/data_parallel.hpp; at stage 3 the
+// gradients are reduced per unit during the backward), clip by global norm, AdamW (on this rank's
+// shard, then gather the weights; stage 3 gathers them per unit as the model runs), then, once the
+// host has read the step's statistics and knows the step was not skipped (fp16 overflow), router
+// bias updates. Every log_interval steps a progress line and a metrics.jsonl record; every
+// eval_interval steps and at the end a held-out evaluation; every save_interval steps and at the
+// end a checkpoint. A resumed run restores model, optimizer, RNG and data position and continues
+// with bitwise the same losses.
 #include <sys/resource.h>
 
 #include <chrono>
