@@ -79,6 +79,12 @@ std::vector<std::string> small_run_overrides(int steps) {
           "train.save_at_end=false"};
 }
 
+// zero_optimization.offload_optimizer: the CPU, pinned.
+void offload_optimizer_pinned(Config& c) {
+  c.zero_optimization.offload_optimizer.device = "cpu";
+  c.zero_optimization.offload_optimizer.pin_memory = true;
+}
+
 // max_i |losses_i - ref_i| / ref_i over the steps of two runs (same length: REQUIREd first).
 double worst_relative(const std::vector<double>& losses, const std::vector<double>& ref) {
   double worst = 0;
@@ -326,8 +332,7 @@ TEST_CASE("gpu model: an offloaded optimizer (pinned) trains like the one on the
   plain.zero_optimization.stage = 1;
   Config offload = plain;
   offload.train.out_dir = offload_dir.path.string();
-  offload.zero_optimization.offload_optimizer.device = "cpu";
-  offload.zero_optimization.offload_optimizer.pin_memory = true;
+  offload_optimizer_pinned(offload);
   std::ostringstream log;
   const TrainResult rp = train(plain, log), ro = train(offload, log);
   REQUIRE(rp.losses.size() == 12);
@@ -360,10 +365,8 @@ TEST_CASE("gpu model: ZeRO-3 and parameter offload on one GPU track stage 0",
   z3.zero_optimization.stage = 3;
   Config param = z3;
   param.train.out_dir = param_dir.path.string();
-  param.zero_optimization.offload_optimizer.device = "cpu";
-  param.zero_optimization.offload_optimizer.pin_memory = true;
-  param.zero_optimization.offload_param.device = "cpu";
-  param.zero_optimization.offload_param.pin_memory = true;
+  offload_optimizer_pinned(param);
+  param.zero_optimization.offload_param = param.zero_optimization.offload_optimizer;
   std::ostringstream log;
   const TrainResult rp = train(plain, log), r3 = train(z3, log), ro = train(param, log);
   REQUIRE(rp.losses.size() == 12);

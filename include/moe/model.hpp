@@ -189,9 +189,8 @@ class Model {
   void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
                   const GradientReady& ready = nullptr);
   void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);
-  // ZeRO-3: unit's weights gathered and ready, `next` (default unit + 1) gathering meanwhile.
-  void acquire_unit(Ctx& ctx, int unit, int next);
-  void acquire_unit(Ctx& ctx, int unit) { acquire_unit(ctx, unit, unit + 1); }
+  // ZeRO-3 (forward): unit's weights gathered and ready, unit + 1 gathering meanwhile.
+  void acquire_unit(Ctx& ctx, int unit);
 
   ModelConfig cfg_;
   DType compute_, param_dtype_;

@@ -316,9 +316,8 @@ bool grouped_sm80_available(DType t) {
 bool grouped_sm80_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast) {
-  if (!grouped_sm80_available(t) || !aligned16_rows(a, k_total) || !aligned16_rows(c, n_total) ||
-      !aligned16_rows(w, b_k_fast ? k_total : n_total, expert_stride) || k_total % 8 != 0 ||
-      n_total % 8 != 0 || blocks_for(rows, 128) + experts > 65535)  // grid.y holds the row tiles
+  if (!grouped_sm80_available(t) ||
+      !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, 128))
     return false;
   with_config(t, [&](auto cfg, auto zero) {
     using C = decltype(cfg);

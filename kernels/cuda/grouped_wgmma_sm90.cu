@@ -369,10 +369,8 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast) {
   const Mode m = mode();
-  if (m == Mode::off || !sm90_available(t) || !aligned16_rows(a, k_total) ||
-      !aligned16_rows(c, n_total) ||
-      !aligned16_rows(w, b_k_fast ? k_total : n_total, expert_stride) || k_total % 8 != 0 ||
-      n_total % 8 != 0 || blocks_for(rows, kBM) + experts > 65535)  // grid.y holds the row tiles
+  if (m == Mode::off || !sm90_available(t) ||
+      !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, kBM))
     return false;
   with_config(t, m, [&](auto cfg, auto zero) {
     using C = decltype(cfg);

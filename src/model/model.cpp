@@ -425,10 +425,10 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const Gra
     sharded_->flush(ctx);
 }
 
-void Model::acquire_unit(Ctx& ctx, int unit, int next) {
+void Model::acquire_unit(Ctx& ctx, int unit) {
   if (!sharded_) return;
   sharded_->acquire(ctx, unit);
-  sharded_->prefetch(ctx, next);
+  sharded_->prefetch(ctx, unit + 1);
 }
 
 // ce_scale = grad_scale / valid targets: d loss / d logits = (softmax - onehot) / valid.
