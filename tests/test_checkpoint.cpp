@@ -716,6 +716,7 @@ class ThreadComm : public Comm {
   void broadcast(Tensor, int) override { unused(); }
   void copy_from_host(Tensor, const void*) override { unused(); }
   void copy_to_host(void*, Tensor) override { unused(); }
+  void after_queued(std::function<void()>) override { unused(); }
   void barrier() override {
     std::unique_lock<std::mutex> lock(b_.mu);
     const int gen = b_.generation;

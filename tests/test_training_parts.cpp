@@ -5,6 +5,7 @@
 #include <cmath>
 #include <map>
 #include <sstream>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -545,6 +546,81 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
     on_device.step(ctx, dev_model, oc.lr, 0.5);
     on_host.step(ctx, host_model, oc.lr, 0.5);
     CHECK(same(host_model.params(), dev_model.params()));
+  }
+}
+
+// The offloaded update overlapped with the backward (OffloadOptions::overlap): the gradient
+// ranges land on the host in backward order, reported from another thread as the buckets'
+// copies would be, and the thread updates them at once into the second copy of the state,
+// guessing no clip and no skip. The weights and moments equal the device AdamW's bit for bit
+// whether the guess held (norm below max_norm), was redone (clipped) or was dropped (skipped);
+// a step whose ranges did not all land is refused.
+TEST_CASE("offload: the AdamW overlapped with the backward gives the device one's bits",
+          "[optim][offload]") {
+  ModelConfig m = small_config();
+  OptimizerConfig oc;
+  oc.lr = 0.05;
+  oc.weight_decay = 0.1;
+  Ctx ctx;
+  std::vector<double> norm_sq = {0};
+  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
+  for (int world : {1, 3}) {
+    const size_t total = build_param_table(m).total;
+    const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
+    Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
+    with_sine_gradient(dev_model);
+    with_sine_gradient(host_model);
+    AdamW on_device(oc, dev_model, part);
+    OffloadOptions offload;
+    offload.enabled = true;
+    offload.overlap = true;
+    AdamW overlapped(oc, host_model, part, offload);
+    REQUIRE(overlapped.overlaps_backward());
+    // The backward's buckets: 1000 elements each, from the end of the buffer down.
+    auto land = [&](bool all) {
+      auto* staging = static_cast<double*>(overlapped.host_gradients());
+      const double* g = host_model.grads().ptr<double>();
+      for (const auto& r : part.ranges())
+        std::copy(g + r.global, g + r.global + r.count, staging + r.local);
+      const auto hook = overlapped.landing_hook();
+      std::thread backward([&] {
+        for (size_t end = all ? total : total - 1000; end > 0;) {
+          const size_t begin = end > 1000 ? end - 1000 : 0;
+          hook(begin, end);
+          end = begin;
+        }
+      });
+      backward.join();
+      overlapped.gradients_on_host();
+    };
+    // kept (0.5 * 1 <= 1), clipped (redone), skipped (dropped), kept (0.5 * 2 == 1, not above)
+    int round = 0;
+    for (double nsq : {1.0, 1e6, double(INFINITY), 4.0}) {
+      norm_sq[0] = nsq;
+      ++round;
+      on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      overlapped.begin_overlapped_step(host_model, oc.lr, 0.5);
+      land(true);
+      overlapped.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
+      if (!std::isfinite(nsq)) on_device.undo_step(), overlapped.undo_step();
+      for (auto* model : {&dev_model, &host_model}) {  // the next step's gradient
+        double* g = model->grads().ptr<double>();
+        for (int64_t i = 0; i < model->grads().numel(); ++i) g[i] = std::cos(0.11 * i + round);
+      }
+    }
+    auto same = [](const Tensor& a, const Tensor& b) {
+      REQUIRE(a.numel() == b.numel());
+      return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
+    };
+    CHECK(same(overlapped.moment1(), on_device.moment1()));
+    CHECK(same(overlapped.moment2(), on_device.moment2()));
+    CHECK(same(host_model.params(), dev_model.params()));
+    // The last 1000 elements (this rank's) never landed: the step cannot be the whole update.
+    norm_sq[0] = 1.0;
+    overlapped.begin_overlapped_step(host_model, oc.lr, 0.5);
+    land(false);
+    CHECK_THROWS_WITH(overlapped.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0),
+                      Catch::Contains("owned elements"));
   }
 }
 

@@ -112,6 +112,12 @@ class Comm {
   // The other way: src.nbytes() bytes of src (on device()) to host memory at dst, queued the
   // same way (the reduced gradient chunks of the parameter offload); dst should be page-locked.
   virtual void copy_to_host(void* dst, Tensor src) = 0;
+  // fn() runs once the work queued where the collectives go (so far) is done: CPU comms call it
+  // at once, on this thread (their work is done when the call returns); on a GPU it runs on a
+  // driver thread (gpu::launch_host_func), so it must only hand off (e.g. notify a waiting
+  // thread) and call no CUDA. The optimizer offload learns this way that a bucket's gradients
+  // have reached the host while the backward goes on.
+  virtual void after_queued(std::function<void()> fn) = 0;
   // Returns (on the host) once every rank has called it; NCCL: after this rank's enqueued
   // collectives completed.
   virtual void barrier() = 0;

@@ -93,6 +93,9 @@ struct Fp16Config {
 struct OffloadOptimizerConfig {
   std::string device = "none";  // none | cpu
   bool pin_memory = false;      // page-locked host buffers (GPU runs: faster copies)
+  // offload_optimizer only: with overlap_comm at stages 1-2, the CPU AdamW updates each bucket
+  // as it reaches the host during the backward (OffloadOptions::overlap).
+  bool overlap_backward = true;
 };
 
 struct ZeroConfig {
@@ -102,9 +105,14 @@ struct ZeroConfig {
   bool overlap_comm = false;
   double reduce_bucket_size = 5e8;  // elements per bucket (a whole number; DeepSpeed writes 5e8)
   OffloadOptimizerConfig offload_optimizer;
-  OffloadOptimizerConfig offload_param;  // the same two keys
+  OffloadOptimizerConfig offload_param;  // device and pin_memory
   bool offloads_optimizer() const { return offload_optimizer.device == "cpu"; }
   bool offloads_params() const { return offload_param.device == "cpu"; }
+  // Whether the CPU AdamW runs during the backward (see OffloadOptimizerConfig).
+  bool overlaps_offloaded_step() const {
+    return offloads_optimizer() && offload_optimizer.overlap_backward && overlap_comm &&
+           (stage == 1 || stage == 2);
+  }
 };
 
 struct SyntheticDataConfig {

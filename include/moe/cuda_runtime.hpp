@@ -3,6 +3,7 @@
 // other calls throw. Every CUDA / cuBLAS call behind these is checked and reported with file:line.
 #pragma once
 #include <cstddef>
+#include <functional>
 #include <string>
 
 namespace moe::gpu {
@@ -55,5 +56,9 @@ void event_destroy(void* event);
 void event_record(void* event, void* stream);
 void event_synchronize(void* event);  // waits for the work recorded before `event`
 void stream_synchronize(void* stream);
+// Queues `fn` on `stream`: it runs on a driver thread once the work queued before it is done, and
+// the stream's later work waits for it. It must not call CUDA (a quick hand-off to another thread,
+// such as a notify, is what it is for).
+void launch_host_func(void* stream, std::function<void()> fn);
 
 }  // namespace moe::gpu

@@ -1,12 +1,14 @@
 // The optimizer side of a step: AdamW state over the contiguous parameter buffer, the learning
 // rate schedule and global-norm gradient clipping.
 #pragma once
+#include <functional>
 #include <memory>
 #include <vector>
 
 #include "moe/config.hpp"
 #include "moe/memory.hpp"
 #include "moe/model.hpp"
+#include "moe/ops/optim.hpp"
 
 namespace moe {
 
@@ -91,6 +93,14 @@ struct OffloadOptions {
   // ZeRO-3 parameter offload: the model's params() and grads() are this rank's chunks in host
   // memory already; the CPU AdamW updates them where they lie (no master copy, no staging).
   bool in_place = false;
+  // Overlap the CPU AdamW with the backward (not in place): the caller starts the step before
+  // the last backward (begin_overlapped_step) and reports each range of gradients that reaches
+  // the host staging (landing_hook). A thread updates those ranges at once, guessing that the
+  // step is neither clipped nor skipped, into a second copy of the master and moments (12 bytes
+  // per owned element more host memory); step() keeps the guess when the norm agrees, redoes the
+  // update from the first copy with the clip factor when it does not, and drops it on a skip. So
+  // the result is bitwise that of the update after the backward.
+  bool overlap = false;
 };
 
 class AdamW {
@@ -121,6 +131,14 @@ class AdamW {
   // instead of copying them from the model.
   void* host_gradients() const;
   void gradients_on_host() { grads_on_host_ = true; }
+  // OffloadOptions::overlap: starts the next step's update with learning rate `lr` and gradient
+  // scale `grad_scale` (those step() will get), before the last micro-batch's backward; the
+  // master copy is taken from params() first if it is not current. landing_hook() is what the
+  // gradient buckets call, from any thread, once the owned part of [begin, end) (global
+  // offsets) is in host_gradients(); every owned element must land once before step().
+  bool overlaps_backward() const { return offload_.overlap; }
+  void begin_overlapped_step(const Model& model, double lr, double grad_scale);
+  std::function<void(size_t begin, size_t end)> landing_hook() const;
   // In place (ZeRO-3 parameter offload), step() returns once the update is decided and leaves the
   // CPU AdamW running in a thread, range by range in local order, behind the next forward:
   // wait_local(end) blocks until every owned range starting below local offset `end` is updated
@@ -141,6 +159,7 @@ class AdamW {
   Tensor moment1() const;
   Tensor moment2() const;
   void set_steps_taken(long s) { step_ = s; }
+  struct Item;  // one host update of a run of elements (defined in adamw.cpp)
   // params() was written from outside (initialisation, a checkpoint load): an offloaded
   // optimizer takes its master copy from there again before its next step. (A fresh optimizer
   // does so before its first step.)
@@ -154,6 +173,13 @@ class AdamW {
   };
   void step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                       double max_norm);
+  // The host update's arguments for step number `step` (weight decay set per segment).
+  AdamWArgs host_args(double lr, long step, double grad_scale) const;
+  // The updates of the owned elements within global [begin, end): one per (owned range x
+  // weight-decay segment) intersection, at byte offsets of the local host state.
+  std::vector<Item> items_within(size_t begin, size_t end, AdamWArgs a, double scale) const;
+  void take_master(const Model& model);  // params() -> the host master (offloaded)
+  void finish_overlapped();              // waits for the overlapped update's thread
   // A host buffer of the owned elements, as a flat tensor.
   Tensor local(const Buffer& b) const;
 
@@ -169,6 +195,11 @@ class AdamW {
   bool grads_on_host_ = false;
   struct Background;
   std::unique_ptr<Background> background_;
+  // OffloadOptions::overlap: the second copy the guessed update writes, and its thread (shared
+  // with the landing hooks, which may run on a driver thread after this object is gone).
+  Buffer next_master_, next_m_, next_v_;
+  struct Speculation;
+  std::shared_ptr<Speculation> spec_;
 };
 
 }  // namespace moe

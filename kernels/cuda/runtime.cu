@@ -2,6 +2,7 @@
 // memory, and the per-device stream and cuBLAS handle the ops run on.
 #include <algorithm>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <string>
@@ -257,6 +258,20 @@ void event_synchronize(void* event) {
 }
 void stream_synchronize(void* stream) {
   MOE_CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+}
+void launch_host_func(void* stream, std::function<void()> fn) {
+  // The driver takes a plain function pointer: the callable travels on the heap and the
+  // trampoline frees it after the call.
+  auto* owned = new std::function<void()>(std::move(fn));
+  const cudaError_t err = cudaLaunchHostFunc(
+      static_cast<cudaStream_t>(stream),
+      [](void* arg) {
+        std::unique_ptr<std::function<void()>> f(static_cast<std::function<void()>*>(arg));
+        (*f)();
+      },
+      owned);
+  if (err != cudaSuccess) delete owned;
+  MOE_CUDA_CHECK(err);
 }
 
 }  // namespace moe::gpu

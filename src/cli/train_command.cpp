@@ -105,8 +105,10 @@ void run_info(const ConfigFlags& f, int world_flag) {
   //                      gradient buffer on the device (its ops and collectives use them), the
   //                      optimizer state is gone from it;
   //                      CPU: 16 P / N per rank (fp32 master of the partition, m, v, and the
-  //                      staging buffer its gradients are copied into). DeepSpeed's offload also
-  //                      drops the fp32 weights from the GPU (c P there); not done here.
+  //                      staging buffer its gradients are copied into), 28 P / N when the
+  //                      update overlaps the backward (overlap_comm: a second master, m, v).
+  //                      DeepSpeed's offload also drops the fp32 weights from the GPU (c P
+  //                      there); not done here.
   //   3 + offload        stage 3's GPU figures without the moments; CPU as above
   //   3 + offload_param  GPU: the slots alone (+ A); CPU: 16 P / N (the weight and gradient
   //                      chunks, m, v; the CPU AdamW updates the chunks in place), and 4 P / N
@@ -122,6 +124,12 @@ void run_info(const ConfigFlags& f, int world_flag) {
                     &sharding);
   const double shard = static_cast<double>(part3.local());
   const double slots = static_cast<double>(plan3.weight_bytes()) - 8 * shard;
+  // The offloaded update overlapped with the backward keeps a second copy of its state (the
+  // config's own choice; stages 1-2 with overlap_comm).
+  ZeroConfig z12 = cfg.zero_optimization;
+  z12.stage = 2;
+  z12.offload_optimizer.device = "cpu";
+  const bool overlapped = z12.overlaps_offloaded_step();
   struct Row {
     const char* name;
     double weights, grads, optim, gathered, cpu;
@@ -134,9 +142,11 @@ void run_info(const ConfigFlags& f, int world_flag) {
        "full gradient buffer (DeepSpeed ideal: grads / N)"},
       {"3", 4 * shard, 4 * shard, 8 * shard, slots, 0,
        "gathered: the slots of the units in use (weights, compute copy, gradients)"},
-      {"2+offload", (4 + cb) * p, 4 * p, 0, 0, 16 * p / n,
-       "stage 1 + offload alike; CPU: master, m, v, gradient staging"},
-      {"3+offload", 4 * shard, 4 * shard, 0, slots, 16 * shard, "CPU as for 2+offload"},
+      {"2+offload", (4 + cb) * p, 4 * p, 0, 0, (overlapped ? 28 : 16) * p / n,
+       overlapped ? "stage 1 alike; CPU: master, m, v, gradient staging, 2nd master, m, v"
+                  : "stage 1 + offload alike; CPU: master, m, v, gradient staging"},
+      {"3+offload", 4 * shard, 4 * shard, 0, slots, 16 * shard,
+       "CPU: master, m, v, gradient staging"},
       {"3+param", 0, 0, 0, slots, (cfg.gradient_accumulation_steps > 1 ? 20 : 16) * shard,
        "+ offload_param; CPU: weight and gradient chunks, m, v"},
   };

@@ -246,7 +246,9 @@ KeyNode zero_section() {
                   leaf("reduce_bucket_size", AT(zero_optimization.reduce_bucket_size)),
                   section("offload_optimizer",
                           {leaf("device", AT(zero_optimization.offload_optimizer.device)),
-                           leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory))}),
+                           leaf("pin_memory", AT(zero_optimization.offload_optimizer.pin_memory)),
+                           leaf("overlap_backward",
+                                AT(zero_optimization.offload_optimizer.overlap_backward))}),
                   section("offload_param",
                           {leaf("device", AT(zero_optimization.offload_param.device)),
                            leaf("pin_memory", AT(zero_optimization.offload_param.pin_memory))})});

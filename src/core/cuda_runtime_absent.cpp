@@ -83,6 +83,9 @@ void event_synchronize(void*) {
 void stream_synchronize(void*) {
   absent("stream_synchronize");
 }
+void launch_host_func(void*, std::function<void()>) {
+  absent("launch_host_func");
+}
 
 }  // namespace moe::gpu
 #endif

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <exception>
 #include <mutex>
+#include <string>
 #include <thread>
 
 #include "moe/cuda_runtime.hpp"
@@ -144,9 +147,18 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
                                    model.params().device.type == DeviceType::cpu &&
                                    model.params().numel() == static_cast<int64_t>(part.local())),
             "AdamW: in-place offload needs the model's own host chunks (ZeRO-3 offload_param)");
+  MOE_CHECK(!offload_.overlap || (offload_.enabled && !offload_.in_place),
+            "AdamW: overlapping the update with the backward needs the offloaded (not in-place) "
+            "state");
   if (offload_.enabled && !offload_.in_place) {
     master_ = state_buffer(model, part.local(), offload);
     grads_ = state_buffer(model, part.local(), offload);
+  }
+  if (offload_.overlap) {
+    next_master_ = state_buffer(model, part.local(), offload);
+    next_m_ = state_buffer(model, part.local(), offload);
+    next_v_ = state_buffer(model, part.local(), offload);
+    spec_ = std::make_shared<Speculation>();
   }
   for (const auto& p : model.table().params) {
     const bool decay = param_kind_decays(p.kind);
@@ -168,6 +180,37 @@ struct AdamW::Background {
   std::condition_variable cv;
   size_t done_below = SIZE_MAX;  // local offset below which every owned element is updated
 };
+
+// The overlapped update (OffloadOptions::overlap): a thread that updates each range of
+// gradients as the landing hook reports it, while the backward goes on.
+struct AdamW::Speculation {
+  std::thread worker;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<size_t, size_t>> landed;  // global ranges not yet updated
+  bool closing = false;                          // no more ranges come: drain them and stop
+  size_t updated = 0;                            // owned elements updated so far
+  std::exception_ptr error;
+  double lr = 0, scale = 0;  // the step's learning rate and the guessed gradient scale
+  long step = 0;
+};
+
+struct AdamW::Item {
+  size_t at, n;  // byte offset in the host buffers, elements
+  HostAdamWStep hs;
+};
+
+namespace {
+
+// The host arrays one update reads or writes (the weights, gradients and moments).
+struct HostBases {
+  char *w, *g, *m, *v;
+};
+
+// Runs `items` reading `in` (and in.g) and writing `out` (the same bases for an update in place).
+void run_items(const std::vector<AdamW::Item>& items, HostBases in, HostBases out, DType dt);
+
+}  // namespace
 
 void* AdamW::host_gradients() const {
   return offload_.enabled && !offload_.in_place ? grads_.data() : nullptr;
@@ -215,9 +258,137 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
     }
 }
 
+AdamWArgs AdamW::host_args(double lr, long step, double grad_scale) const {
+  AdamWArgs a;
+  a.lr = lr;
+  a.beta1 = cfg_.beta1;
+  a.beta2 = cfg_.beta2;
+  a.eps = cfg_.eps;
+  a.step = step;
+  a.grad_scale = grad_scale;
+  return a;
+}
+
+std::vector<AdamW::Item> AdamW::items_within(size_t begin, size_t end, AdamWArgs a,
+                                             double scale) const {
+  std::vector<Item> items;
+  const size_t elem = dtype_size(dtype_);
+  for (const auto& r : part_.ranges())
+    for (const auto& s : segments_) {
+      const size_t b = std::max({begin, r.global, s.offset});
+      const size_t e = std::min({end, r.global + r.count, s.offset + s.numel});
+      if (b >= e) continue;
+      a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
+      items.push_back({(b - r.global + r.local) * elem, e - b, host_adamw_step(a, scale)});
+    }
+  return items;
+}
+
+namespace {
+
+template <class T>
+HostAdamWState<T> state_at(const HostBases& b, size_t at) {
+  return {reinterpret_cast<T*>(b.w + at), reinterpret_cast<T*>(b.m + at),
+          reinterpret_cast<T*>(b.v + at)};
+}
+
+void run_items(const std::vector<AdamW::Item>& items, HostBases in, HostBases out, DType dt) {
+  for (const AdamW::Item& it : items) {
+    if (dt == DType::f32)
+      host_adamw_update(state_at<float>(in, it.at), reinterpret_cast<const float*>(in.g + it.at),
+                        state_at<float>(out, it.at), it.n, it.hs);
+    else
+      host_adamw_update(state_at<double>(in, it.at), reinterpret_cast<const double*>(in.g + it.at),
+                        state_at<double>(out, it.at), it.n, it.hs);
+  }
+}
+
+size_t count_elems(const std::vector<AdamW::Item>& items) {
+  size_t n = 0;
+  for (const AdamW::Item& it : items) n += it.n;
+  return n;
+}
+
+}  // namespace
+
+void AdamW::take_master(const Model& model) {
+  if (master_current_) return;
+  const Tensor p = model.params(), master = local(master_);
+  for (const auto& r : part_.ranges())
+    copy_to_host(
+        master.rows(static_cast<int64_t>(r.local), static_cast<int64_t>(r.local + r.count)).data,
+        p.rows(static_cast<int64_t>(part_.model_offset(r)),
+               static_cast<int64_t>(part_.model_offset(r) + r.count)));
+  master_current_ = true;
+}
+
+void AdamW::begin_overlapped_step(const Model& model, double lr, double grad_scale) {
+  MOE_CHECK(offload_.overlap, "AdamW: begin_overlapped_step without OffloadOptions::overlap");
+  Speculation& sp = *spec_;
+  MOE_CHECK(!sp.worker.joinable(), "AdamW: an overlapped step is already running");
+  take_master(model);
+  sp.landed.clear();
+  sp.closing = false;
+  sp.updated = 0;
+  sp.error = nullptr;
+  sp.lr = lr;
+  sp.scale = grad_scale;  // the guess: no clipping, no skip
+  sp.step = step_ + 1;
+  const HostBases in{static_cast<char*>(master_.data()), static_cast<char*>(grads_.data()),
+                     static_cast<char*>(m_.data()), static_cast<char*>(v_.data())};
+  const HostBases out{static_cast<char*>(next_master_.data()), nullptr,
+                      static_cast<char*>(next_m_.data()), static_cast<char*>(next_v_.data())};
+  const AdamWArgs a = host_args(lr, sp.step, grad_scale);
+  sp.worker = std::thread([this, &sp, in, out, a] {
+    for (;;) {
+      std::pair<size_t, size_t> range;
+      {
+        std::unique_lock<std::mutex> lock(sp.mu);
+        sp.cv.wait(lock, [&] { return !sp.landed.empty() || sp.closing; });
+        if (sp.landed.empty()) return;
+        range = sp.landed.front();
+        sp.landed.pop_front();
+      }
+      size_t n = 0;
+      try {
+        const std::vector<Item> items = items_within(range.first, range.second, a, sp.scale);
+        run_items(items, in, out, dtype_);
+        n = count_elems(items);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(sp.mu);
+        sp.error = std::current_exception();
+        return;
+      }
+      std::lock_guard<std::mutex> lock(sp.mu);
+      sp.updated += n;
+    }
+  });
+}
+
+std::function<void(size_t, size_t)> AdamW::landing_hook() const {
+  MOE_CHECK(offload_.overlap, "AdamW: landing_hook without OffloadOptions::overlap");
+  std::shared_ptr<Speculation> sp = spec_;
+  return [sp](size_t begin, size_t end) {
+    std::lock_guard<std::mutex> lock(sp->mu);
+    sp->landed.emplace_back(begin, end);
+    sp->cv.notify_one();
+  };
+}
+
+void AdamW::finish_overlapped() {
+  if (!spec_ || !spec_->worker.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(spec_->mu);
+    spec_->closing = true;
+    spec_->cv.notify_one();
+  }
+  spec_->worker.join();
+}
+
 // The offloaded step. Each copy between the model's buffers and the host covers one owned range
 // (this rank's chunk, then the shared tail); on a GPU the copies to the host wait for the device
-// (the step's reduction and norm), which is why offload trades step time for device memory.
+// (the step's reduction and norm), which is why offload trades step time for device memory,
+// unless the update already ran during the backward (OffloadOptions::overlap).
 void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                            double max_norm) {
   finish();  // the previous in-place update (normally done long ago)
@@ -226,91 +397,82 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
     return flat.rows(static_cast<int64_t>(begin), static_cast<int64_t>(begin + count));
   };
   const std::vector<ZeroPartition::Range> ranges = part_.ranges();
+  const bool overlapped = spec_ && spec_->worker.joinable();
+
+  MOE_CHECK(!overlapped || grads_on_host_,
+            "AdamW: an overlapped step needs the gradients copied to the host during the backward");
   // In place (ZeRO-3 parameter offload) the model's host chunks are the master and the
   // gradients, at the same local offsets; else this rank's ranges are copied in and out.
   char* master_base = static_cast<char*>(offload_.in_place ? p.data : master_.data());
   char* grads_base = static_cast<char*>(offload_.in_place ? g.data : grads_.data());
   if (!offload_.in_place) {
-    const Tensor master = local(master_), grads = local(grads_);
-    if (!master_current_) {
-      for (const auto& r : ranges)
-        copy_to_host(owned(master, r.local, r.count).data,
-                     owned(p, part_.model_offset(r), r.count));
-      master_current_ = true;
-    }
+    take_master(model);
+    const Tensor grads = local(grads_);
     if (!grads_on_host_)
       for (const auto& r : ranges)
         copy_to_host(owned(grads, r.local, r.count).data, owned(g, part_.model_offset(r), r.count));
-    else if (ctx.device.type == DeviceType::cuda)  // copies queued during the backward
-      gpu::stream_synchronize(ctx.stream);
+    else if (ctx.device.type == DeviceType::cuda)  // copies queued during the backward (and the
+      gpu::stream_synchronize(ctx.stream);         // landing hooks queued behind them)
   }
   grads_on_host_ = false;
+  if (overlapped) {
+    finish_overlapped();
+    const Speculation& sp = *spec_;
+    if (sp.error) std::rethrow_exception(sp.error);
+    MOE_CHECK(sp.updated == part_.owned() && sp.step == step_ && sp.lr == lr,
+              "AdamW: the overlapped update covered " + std::to_string(sp.updated) + " of " +
+                  std::to_string(part_.owned()) + " owned elements, or another step");
+  }
 
-  AdamWArgs a;
-  a.lr = lr;
-  a.beta1 = cfg_.beta1;
-  a.beta2 = cfg_.beta2;
-  a.eps = cfg_.eps;
-  a.step = step_;
-  a.grad_scale = grad_scale;
+  AdamWArgs a = host_args(lr, step_, grad_scale);
   a.norm_sq = norm_sq;
   a.max_norm = max_norm;
   double host_norm_sq = 0;
   if (!norm_sq.empty()) copy_to_host(&host_norm_sq, norm_sq);
   double scale = grad_scale;
-  if (!host_adamw_scale(a, host_norm_sq, &scale)) return;  // not finite: skipped, as on a device
+  // Not finite: skipped, as on a device (an overlapped guess in the second copy is dropped).
+  if (!host_adamw_scale(a, host_norm_sq, &scale)) return;
 
-  // The work, range by range in local order: one update per (range x weight-decay segment).
-  struct Item {
-    size_t at, n;  // byte offset in the host buffers, elements
-    HostAdamWStep hs;
-  };
-  std::vector<std::vector<Item>> work(ranges.size());
-  const size_t elem = dtype_size(dtype_);
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const auto& r = ranges[i];
-    for (const auto& s : segments_) {
-      const size_t b = std::max(r.global, s.offset);
-      const size_t e = std::min(r.global + r.count, s.offset + s.numel);
-      if (b >= e) continue;
-      a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
-      work[i].push_back({(b - r.global + r.local) * elem, e - b, host_adamw_step(a, scale)});
-    }
-  }
   char* m_base = static_cast<char*>(m_.data());
   char* v_base = static_cast<char*>(v_.data());
-  const DType dt = dtype_;
-  auto run = [=](const std::vector<Item>& items) {
-    for (const Item& it : items) {
-      char *w = master_base + it.at, *m = m_base + it.at, *v = v_base + it.at;
-      const char* gr = grads_base + it.at;
-      if (dt == DType::f32)
-        host_adamw_update(reinterpret_cast<float*>(w), reinterpret_cast<const float*>(gr),
-                          reinterpret_cast<float*>(m), reinterpret_cast<float*>(v), it.n, it.hs);
-      else
-        host_adamw_update(reinterpret_cast<double*>(w), reinterpret_cast<const double*>(gr),
-                          reinterpret_cast<double*>(m), reinterpret_cast<double*>(v), it.n, it.hs);
+  const HostBases state{master_base, grads_base, m_base, v_base};
+  if (overlapped) {
+    // The guess holds unless the step is clipped: then the update is made again from the state
+    // before it (the first copy), all at once. Either way the second copy becomes the state.
+    if (scale != spec_->scale) {
+      const HostBases next{static_cast<char*>(next_master_.data()), nullptr,
+                           static_cast<char*>(next_m_.data()), static_cast<char*>(next_v_.data())};
+      run_items(items_within(0, part_.total, a, scale), state, next, dtype_);
     }
-  };
-  if (offload_.in_place) {
-    // Behind the next forward: the model's gather of a unit waits for that unit's update only
-    // (wait_local), so the CPU updates unit u + 1 while the GPU runs unit u.
-    Background& bg = *background_;
-    bg.done_below = 0;
-    bg.worker = std::thread([&bg, run, work = std::move(work), ranges] {
-      for (size_t i = 0; i < work.size(); ++i) {
-        run(work[i]);
+    std::swap(master_, next_master_);
+    std::swap(m_, next_m_);
+    std::swap(v_, next_v_);
+  } else {
+    // Range by range in local order: one update per (range x weight-decay segment).
+    std::vector<std::vector<Item>> work;
+    for (const auto& r : ranges)
+      work.push_back(items_within(r.global, r.global + r.count, a, scale));
+    if (offload_.in_place) {
+      // Behind the next forward: the model's gather of a unit waits for that unit's update only
+      // (wait_local), so the CPU updates unit u + 1 while the GPU runs unit u.
+      Background& bg = *background_;
+      bg.done_below = 0;
+      const DType dt = dtype_;
+      bg.worker = std::thread([&bg, state, dt, work = std::move(work), ranges] {
+        for (size_t i = 0; i < work.size(); ++i) {
+          run_items(work[i], state, state, dt);
+          std::lock_guard<std::mutex> lock(bg.mu);
+          bg.done_below = i + 1 < ranges.size() ? ranges[i + 1].local : SIZE_MAX;
+          bg.cv.notify_all();
+        }
         std::lock_guard<std::mutex> lock(bg.mu);
-        bg.done_below = i + 1 < ranges.size() ? ranges[i + 1].local : SIZE_MAX;
+        bg.done_below = SIZE_MAX;
         bg.cv.notify_all();
-      }
-      std::lock_guard<std::mutex> lock(bg.mu);
-      bg.done_below = SIZE_MAX;
-      bg.cv.notify_all();
-    });
-    return;
+      });
+      return;
+    }
+    for (const auto& items : work) run_items(items, state, state, dtype_);
   }
-  for (const auto& items : work) run(items);
   // Back into the model's weights. Pinned: queued on the step's stream (the next step's copies to
   // the host wait for the device, so the host buffer is not rewritten before this copy is done).
   const Tensor master = local(master_);
@@ -337,6 +499,7 @@ void AdamW::finish() const {
 
 AdamW::~AdamW() {
   finish();
+  finish_overlapped();
 }
 
 }  // namespace moe

@@ -12,8 +12,11 @@ namespace {
 // break-even reasoning as kernels/cpu's parallel_worth, ~16 operations per element).
 constexpr size_t kParallelMinElems = size_t{1} << 12;
 
+// Reads p, g, m, v and writes p_out, m_out, v_out: the same arrays in place, or a second copy
+// of the state (the overlapped step). Not restrict-qualified since in place they alias; the
+// `simd` clause is what lets the compiler vectorise (element i reads and writes index i only).
 template <class T>
-void update(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restrict v, size_t n,
+void update(const T* p, const T* g, const T* m, const T* v, T* p_out, T* m_out, T* v_out, size_t n,
             const HostAdamWStep& s) {
   const double lr = s.lr, b1 = s.beta1, b2 = s.beta2, c1 = s.one_minus_beta1,
                c2 = s.one_minus_beta2, eps = s.eps, wd = s.weight_decay, bc1 = s.bias_correction1,
@@ -26,9 +29,9 @@ void update(T* __restrict p, const T* __restrict g, T* __restrict m, T* __restri
     const double vi = b2 * v[i] + c2 * gi * gi;
     const double step = (mi / bc1) / (std::sqrt(vi / bc2) + eps);
     const double pi = p[i];
-    p[i] = static_cast<T>(pi - lr * (step + wd * pi));
-    m[i] = static_cast<T>(mi);
-    v[i] = static_cast<T>(vi);
+    p_out[i] = static_cast<T>(pi - lr * (step + wd * pi));
+    m_out[i] = static_cast<T>(mi);
+    v_out[i] = static_cast<T>(vi);
   }
 }
 
@@ -58,11 +61,19 @@ HostAdamWStep host_adamw_step(const AdamWArgs& a, double grad_scale) {
 
 void host_adamw_update(float* p, const float* g, float* m, float* v, size_t n,
                        const HostAdamWStep& s) {
-  update(p, g, m, v, n, s);
+  update(p, g, m, v, p, m, v, n, s);
 }
 void host_adamw_update(double* p, const double* g, double* m, double* v, size_t n,
                        const HostAdamWStep& s) {
-  update(p, g, m, v, n, s);
+  update(p, g, m, v, p, m, v, n, s);
+}
+void host_adamw_update(const HostAdamWState<float>& in, const float* g,
+                       const HostAdamWState<float>& out, size_t n, const HostAdamWStep& s) {
+  update(in.p, g, in.m, in.v, out.p, out.m, out.v, n, s);
+}
+void host_adamw_update(const HostAdamWState<double>& in, const double* g,
+                       const HostAdamWState<double>& out, size_t n, const HostAdamWStep& s) {
+  update(in.p, g, in.m, in.v, out.p, out.m, out.v, n, s);
 }
 
 }  // namespace moe

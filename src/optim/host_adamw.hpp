@@ -5,8 +5,8 @@
 // (kernels/cpu/optim.cpp; include/moe/ops/optim.hpp states it), so an offloaded run updates its
 // weights bit for bit as the CPU op would: tests/test_training_parts.cpp compares them on random
 // inputs. It differs from the op in what it is for, not in what it computes: raw pointers
-// (host buffers that are not model tensors), constants computed once per step, restrict-qualified
-// arrays and an `omp parallel for simd` loop the compiler vectorises (checked with
+// (host buffers that are not model tensors), constants computed once per step, an
+// `omp parallel for simd` loop the compiler vectorises (checked with
 // -fopt-info-vec; the file is compiled with -fno-math-errno so that sqrt can be vectorised,
 // which changes no result).
 #pragma once
@@ -34,5 +34,17 @@ void host_adamw_update(float* p, const float* g, float* m, float* v, size_t n,
                        const HostAdamWStep& s);
 void host_adamw_update(double* p, const double* g, double* m, double* v, size_t n,
                        const HostAdamWStep& s);
+
+// The weights and moments of n elements (host arrays).
+template <class T>
+struct HostAdamWState {
+  T *p, *m, *v;
+};
+// The same update out of place: reads `in` and g, writes `out` (in is left as it was), so that
+// an update made before the step's clip factor was known can be made again from `in`.
+void host_adamw_update(const HostAdamWState<float>& in, const float* g,
+                       const HostAdamWState<float>& out, size_t n, const HostAdamWStep& s);
+void host_adamw_update(const HostAdamWState<double>& in, const double* g,
+                       const HostAdamWState<double>& out, size_t n, const HostAdamWStep& s);
 
 }  // namespace moe

@@ -179,6 +179,8 @@ class MpiComm final : public Comm {
     copy_bytes(device(), dst, src.data, src.nbytes(), nullptr);
   }
 
+  void after_queued(std::function<void()> fn) override { fn(); }
+
   void broadcast(Tensor t, int root) override {
     const char* op = "broadcast";
     check_tensor(*this, t, op, "t", mpi_accepts, DTypeUse::move);

@@ -285,6 +285,10 @@ class NcclComm final : public Comm {
     copy_bytes(device(), dst, src.data, src.nbytes(), stream_);
   }
 
+  void after_queued(std::function<void()> fn) override {
+    gpu::launch_host_func(stream_, std::move(fn));
+  }
+
   void barrier() override {
     // Not armed: the wait may cover a long stretch of compute, and the collectives in it are
     // timed by their own events (poll), which catch a dead peer.

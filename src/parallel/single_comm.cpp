@@ -71,6 +71,13 @@ class SingleComm final : public Comm {
     copy_bytes(device(), dst, src.data, src.nbytes(), stream());
   }
 
+  void after_queued(std::function<void()> fn) override {
+    if (device().type == DeviceType::cuda)
+      gpu::launch_host_func(stream(), std::move(fn));
+    else
+      fn();
+  }
+
   void barrier() override {}
 
  private:

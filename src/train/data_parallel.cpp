@@ -35,11 +35,11 @@ ZeroPartition partition_for(int stage, const std::vector<size_t>& bounds, const 
 }  // namespace
 
 DataParallel::DataParallel(Comm& comm, int zero_stage, const std::vector<size_t>& unit_bounds,
-                           size_t bucket_elems)
+                           size_t bucket_elems, bool host_buckets)
     : comm_(comm), stage_(zero_stage), part_(partition_for(zero_stage, unit_bounds, comm)) {
   MOE_CHECK(zero_stage >= 0 && zero_stage <= 3, "DataParallel: ZeRO stage must be 0 to 3");
   // Stage 3 reduces each unit's gradient as the backward finishes it anyway.
-  if (bucket_elems > 0 && comm.world() > 1 && zero_stage != 3)
+  if (bucket_elems > 0 && (comm.world() > 1 || host_buckets) && zero_stage != 3)
     buckets_ = std::make_unique<GradientBuckets>(
         unit_bounds.back(), bucket_elems,
         [this](size_t begin, size_t end) { reduce_bucket(begin, end); });
@@ -57,6 +57,7 @@ void DataParallel::reduce_bucket(size_t begin, size_t end) {
       comm_.copy_to_host(static_cast<char*>(host_grads_) + (b - r.global + r.local) * elem,
                          span(grads_, b, e));
   }
+  if (landed_) comm_.after_queued([landed = landed_, begin, end] { landed(begin, end); });
 }
 
 void DataParallel::reduce_bucket_parts(size_t begin, size_t end) {
@@ -74,22 +75,27 @@ void DataParallel::reduce_bucket_parts(size_t begin, size_t end) {
   if (b < end) comm_.all_reduce_sum(span(grads_, b, end));  // the tail: every rank updates it
 }
 
-Model::GradientReady DataParallel::backward_hook(Model& model, void* host_grads) {
+Model::GradientReady DataParallel::backward_hook(Model& model, void* host_grads,
+                                                 std::function<void(size_t, size_t)> landed) {
   host_grads_ = nullptr;
+  landed_ = nullptr;
   if (!buckets_) return nullptr;
+  MOE_CHECK(!landed || host_grads, "DataParallel: landed hook without host gradients");
   grads_ = model.grads();
   host_grads_ = host_grads;
+  landed_ = std::move(landed);
   return [this](Ctx&, size_t begin, size_t end) { buckets_->ready(begin, end); };
 }
 
 void DataParallel::reduce_gradients_and_stats(Model& model) {
-  if (world() == 1) return;
-  const Tensor g = model.grads();
-  if (stage_ == 3) {
-    // The backward reduce-scattered every unit into its owner's chunk.
-  } else if (buckets_) {
+  if (buckets_) {  // world 1 too when the buckets go to the host (host_buckets)
     buckets_->flush();
     comm_.join_compute();
+  }
+  if (world() == 1) return;
+  const Tensor g = model.grads();
+  if (stage_ == 3 || buckets_) {
+    // The backward reduced every unit (stage 3) or bucket already.
   } else if (stage_ == 2 && part_.sharded) {
     // In place: this rank's chunk of the split part receives the sum; the tail (< world
     // elements) is all-reduced since every rank updates it.

@@ -23,6 +23,7 @@
 // lies in (reduce_sum; the shared tail is all-reduced), which moves what the reduce-scatter does:
 // the chunks do not line up with buckets, so one reduce_scatter per bucket cannot.
 #pragma once
+#include <functional>
 #include <memory>
 
 #include "moe/comm.hpp"
@@ -38,16 +39,21 @@ class DataParallel {
   // bucket_elems > 0: overlap the gradient reduction with the backward in buckets of at least
   // that many elements; 0: one reduction after the backward.
   // unit_bounds: param_unit_bounds of the model (ZeRO-3's units; the last entry is P).
+  // host_buckets: the optimizer is offloaded, so buckets are kept at world 1 too (at stages
+  // 0-2): their reduction is nothing there, but each still goes to the host during the backward.
   DataParallel(Comm& comm, int zero_stage, const std::vector<size_t>& unit_bounds,
-               size_t bucket_elems = 0);
+               size_t bucket_elems = 0, bool host_buckets = false);
   bool overlaps() const { return buckets_ != nullptr; }
   // For the last micro-batch's queue_forward_backward: reduces the gradient buckets as the
   // backward finishes them (empty when not overlapping: nothing to do during the backward).
   // host_grads (optimizer offload: AdamW::host_gradients(), this rank's elements in the
   // partition's local layout): each bucket's owned part is also copied there, right behind its
   // reduction on the comm's stream, so the copy to the host overlaps the backward too; then
-  // gradients_on_host() is true after reduce_gradients_and_stats.
-  Model::GradientReady backward_hook(Model& model, void* host_grads = nullptr);
+  // gradients_on_host() is true after reduce_gradients_and_stats. landed(begin, end), when
+  // given, is called (Comm::after_queued: on a driver thread on GPUs) once a bucket's copy is on
+  // the host: the overlapped CPU AdamW (AdamW::landing_hook) updates it during the backward.
+  Model::GradientReady backward_hook(Model& model, void* host_grads = nullptr,
+                                     std::function<void(size_t, size_t)> landed = nullptr);
   bool gradients_on_host() const { return host_grads_ != nullptr; }
   int rank() const { return comm_.rank(); }
   int world() const { return comm_.world(); }
@@ -80,6 +86,7 @@ class DataParallel {
   void reduce_bucket_parts(size_t begin, size_t end);  // the collectives of one bucket
   Tensor grads_;                // the model's gradient buffer, while a backward hook is in use
   void* host_grads_ = nullptr;  // where owned parts of buckets go (see backward_hook)
+  std::function<void(size_t, size_t)> landed_;
   std::unique_ptr<GradientBuckets> buckets_;
 };
 

@@ -283,7 +283,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
                                     : 0;
     dp_owner = std::make_unique<DataParallel>(
         *comm, cfg.zero_optimization.stage,
-        param_unit_bounds(build_param_table(cfg.model), cfg.model), bucket_elems);
+        param_unit_bounds(build_param_table(cfg.model), cfg.model), bucket_elems,
+        /*host_buckets=*/cfg.zero_optimization.overlaps_offloaded_step());
     const ParamSharding sharding = dp_owner->sharding(
         cfg.zero_optimization.offloads_params(), cfg.zero_optimization.offload_param.pin_memory);
     model_owner =
@@ -297,6 +298,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   offload.enabled = cfg.zero_optimization.offloads_optimizer();
   offload.pin_memory = cfg.zero_optimization.offload_optimizer.pin_memory;
   offload.in_place = cfg.zero_optimization.offloads_params();
+  offload.overlap = cfg.zero_optimization.overlaps_offloaded_step();
   try {
     optimizer_owner =
         std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
@@ -306,8 +308,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       throw gpu_oom(e);
     }
     // The offloaded state lives in host memory: a failure here is the host's, not the GPU's.
+    // m, v, master, grads (+ the second m, v and master of the overlapped update)
     const double bytes =
-        static_cast<double>(dp_owner->partition().local()) * 16;  // m, v, master, grads
+        static_cast<double>(dp_owner->partition().local()) * (offload.overlap ? 28 : 16);
     throw std::runtime_error(
         std::string(e.what()) + "; zero_optimization.offload_optimizer keeps this rank's AdamW " +
         "state and fp32 master weights in host memory (about " +
@@ -404,7 +407,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         << (cfg.zero_optimization.offload_optimizer.pin_memory && dev.type == DeviceType::cuda
                 ? "pinned "
                 : "")
-        << "host memory, updated on the CPU\n";
+        << "host memory, updated on the CPU"
+        << (optimizer.overlaps_backward() ? " as each gradient bucket lands during the backward"
+                                          : "")
+        << "\n";
+  MOE_CHECK(!optimizer.overlaps_backward() || dp.overlaps(),
+            "trainer: the overlapped offload step needs gradient buckets");
   out << std::flush;
 
   const size_t n = static_cast<size_t>(b) * t;
@@ -423,6 +431,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     model.zero_grads(ctx);
     model.reset_stats(ctx);
     const double loss_scale = scaler.scale();
+    const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
     // Every rank draws the global batch's accum * world micro-batches in order and trains on
     // its own run of `accum` of them (rank r: r * accum ..); 1/world of the mean is folded into
     // the gradient scale, so the reduced gradient is the global batch's mean.
@@ -435,13 +444,18 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       model.upload_batch(ctx, ids.data(), targets.data());
       // The last micro-batch's backward reduces its gradient buckets as it goes (overlap_comm).
       const bool last_micro = micro % accum == accum - 1;
-      model.queue_forward_backward(
-          ctx, loss_scale / (static_cast<double>(accum) * world),
-          last_micro ? dp.backward_hook(model, optimizer.host_gradients()) : nullptr);
+      Model::GradientReady hook;
+      if (last_micro && optimizer.overlaps_backward()) {
+        // The CPU AdamW updates each bucket as it lands on the host (AdamW::landing_hook).
+        optimizer.begin_overlapped_step(model, lr, 1.0 / loss_scale);
+        hook = dp.backward_hook(model, optimizer.host_gradients(), optimizer.landing_hook());
+      } else if (last_micro) {
+        hook = dp.backward_hook(model, optimizer.host_gradients());
+      }
+      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world), hook);
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();
-    const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
     dp.reduce_gradients_and_stats(model);
     if (dp.gradients_on_host()) optimizer.gradients_on_host();
     dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
