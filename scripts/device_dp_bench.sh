@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a machine with several GPUs (or CPU ranks, for trying the script): trains one config on 1
 # rank and on N ranks for each ZeRO stage (and stage 2 with overlapped buckets, stages 1 and 3
-# with optimizer offload) and prints tokens/s, the scaling over 1 rank, and rank 0's peak memory.
+# with optimizer offload, stage 2 with offload and overlap_comm with the CPU AdamW during the
+# backward and after it) and prints tokens/s, the scaling over 1 rank, and rank 0's peak memory.
 #   scripts/device_dp_bench.sh BUILD_DIR [config] [ranks]      (default moe-small, 2)
+# ONLY="label ..." runs those rows alone (the 1-rank stage0 row always runs: it is the base).
 # Each run: `scripts/launch.sh -n W -- BUILD_DIR/moe-train train --config configs/<config>.json`
 # with the micro-batch per rank unchanged (the global batch grows with W), 20 steps, tokens/s of
 # the last log interval. Logs go to $OUT (default /tmp/dp_bench).
@@ -16,6 +18,7 @@ base=""
 run() {  # label world extra --set args...
   local label=$1 world=$2
   shift 2
+  if [ -n "${ONLY:-}" ] && [ "$world" != 1 ] && ! [[ " $ONLY " == *" $label "* ]]; then return; fi
   local log="$OUT/$label.w$world.log"
   timeout "${RUN_TIMEOUT:-300}" scripts/launch.sh -n "$world" -- "$build/moe-train" train \
     --config "configs/$config.json" --set train.out_dir=\"$OUT/run-$label-$world\" "$@" >"$log" 2>&1
@@ -37,4 +40,10 @@ for s in 1 3; do
     --set zero_optimization.offload_optimizer.device=\"cpu\" \
     --set zero_optimization.offload_optimizer.pin_memory=true
 done
+# (buckets of 5e7 elements: the default 5e8 would land most of moe-small's gradient at the end)
+ovoff=(--set zero_optimization.stage=2 --set zero_optimization.overlap_comm=true
+  --set zero_optimization.reduce_bucket_size=5e7 --set 'zero_optimization.offload_optimizer.device="cpu"'
+  --set zero_optimization.offload_optimizer.pin_memory=true)
+run stage2-ovoff "$ranks" "${ovoff[@]}"
+run stage2-ovoff-after "$ranks" "${ovoff[@]}" --set zero_optimization.offload_optimizer.overlap_backward=false
 printf '%s\n' "${rows[@]}" | tee "$OUT/dp_bench.txt"
