@@ -553,8 +553,9 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
 // ranges land on the host in backward order, reported from another thread as the buckets'
 // copies would be, and the thread updates them at once into the second copy of the state,
 // guessing no clip and no skip. The weights and moments equal the device AdamW's bit for bit
-// whether the guess held (norm below max_norm), was redone (clipped) or was dropped (skipped);
-// a step whose ranges did not all land is refused.
+// whether the guess held (norm below max_norm), was redone (clipped: every range was updated
+// with the guess first) or was dropped (skipped); in the last round the step decides while
+// ranges may still be waiting. A step whose ranges did not all land is refused.
 TEST_CASE("offload: the AdamW overlapped with the backward gives the device one's bits",
           "[optim][offload]") {
   ModelConfig m = small_config();
@@ -601,6 +602,9 @@ TEST_CASE("offload: the AdamW overlapped with the backward gives the device one'
       on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
       overlapped.begin_overlapped_step(host_model, oc.lr, 0.5);
       land(true);
+      // Every range updated with the guess before the step decides (else the decision may come
+      // first and the guess be made for none: the clipped step would then test no redo).
+      if (round < 3) overlapped.wait_overlapped_idle();
       overlapped.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
       if (!std::isfinite(nsq)) on_device.undo_step(), overlapped.undo_step();
       for (auto* model : {&dev_model, &host_model}) {  // the next step's gradient

@@ -97,9 +97,10 @@ struct OffloadOptions {
   // the last backward (begin_overlapped_step) and reports each range of gradients that reaches
   // the host staging (landing_hook). A thread updates those ranges at once, guessing that the
   // step is neither clipped nor skipped, into a second copy of the master and moments (12 bytes
-  // per owned element more host memory); step() keeps the guess when the norm agrees, redoes the
-  // update from the first copy with the clip factor when it does not, and drops it on a skip. So
-  // the result is bitwise that of the update after the backward.
+  // per owned element more host memory). Once step() knows the norm: a guess that held is kept;
+  // on a clip the thread goes on with the real scale and makes the ranges it updated with the
+  // guess again from the first copy (so a wrong guess costs what the update after the backward
+  // would); a skip drops it all. So the result is bitwise that of the update after the backward.
   bool overlap = false;
 };
 
@@ -139,6 +140,9 @@ class AdamW {
   bool overlaps_backward() const { return offload_.overlap; }
   void begin_overlapped_step(const Model& model, double lr, double grad_scale);
   std::function<void(size_t begin, size_t end)> landing_hook() const;
+  // Blocks until the thread has updated every range landed so far (for tests: a guess that is
+  // wholly made before the step decides).
+  void wait_overlapped_idle() const;
   // In place (ZeRO-3 parameter offload), step() returns once the update is decided and leaves the
   // CPU AdamW running in a thread, range by range in local order, behind the next forward:
   // wait_local(end) blocks until every owned range starting below local offset `end` is updated
@@ -179,7 +183,9 @@ class AdamW {
   // weight-decay segment) intersection, at byte offsets of the local host state.
   std::vector<Item> items_within(size_t begin, size_t end, AdamWArgs a, double scale) const;
   void take_master(const Model& model);  // params() -> the host master (offloaded)
-  void finish_overlapped();              // waits for the overlapped update's thread
+  // The overlapped update learns the step's fate: skipped (drop it), or its real gradient scale.
+  void decide_overlapped(bool skipped, double scale);
+  void finish_overlapped();  // waits for the overlapped update's thread
   // A host buffer of the owned elements, as a flat tensor.
   Tensor local(const Buffer& b) const;
 

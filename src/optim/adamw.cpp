@@ -184,14 +184,20 @@ struct AdamW::Background {
 // The overlapped update (OffloadOptions::overlap): a thread that updates each range of
 // gradients as the landing hook reports it, while the backward goes on.
 struct AdamW::Speculation {
+  using Range = std::pair<size_t, size_t>;  // global [begin, end)
   std::thread worker;
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::pair<size_t, size_t>> landed;  // global ranges not yet updated
-  bool closing = false;                          // no more ranges come: drain them and stop
-  size_t updated = 0;                            // owned elements updated so far
+  std::deque<Range> landed;  // ranges to update (with `scale`)
+  // Ranges updated, with the scale each used: once the step's real scale is known (decide()),
+  // those that used another go back into `landed`.
+  std::vector<std::pair<Range, double>> done;
+  bool closing = false;  // no more ranges come: drain them and stop
+  bool dropped = false;  // the step is skipped: stop without finishing
+  bool busy = false;     // a range is being updated
+  size_t updated = 0;    // owned elements updated with the current `scale`
   std::exception_ptr error;
-  double lr = 0, scale = 0;  // the step's learning rate and the guessed gradient scale
+  double lr = 0, scale = 0;  // the step's learning rate; the gradient scale (a guess until decided)
   long step = 0;
 };
 
@@ -328,7 +334,8 @@ void AdamW::begin_overlapped_step(const Model& model, double lr, double grad_sca
   MOE_CHECK(!sp.worker.joinable(), "AdamW: an overlapped step is already running");
   take_master(model);
   sp.landed.clear();
-  sp.closing = false;
+  sp.done.clear();
+  sp.closing = sp.dropped = sp.busy = false;
   sp.updated = 0;
   sp.error = nullptr;
   sp.lr = lr;
@@ -341,17 +348,20 @@ void AdamW::begin_overlapped_step(const Model& model, double lr, double grad_sca
   const AdamWArgs a = host_args(lr, sp.step, grad_scale);
   sp.worker = std::thread([this, &sp, in, out, a] {
     for (;;) {
-      std::pair<size_t, size_t> range;
+      Speculation::Range range;
+      double scale;
       {
         std::unique_lock<std::mutex> lock(sp.mu);
-        sp.cv.wait(lock, [&] { return !sp.landed.empty() || sp.closing; });
-        if (sp.landed.empty()) return;
+        sp.cv.wait(lock, [&] { return !sp.landed.empty() || sp.closing || sp.dropped; });
+        if (sp.dropped || sp.landed.empty()) return;
         range = sp.landed.front();
         sp.landed.pop_front();
+        scale = sp.scale;
+        sp.busy = true;
       }
       size_t n = 0;
       try {
-        const std::vector<Item> items = items_within(range.first, range.second, a, sp.scale);
+        const std::vector<Item> items = items_within(range.first, range.second, a, scale);
         run_items(items, in, out, dtype_);
         n = count_elems(items);
       } catch (...) {
@@ -360,7 +370,14 @@ void AdamW::begin_overlapped_step(const Model& model, double lr, double grad_sca
         return;
       }
       std::lock_guard<std::mutex> lock(sp.mu);
-      sp.updated += n;
+      sp.busy = false;
+      if (scale == sp.scale) {
+        sp.updated += n;
+        sp.done.push_back({range, scale});
+      } else {  // decided while this range ran with the guess: again, with the real scale
+        sp.landed.push_back(range);
+      }
+      sp.cv.notify_all();  // (wait_overlapped_idle)
     }
   });
 }
@@ -371,8 +388,31 @@ std::function<void(size_t, size_t)> AdamW::landing_hook() const {
   return [sp](size_t begin, size_t end) {
     std::lock_guard<std::mutex> lock(sp->mu);
     sp->landed.emplace_back(begin, end);
-    sp->cv.notify_one();
+    sp->cv.notify_all();
   };
+}
+
+void AdamW::wait_overlapped_idle() const {
+  Speculation& sp = *spec_;
+  std::unique_lock<std::mutex> lock(sp.mu);
+  sp.cv.wait(lock, [&] { return (sp.landed.empty() && !sp.busy) || sp.error; });
+}
+
+void AdamW::decide_overlapped(bool skipped, double scale) {
+  Speculation& sp = *spec_;
+  std::lock_guard<std::mutex> lock(sp.mu);
+  sp.closing = true;  // every range has landed by now
+  if (skipped) {
+    sp.dropped = true;
+  } else if (scale != sp.scale) {
+    // Clipped: the ranges not yet updated go on with the real scale; those updated with the guess
+    // are made again from the first copy, which the guess left as it was.
+    sp.scale = scale;
+    for (const auto& [range, used] : sp.done) sp.landed.push_back(range);
+    sp.done.clear();
+    sp.updated = 0;
+  }
+  sp.cv.notify_all();
 }
 
 void AdamW::finish_overlapped() {
@@ -380,7 +420,7 @@ void AdamW::finish_overlapped() {
   {
     std::lock_guard<std::mutex> lock(spec_->mu);
     spec_->closing = true;
-    spec_->cv.notify_one();
+    spec_->cv.notify_all();
   }
   spec_->worker.join();
 }
@@ -415,14 +455,6 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
       gpu::stream_synchronize(ctx.stream);         // landing hooks queued behind them)
   }
   grads_on_host_ = false;
-  if (overlapped) {
-    finish_overlapped();
-    const Speculation& sp = *spec_;
-    if (sp.error) std::rethrow_exception(sp.error);
-    MOE_CHECK(sp.updated == part_.owned() && sp.step == step_ && sp.lr == lr,
-              "AdamW: the overlapped update covered " + std::to_string(sp.updated) + " of " +
-                  std::to_string(part_.owned()) + " owned elements, or another step");
-  }
 
   AdamWArgs a = host_args(lr, step_, grad_scale);
   a.norm_sq = norm_sq;
@@ -430,20 +462,23 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
   double host_norm_sq = 0;
   if (!norm_sq.empty()) copy_to_host(&host_norm_sq, norm_sq);
   double scale = grad_scale;
-  // Not finite: skipped, as on a device (an overlapped guess in the second copy is dropped).
-  if (!host_adamw_scale(a, host_norm_sq, &scale)) return;
+  // Not finite: skipped, as on a device (an overlapped update is dropped).
+  const bool run = host_adamw_scale(a, host_norm_sq, &scale);
+  if (overlapped) {
+    decide_overlapped(!run, scale);
+    finish_overlapped();
+    const Speculation& sp = *spec_;
+    if (sp.error) std::rethrow_exception(sp.error);
+    MOE_CHECK(!run || (sp.updated == part_.owned() && sp.step == step_ && sp.lr == lr),
+              "AdamW: the overlapped update covered " + std::to_string(sp.updated) + " of " +
+                  std::to_string(part_.owned()) + " owned elements, or another step");
+  }
+  if (!run) return;
 
   char* m_base = static_cast<char*>(m_.data());
   char* v_base = static_cast<char*>(v_.data());
   const HostBases state{master_base, grads_base, m_base, v_base};
-  if (overlapped) {
-    // The guess holds unless the step is clipped: then the update is made again from the state
-    // before it (the first copy), all at once. Either way the second copy becomes the state.
-    if (scale != spec_->scale) {
-      const HostBases next{static_cast<char*>(next_master_.data()), nullptr,
-                           static_cast<char*>(next_m_.data()), static_cast<char*>(next_v_.data())};
-      run_items(items_within(0, part_.total, a, scale), state, next, dtype_);
-    }
+  if (overlapped) {  // the second copy holds the update: it becomes the state
     std::swap(master_, next_master_);
     std::swap(m_, next_m_);
     std::swap(v_, next_v_);
