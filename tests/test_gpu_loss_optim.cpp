@@ -9,7 +9,9 @@
 //  - AdamW: two steps (t = 1 from zero moments, then t = 2) with weight decay and grad_scale, f32
 //    and f64; p, m and v compared after each step. With norm_sq (a device scalar): clipping equals
 //    the CPU op's and the host-computed clip factor bit for bit (the scale is derived in double on
-//    both), and a non-finite norm leaves p, m and v bitwise untouched.
+//    both), and a non-finite norm leaves p, m and v bitwise untouched. compute_out (bf16, f16,
+//    f32) is bitwise the GPU's updated p converted (by the GPU and the CPU convert), and a
+//    skipped step leaves it unchanged.
 // Tolerance per element: |gpu - ref| <= rtol (|ref| + max|ref|) with rtol = rtol_for(dtype) for the
 // losses (f32 2e-5, f64 1e-11, f16 4e-3, bf16 2e-2: fp32 math, one rounding into the dtype; the
 // fp32 losses and lse of 16-bit logits get the f32 bound) and for AdamW rtol 1e-6 in f32 (fp32
@@ -265,4 +267,94 @@ TEST_CASE("gpu AdamW with a non-finite norm_sq skips the step, p, m, v bitwise u
   double host_ns = 1.0;
   a.norm_sq = Tensor(&host_ns, DType::f64, Device{}, {1});
   CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, a), Catch::Contains("adamw_step: norm_sq is on"));
+}
+
+namespace {
+
+// The raw bytes of a tensor (on the device or the host): bitwise comparisons, 16-bit included.
+std::vector<unsigned char> bytes_of(Tensor t) {
+  std::vector<unsigned char> b(t.nbytes());
+  copy_to_host(b.data(), t);
+  return b;
+}
+
+}  // namespace
+
+// compute_out (the fused 16-bit compute copy): p, m and v as without it (against the CPU op, the
+// tolerances above), and compute_out bitwise the GPU's own p converted, by the GPU convert op and
+// by the CPU convert (the oracle) of p's downloaded bits. Clipped and unclipped steps through
+// norm_sq; a non-finite norm leaves compute_out as it was.
+TEST_CASE("gpu AdamW compute_out is the updated p converted, bitwise; a skipped step keeps it",
+          "[gpu][optim]") {
+  const int64_t n = 1003;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 3, a.grad_scale = 0.25;
+  for (DType dt : {DType::f32, DType::f64}) {
+    const std::vector<double> p0 = round_to(dt, random_values(n, 91, -2.0, 2.0));
+    const std::vector<double> g = round_to(dt, random_values(n, 92, -3.0, 3.0));
+    const std::vector<double> m0 = round_to(dt, random_values(n, 93, -0.1, 0.1));
+    const std::vector<double> v0 = round_to(dt, random_values(n, 94, 1e-3, 0.1));
+    for (DType out_dt : {DType::bf16, DType::f16, DType::f32}) {
+      for (double max_norm : {0.0, 1.0}) {  // no clipping, clipping
+        INFO("dtype " << dtype_name(dt) << " compute_out " << dtype_name(out_dt) << " max_norm "
+                      << max_norm);
+        Ctx cpu{}, ctx = gpu_ctx();
+        DeviceTensor gp = on_device(dt, {n}, p0), gg = on_device(dt, {n}, g);
+        DeviceTensor gm = on_device(dt, {n}, m0), gv = on_device(dt, {n}, v0);
+        DeviceTensor gns = on_device(DType::f64, {1}, {0.0});
+        DeviceTensor out = poisoned(out_dt, {n});
+        sum_squares(ctx, gns, gg);
+        gpu::synchronize();
+        const double norm_sq = download(gns)[0];
+        REQUIRE(a.grad_scale * std::sqrt(norm_sq) > 1.0);  // max_norm 1 really clips
+        AdamWArgs da = a;
+        da.max_norm = max_norm;
+        da.norm_sq = gns;
+        da.compute_out = out;
+        adamw_step(ctx, gp, gg, gm, gv, da);
+        // The GPU convert op of the GPU's p: what Model::weights_changed used to run.
+        DeviceTensor converted = poisoned(out_dt, {n});
+        gpu::synchronize();
+        convert(ctx, converted, gp, false);
+        gpu::synchronize();
+
+        Host cp({n}, p0), cg({n}, g), cm({n}, m0), cv({n}, v0), cns({1}, {norm_sq});
+        AdamWArgs ca = da;
+        ca.norm_sq = cns;
+        ca.compute_out = Tensor();
+        adamw_step(cpu, cp, cg, cm, cv, ca);
+        const double rtol = dt == DType::f32 ? 1e-6 : 1e-12;
+        expect_close(download(gp), cp.v, rtol, "p vs CPU");
+        expect_close(download(gm), cm.v, rtol, "m vs CPU");
+        expect_close(download(gv), cv.v, rtol, "v vs CPU");
+
+        const std::vector<unsigned char> got = bytes_of(out);
+        CHECK(got == bytes_of(converted));
+        // The CPU convert of the GPU's p bits.
+        std::vector<unsigned char> p_bits = bytes_of(gp), want(got.size(), 0);
+        convert(cpu, Tensor(want.data(), out_dt, Device{}, {n}),
+                Tensor(p_bits.data(), dt, Device{}, {n}), false);
+        CHECK(got == want);
+
+        // A second step with a non-finite norm: skipped, compute_out keeps the first step's bits.
+        upload(gns, {std::numeric_limits<double>::infinity()});
+        gpu::synchronize();
+        da.step = 4;
+        adamw_step(ctx, gp, gg, gm, gv, da);
+        gpu::synchronize();
+        CHECK(bytes_of(out) == got);
+        CHECK(bytes_of(gp) == p_bits);
+      }
+    }
+  }
+  // compute_out must be a device tensor of p's size, bf16 / f16 / f32.
+  Ctx ctx = gpu_ctx();
+  DeviceTensor p(DType::f32, {4}), short_out(DType::bf16, {3});
+  AdamWArgs bad;
+  bad.compute_out = short_out;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, bad), Catch::Contains("differ in size"));
+  uint16_t host_out[4] = {};
+  bad.compute_out = Tensor(host_out, DType::bf16, Device{}, {4});
+  CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, bad),
+                    Catch::Contains("adamw_step: compute_out is on"));
 }

@@ -276,7 +276,7 @@ TEST_CASE("gpu model: a training step has no host synchronisation (CUDA graph ca
     queue_grad_norm_sq(ctx, model, norm_sq);
     opt.step(ctx, model, 1e-3, 1.0, norm_sq, 1.0);
     model.after_step(ctx);
-    model.weights_changed(ctx);
+    model.weights_changed(ctx, opt.writes_compute_copy(model));  // the trainer's call
   };
   // eager
   auto eager = make();
@@ -315,6 +315,62 @@ TEST_CASE("gpu model: a training step has no host synchronisation (CUDA graph ca
   CHECK(lc.aux == Approx(le.aux).epsilon(1e-6));
   const auto pe = host_copy(eager->params()), pc = host_copy(captured->params());
   CHECK(relative_error(pc, pe, 0, pe.size()) < 1e-6);
+}
+
+namespace {
+
+// The raw bytes of a device tensor: bitwise comparisons of bf16 copies too.
+std::vector<unsigned char> bytes_of(Tensor t) {
+  std::vector<unsigned char> b(t.nbytes());
+  copy_to_host(b.data(), t);
+  return b;
+}
+
+}  // namespace
+
+// The unsharded AdamW step writes the bf16 compute copy itself (AdamWArgs::compute_out) and the
+// model skips its convert (weights_changed(ctx, true)). Against the path that keeps the convert
+// (ZeRO-1/2's: the same whole-buffer update, marked sharded, so AdamW leaves the compute copy to
+// the model): the master weights and the compute copy bitwise equal after two clipped steps.
+TEST_CASE("gpu model: AdamW's fused bf16 compute copy equals the step and convert, bitwise",
+          "[gpu][model][mixed]") {
+  const ModelConfig m = model_config();
+  const int b = 3, t = 32;
+  OptimizerConfig oc;  // weight decay 0.1: decayed and not decayed segments
+  Ctx ctx = gpu_ctx();
+  Model fused(m, DType::bf16, gpu0(), b, t), ref(m, DType::bf16, gpu0(), b, t);
+  fused.init_weights(7);
+  ref.init_weights(7);
+  AdamW fused_opt(oc, fused);
+  ZeroPartition keeps_convert = ZeroPartition::whole(ref.table().total);
+  keeps_convert.sharded = true;  // the one range is still the whole buffer (chunk, no tail)
+  AdamW ref_opt(oc, ref, keeps_convert);
+  REQUIRE(fused_opt.writes_compute_copy(fused));
+  REQUIRE_FALSE(ref_opt.writes_compute_copy(ref));
+  REQUIRE(bytes_of(fused.compute_params()) == bytes_of(ref.compute_params()));
+  const std::vector<unsigned char> initial = bytes_of(fused.compute_params());
+  Buffer fused_norm(gpu0(), sizeof(double)), ref_norm(gpu0(), sizeof(double));
+  for (int step = 0; step < 2; ++step) {
+    const auto ids = tokens(b * t, m.vocab_size, 20 + step);
+    const auto tg = tokens(b * t, m.vocab_size, 30 + step);
+    auto run = [&](Model& model, AdamW& opt, Tensor norm_sq) {
+      model.zero_grads(ctx);
+      model.reset_stats(ctx);
+      model.upload_batch(ctx, ids.data(), tg.data());
+      model.queue_forward_backward(ctx, 1.0);
+      queue_grad_norm_sq(ctx, model, norm_sq);
+      opt.step(ctx, model, 1e-3, 1.0, norm_sq, 1.0);
+      model.weights_changed(ctx, opt.writes_compute_copy(model));
+      return model.read_stats(ctx);
+    };
+    const Losses lf = run(fused, fused_opt, fused_norm.as(DType::f64, {1}));
+    const Losses lr = run(ref, ref_opt, ref_norm.as(DType::f64, {1}));
+    INFO("step " << step);
+    CHECK(lf.lm == lr.lm);  // the same compute copy went into both forwards
+    CHECK(bytes_of(fused.params()) == bytes_of(ref.params()));
+    CHECK(bytes_of(fused.compute_params()) == bytes_of(ref.compute_params()));
+  }
+  CHECK(bytes_of(fused.compute_params()) != initial);  // the steps moved the bf16 weights
 }
 
 // Optimizer offload on a GPU run: the AdamW state in pinned host memory, gradients copied down

@@ -3,7 +3,8 @@
 // worked through by hand), backwards against central finite differences in f64, f32 against f64 on
 // random inputs, and the BCE mean for bitwise determinism across thread counts. AdamW's norm_sq
 // path (clipping and the overflow skip decided inside the op) against the host-computed clip
-// factor, bit for bit.
+// factor, bit for bit; its compute_out (the fused 16-bit compute copy) against convert after the
+// step, bit for bit, and unchanged by a skipped step.
 // Gradient-check tolerances: rtol 1e-6, atol 1e-9 for both losses (softmax / sigmoid), well above
 // the ~1e-10 truncation + rounding error of h = 1e-6 central differences on O(1) losses.
 #include <omp.h>
@@ -11,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "catch.hpp"
@@ -366,4 +368,113 @@ TEST_CASE("adamw_step rejects a norm_sq that is not a 1-element f64 tensor") {
   Buf<double> ns2({2});
   a.norm_sq = ns2;
   CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a), Catch::Contains("adamw_step: norm_sq"));
+}
+
+// ---- AdamW's compute-copy output ----------------------------------------------------------------
+
+namespace {
+
+// A host tensor of n elements of any dtype over raw bytes (f16 / bf16 as bit patterns), every
+// byte `fill` first, so an element the op leaves unwritten stands out.
+struct RawBuf {
+  std::vector<unsigned char> bytes;
+  Tensor t;
+  RawBuf(DType dt, int64_t n, unsigned char fill) {
+    t = Tensor(nullptr, dt, Device{}, {n});
+    bytes.assign(t.nbytes(), fill);
+    t.data = bytes.data();
+  }
+  RawBuf(const RawBuf&) = delete;
+  operator Tensor() const { return t; }
+};
+
+// The f64 state in storage type T (rounded to float for f32).
+template <class T>
+Buf<T> as_storage(const Buf<double>& b) {
+  if constexpr (std::is_same_v<T, float>)
+    return to_f32(b);
+  else
+    return b;
+}
+
+// One step of the op with compute_out (dtype out_dt) against the op without it followed by
+// convert(compute_out, p): the same p, m and v, and the same compute-copy bits.
+template <class T>
+void check_compute_out_matches_convert(const AdamState& s0, DType out_dt, const AdamWArgs& a) {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = static_cast<int64_t>(s0.p.size());
+  Buf<T> rp = as_storage<T>(s0.p), rg = as_storage<T>(s0.g), rm = as_storage<T>(s0.m),
+         rv = as_storage<T>(s0.v);
+  RawBuf before(out_dt, n, 0), want(out_dt, n, 0);
+  convert(ctx, before, rp, false);
+  adamw_step(ctx, rp, rg, rm, rv, a);
+  convert(ctx, want, rp, false);
+  REQUIRE(want.bytes != before.bytes);  // the step moves the 16-bit values, so the test sees it
+
+  Buf<T> fp = as_storage<T>(s0.p), fg = as_storage<T>(s0.g), fm = as_storage<T>(s0.m),
+         fv = as_storage<T>(s0.v);
+  RawBuf got(out_dt, n, 0xA5);
+  AdamWArgs fa = a;
+  fa.compute_out = got;
+  adamw_step(ctx, fp, fg, fm, fv, fa);
+  CHECK(fp.v == rp.v);  // the output changes nothing of the update
+  CHECK(fm.v == rm.v);
+  CHECK(fv.v == rv.v);
+  CHECK(got.bytes == want.bytes);
+}
+
+}  // namespace
+
+TEST_CASE("adamw_step with compute_out writes the updated p as convert would, bit for bit") {
+  const int64_t n = 257;
+  Ctx ctx = cpu_ctx();
+  const AdamState s0 = random_adam_state(n, 41);
+  Buf<double> norm_sq({1});
+  sum_squares(ctx, norm_sq, s0.g);
+  AdamWArgs a;
+  a.lr = 1e-2, a.weight_decay = 0.1, a.step = 3, a.grad_scale = 0.5;
+  a.norm_sq = norm_sq;
+  REQUIRE(a.grad_scale * std::sqrt(norm_sq[0]) > 1.0);  // max_norm 1 really clips
+  for (DType out_dt : {DType::bf16, DType::f16, DType::f32}) {
+    for (double max_norm : {0.0, 1.0}) {  // no clipping, clipping
+      INFO("compute_out " << dtype_name(out_dt) << " max_norm " << max_norm);
+      a.max_norm = max_norm;
+      check_compute_out_matches_convert<float>(s0, out_dt, a);  // the trainer's master dtype
+      check_compute_out_matches_convert<double>(s0, out_dt, a);
+    }
+  }
+}
+
+TEST_CASE("adamw_step with a non-finite norm_sq leaves compute_out unchanged") {
+  const int64_t n = 64;
+  Ctx ctx = cpu_ctx();
+  for (DType out_dt : {DType::bf16, DType::f16}) {
+    INFO("compute_out " << dtype_name(out_dt));
+    const AdamState s = random_adam_state(n, 51);
+    auto p = to_f32(s.p), g = to_f32(s.g), m = to_f32(s.m), v = to_f32(s.v);
+    const auto p_before = p.v;
+    auto norm_sq = make<double>({1}, {std::numeric_limits<double>::infinity()});
+    RawBuf out(out_dt, n, 0xA5);
+    const std::vector<unsigned char> out_before = out.bytes;
+    AdamWArgs a;
+    a.step = 2, a.weight_decay = 0.1, a.norm_sq = norm_sq, a.max_norm = 1.0;
+    a.compute_out = out;
+    adamw_step(ctx, p, g, m, v, a);
+    CHECK(p.v == p_before);
+    CHECK(out.bytes == out_before);
+  }
+}
+
+TEST_CASE("adamw_step rejects a compute_out of another size or dtype") {
+  Ctx ctx = cpu_ctx();
+  Buf<float> p({4}), g({4}), m({4}), v({4});
+  AdamWArgs a;
+  RawBuf short_out(DType::bf16, 3, 0);
+  a.compute_out = short_out;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a),
+                    Catch::Contains("adamw_step: compute_out [3] and p [4] differ in size"));
+  RawBuf f64_out(DType::f64, 4, 0);
+  a.compute_out = f64_out;
+  CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a),
+                    Catch::Contains("adamw_step: compute_out must be bf16, f16 or f32, got f64"));
 }

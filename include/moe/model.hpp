@@ -107,7 +107,10 @@ class Model {
 
   void init_weights(uint64_t seed);
   // After anything wrote params() (optimizer step, checkpoint load): refresh the compute copy.
-  void weights_changed(Ctx& ctx);
+  // compute_copy_current: the writer kept compute_params() current itself (AdamW's fused
+  // compute-copy output: AdamW::writes_compute_copy), so the whole-buffer convert is skipped;
+  // everything else weights_changed does still happens.
+  void weights_changed(Ctx& ctx, bool compute_copy_current = false);
 
   // ---- the training step: queued on ctx's stream, nothing read back ----
   // Zeroes the device-side loss sums, expert loads and MoD counts (not the gradients).
@@ -150,6 +153,11 @@ class Model {
   DType compute_dtype() const { return compute_; }
   Tensor params() const;  // master weights (ZeRO-3: this rank's chunks)
   Tensor grads() const;
+  // The 16-bit compute copy of params() as one flat tensor of the compute dtype, laid out like
+  // params(); empty when there is none to keep current from outside: an f32 / f64 model (the
+  // master is the compute copy), a ZeRO-3 model (each unit is converted as it is gathered) or a
+  // plan (allocate = false).
+  Tensor compute_params() const;
   bool params_sharded() const { return sharded_ != nullptr; }
   // ZeRO-3, for code that needs the whole weights (checkpoints, imports): gather_params writes
   // them all into `host` ([P] of the master dtype in host memory; may be null on ranks that do

@@ -158,6 +158,11 @@ class AdamW {
   long steps_taken() const { return step_; }
   const ZeroPartition& partition() const { return part_; }
   bool offloaded() const { return offload_.enabled; }
+  // step() writes model's compute copy itself (unsharded, not offloaded, mixed precision: see
+  // AdamWArgs::compute_out), so the caller then calls model.weights_changed(ctx, true).
+  bool writes_compute_copy(const Model& m) const {
+    return !offload_.enabled && !part_.sharded && !m.compute_params().empty();
+  }
   // The moments of the owned elements, laid out as partition().ranges() say (unsharded: like the
   // parameter buffer); host tensors when offloaded.
   Tensor moment1() const;

@@ -11,7 +11,8 @@
 namespace moe {
 
 // g, m, v: as many elements as p, of p's dtype; a.step >= 1; a.norm_sq empty or a 1-element f64
-// tensor on p's device.
+// tensor on p's device; a.compute_out empty or as many elements as p, bf16 / f16 / f32, on p's
+// device.
 inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor& m,
                                   const Tensor& v, const AdamWArgs& a) {
   const int64_t n = p.numel();
@@ -28,6 +29,16 @@ inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor
                   std::string(dtype_name(a.norm_sq.dtype)) + " " + a.norm_sq.shape_str());
     MOE_CHECK(a.norm_sq.device == p.device,
               "adamw_step: norm_sq is on " + a.norm_sq.device.str() + ", p on " + p.device.str());
+  }
+  if (!a.compute_out.empty()) {
+    const Tensor& c = a.compute_out;
+    MOE_CHECK(c.numel() == n, "adamw_step: compute_out " + c.shape_str() + " and p " +
+                                  p.shape_str() + " differ in size");
+    MOE_CHECK(c.dtype == DType::bf16 || c.dtype == DType::f16 || c.dtype == DType::f32,
+              std::string("adamw_step: compute_out must be bf16, f16 or f32, got ") +
+                  dtype_name(c.dtype));
+    MOE_CHECK(c.device == p.device,
+              "adamw_step: compute_out is on " + c.device.str() + ", p on " + p.device.str());
   }
 }
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/elementwise_checks.hpp"
-#include "common/float16.hpp"
+#include "cpu/convert_element.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/elementwise.hpp"
 
@@ -55,75 +55,7 @@ double chunked_sum(int64_t n, F&& range_sum) {
   return total;
 }
 
-// ---- convert: storage types and their arithmetic ------------------------------------------------
-
-// The 16-bit storage formats, as raw bit patterns.
-struct Half {
-  uint16_t bits;
-};
-struct BFloat16 {
-  uint16_t bits;
-};
-
-// Calls fn(S{}) with S the storage type of t: float, double, Half or BFloat16.
-template <class Fn>
-void dispatch_any_float(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::f32:
-      return fn(float{});
-    case DType::f64:
-      return fn(double{});
-    case DType::f16:
-      return fn(Half{});
-    case DType::bf16:
-      return fn(BFloat16{});
-    default:
-      throw InternalError(std::string("convert: unsupported dtype ") + dtype_name(t));
-  }
-}
-
-// The arithmetic type of a conversion between S and D: double if either is f64, else float
-// (which holds every f16 / bf16 value exactly).
-template <class D, class S>
-using convert_math_t =
-    std::conditional_t<std::is_same_v<D, double> || std::is_same_v<S, double>, double, float>;
-
-template <class W>
-W widen(float v) {
-  return static_cast<W>(v);
-}
-template <class W>
-W widen(double v) {
-  return static_cast<W>(v);  // W is double whenever a side is double
-}
-template <class W>
-W widen(Half v) {
-  return static_cast<W>(float16::f16_to_float(v.bits));
-}
-template <class W>
-W widen(BFloat16 v) {
-  return static_cast<W>(float16::bf16_to_float(v.bits));
-}
-
-// v rounded once, to nearest even, into D.
-template <class D>
-D narrow(float v) {
-  if constexpr (std::is_same_v<D, Half>)
-    return Half{float16::float_to_f16(v)};
-  else if constexpr (std::is_same_v<D, BFloat16>)
-    return BFloat16{float16::float_to_bf16(v)};
-  else
-    return static_cast<D>(v);
-}
-template <class D>
-D narrow(double v) {
-  if constexpr (std::is_same_v<D, Half>)
-    return Half{float16::double_to_f16(v)};
-  else if constexpr (std::is_same_v<D, BFloat16>)
-    return BFloat16{float16::double_to_bf16(v)};
-  else
-    return static_cast<D>(v);
-}
+// ---- convert (the element conversion itself: cpu/convert_element.hpp) ---------------------------
 
 template <class D, class S>
 void convert_impl(D* dst, const S* src, int64_t n, bool accumulate) {
@@ -133,7 +65,7 @@ void convert_impl(D* dst, const S* src, int64_t n, bool accumulate) {
     for (int64_t i = 0; i < n; ++i) dst[i] = narrow<D>(widen<W>(dst[i]) + widen<W>(src[i]));
   } else {
 #pragma omp parallel for if (parallel_worth(n))
-    for (int64_t i = 0; i < n; ++i) dst[i] = narrow<D>(widen<W>(src[i]));
+    for (int64_t i = 0; i < n; ++i) dst[i] = convert_element<D>(src[i]);
   }
 }
 
@@ -223,9 +155,9 @@ void convert(Ctx& ctx, Tensor dst, Tensor src, bool accumulate) {
   check_convert_args(dst, src);
   const int64_t n = dst.numel();
   if (n == 0 || (!accumulate && dst.data == src.data && dst.dtype == src.dtype)) return;
-  dispatch_any_float(dst.dtype, [&](auto dst_zero) {
+  dispatch_any_float(dst.dtype, "convert", [&](auto dst_zero) {
     using D = decltype(dst_zero);
-    dispatch_any_float(src.dtype, [&](auto src_zero) {
+    dispatch_any_float(src.dtype, "convert", [&](auto src_zero) {
       using S = decltype(src_zero);
       convert_impl(static_cast<D*>(dst.data), static_cast<const S*>(src.data), n, accumulate);
     });

@@ -7,11 +7,16 @@
 //
 // With AdamWArgs::norm_sq the gradient scale comes from the norm (clip, or skip the step when the
 // norm is not finite) by common/adamw_scale.hpp, the function the CUDA kernel runs on the device.
+// With AdamWArgs::compute_out each updated element is converted as it is stored, by the convert
+// op's own element conversion (cpu/convert_element.hpp) applied to the stored p: the same bits as
+// a convert after the step.
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
+#include "cpu/convert_element.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/optim.hpp"
 
@@ -20,10 +25,12 @@ namespace {
 
 constexpr int64_t kAdamWork = 16;  // scalar operations per element (a sqrt, a division, ~12 flops)
 
-template <class T>
+// D: the storage type of a.compute_out, void when there is none.
+template <class T, class D>
 void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a, double grad_scale) {
   const int64_t n = p.numel();
   T* pp = p.ptr<T>();
+  [[maybe_unused]] D* out = static_cast<D*>(a.compute_out.data);
   const T* gp = g.ptr<T>();
   T* mp = m.ptr<T>();
   T* vp = v.ptr<T>();
@@ -37,6 +44,7 @@ void adamw_impl(Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a, doub
     const double update = (mi / bc1) / (std::sqrt(vi / bc2) + a.eps);
     const double pi = pp[i];
     pp[i] = static_cast<T>(pi - a.lr * (update + a.weight_decay * pi));
+    if constexpr (!std::is_void_v<D>) out[i] = convert_element<D>(pp[i]);
     mp[i] = static_cast<T>(mi);
     vp[i] = static_cast<T>(vi);
   }
@@ -51,8 +59,11 @@ void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArg
     double grad_scale = a.grad_scale;
     if (!a.norm_sq.empty() &&
         !adamw_clipped_scale(a.norm_sq.ptr<double>()[0], a.grad_scale, a.max_norm, &grad_scale))
-      return;  // non-finite norm: the step is skipped, p, m and v untouched
-    adamw_impl<T>(p, g, m, v, a, grad_scale);
+      return;  // non-finite norm: the step is skipped, p, m, v (and compute_out) untouched
+    if (a.compute_out.empty()) return adamw_impl<T, void>(p, g, m, v, a, grad_scale);
+    dispatch_any_float(a.compute_out.dtype, "adamw_step", [&](auto out_zero) {
+      adamw_impl<T, decltype(out_zero)>(p, g, m, v, a, grad_scale);
+    });
   });
 }
 

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "common/elementwise_checks.hpp"
+#include "cuda/convert_element.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/elementwise.hpp"
@@ -118,38 +119,17 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
 
 // ---- convert ------------------------------------------------------------------------------------
 
-// d rounded to float "to odd" (kernels/common/float16.hpp has the host twin): toward zero, with the
-// last bit set when d was not exact, so the one rounding to 16 bits that follows is correct.
-__device__ __forceinline__ float double_to_float_odd(double d) {
-  const float f = __double2float_rz(d);
-  if (static_cast<double>(f) == d || d != d) return f;
-  return __uint_as_float(__float_as_uint(f) | 1u);
-}
-
-// v rounded once, to nearest even, into D (W = float or double: the conversion's arithmetic type).
-template <class D, class W>
-__device__ __forceinline__ D narrow(W v) {
-  if constexpr (std::is_same_v<D, double>) {
-    return static_cast<double>(v);
-  } else if constexpr (std::is_same_v<D, float>) {
-    return static_cast<float>(v);  // double -> float: to nearest
-  } else if constexpr (std::is_same_v<W, double>) {
-    return store<D>(double_to_float_odd(v));
-  } else {
-    return store<D>(v);
-  }
-}
-
 // dst[i] = src[i] (or dst[i] + src[i]) converted; W is double when either side is, else float.
+// (The element conversion itself: cuda/convert_element.cuh, shared with the AdamW kernel.)
 template <class D, class S, bool kAccumulate>
 __global__ void convert_kernel(D* dst, const S* src, int64_t n) {
-  using W =
-      std::conditional_t<std::is_same_v<D, double> || std::is_same_v<S, double>, double, float>;
+  using W = convert_math_t<D, S>;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    W v = static_cast<W>(load(src[i]));
-    if (kAccumulate) v += static_cast<W>(load(dst[i]));
-    dst[i] = narrow<D, W>(v);
+    if constexpr (kAccumulate)
+      dst[i] = narrow<D, W>(static_cast<W>(load(src[i])) + static_cast<W>(load(dst[i])));
+    else
+      dst[i] = convert_element<D>(src[i]);
   }
 }
 

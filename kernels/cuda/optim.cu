@@ -13,12 +13,20 @@
 // skipped, p, m and v untouched), a norm over max_norm scales g by max_norm / (norm + 1e-6). The
 // trainer so clips and skips overflowed fp16 steps without a device-to-host read. One double load
 // (cached) and one sqrt and division per thread, negligible beside the loop.
+//
+// With AdamWArgs::compute_out the thread that stores p[i] also stores compute_out[i], the stored
+// p[i] converted by the convert op's own element conversion (cuda/convert_element.cuh): the bits
+// of a convert after the step without its second pass over the weights (the convert's read of
+// the fp32 p and its launch are saved; its 2-byte bf16 write moves here). Without compute_out
+// the kernel does what it did before (D = void). A skipped step returns before either store.
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
+#include "cuda/convert_element.cuh"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/optim.hpp"
 
@@ -43,10 +51,11 @@ struct AdamConsts {
   double grad_scale_d, max_norm;
 };
 
-template <class T>
+// D: the storage type of the compute-copy output `out`, void when there is none.
+template <class T, class D>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-                 int64_t n, AdamConsts<acc_t<T>> c) {
+                 D* __restrict__ out, int64_t n, AdamConsts<acc_t<T>> c) {
   using A = acc_t<T>;
   A grad_scale = c.grad_scale;
   if (c.norm_sq) {
@@ -62,7 +71,9 @@ __global__ void __launch_bounds__(kThreads)
     const A vi = c.beta2 * load(v[i]) + c.one_minus_beta2 * gi * gi;
     const A update = (mi / c.bc1) / (dev_sqrt(vi / c.bc2) + c.eps);
     const A pi = load(p[i]);
-    p[i] = store<T>(pi - c.lr * (update + c.weight_decay * pi));
+    const T pn = store<T>(pi - c.lr * (update + c.weight_decay * pi));
+    p[i] = pn;
+    if constexpr (!std::is_void_v<D>) out[i] = convert_element<D>(pn);
     m[i] = store<T>(mi);
     v[i] = store<T>(vi);
   }
@@ -71,7 +82,7 @@ __global__ void __launch_bounds__(kThreads)
 void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   const int64_t n = p.numel();
   check_adamw_step_args(p, g, m, v, a);
-  check_on_gpu({&p, &g, &m, &v}, "adamw_step");
+  check_on_gpu({&p, &g, &m, &v}, "adamw_step");  // compute_out: on p's device (checked above)
   if (n == 0) return;
   const double t = static_cast<double>(a.step);
   const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
@@ -92,9 +103,17 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
                           static_cast<const double*>(a.norm_sq.data),
                           a.grad_scale,
                           a.max_norm};
-    adamw_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(p), data_of<T>(g), data_of<T>(m), data_of<T>(v), n, c);
-    MOE_CUDA_LAUNCH_CHECK();
+    auto launch = [&](auto* out) {
+      using D = std::remove_pointer_t<decltype(out)>;
+      adamw_kernel<T, D><<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
+          data_of<T>(p), data_of<T>(g), data_of<T>(m), data_of<T>(v), out, n, c);
+      MOE_CUDA_LAUNCH_CHECK();
+    };
+    // compute_out is bf16, f16 or f32 (check_adamw_step_args), or absent.
+    if (a.compute_out.empty()) return launch(static_cast<void*>(nullptr));
+    if (a.compute_out.dtype == DType::bf16) return launch(data_of<__nv_bfloat16>(a.compute_out));
+    if (a.compute_out.dtype == DType::f16) return launch(data_of<__half>(a.compute_out));
+    launch(data_of<float>(a.compute_out));
   });
 }
 

@@ -171,6 +171,10 @@ Tensor Model::grads() const {
   if (sharded_) return sharded_->grad_shard();
   return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
 }
+Tensor Model::compute_params() const {
+  if (sharded_ || compute_ == param_dtype_ || !allocated_) return Tensor();
+  return work_buf_.as(compute_, {static_cast<int64_t>(table_.total)});
+}
 
 static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev,
                          const ParamInfo& p) {
@@ -206,13 +210,14 @@ void Model::zero_grads(Ctx& ctx) {
   fill(ctx, grads(), 0.0);
 }
 
-void Model::weights_changed(Ctx& ctx) {
+void Model::weights_changed(Ctx& ctx, bool compute_copy_current) {
   if (sharded_) {  // the next use of each unit gathers (and converts) it again
     sharded_->invalidate();
     return;
   }
-  if (compute_ == param_dtype_) return;
-  convert(ctx, work_buf_.as(compute_, {static_cast<int64_t>(table_.total)}), params(), false);
+  const Tensor compute = compute_params();
+  if (compute.empty() || compute_copy_current) return;
+  convert(ctx, compute, params(), false);
 }
 
 // Normal(0, initializer_range) for matrices, scaled by 1/sqrt(2L) for residual output

@@ -240,6 +240,10 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
   }
   Tensor p = model.params(), g = model.grads();
   Tensor m = moment1(), v = moment2();
+  // Unsharded, the updates cover the whole buffer, so they also write the 16-bit compute copy
+  // (the model then skips its convert: writes_compute_copy). ZeRO-1/2 keep the model's convert:
+  // the other ranks' chunks arrive after the step, by the fp32 all_gather of the master weights.
+  const Tensor compute = writes_compute_copy(model) ? model.compute_params() : Tensor();
   // Every (owned range x decay segment) intersection is one fused update.
   for (const auto& r : part_.ranges())
     for (const auto& s : segments_) {
@@ -260,6 +264,7 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
       const auto n = static_cast<int64_t>(e - b);
       const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;
       const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
+      if (!compute.empty()) a.compute_out = compute.rows(pb, pe);
       adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
     }
 }

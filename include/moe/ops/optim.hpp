@@ -8,6 +8,11 @@
 //   max_norm > 0 and norm > max_norm: s = grad_scale * max_norm / (norm + 1e-6)
 //   otherwise:                        s = grad_scale
 // (the same factor as moe::clip_factor, so s equals grad_scale * clip_factor(norm, max_norm)).
+//
+// With AdamWArgs::compute_out (the 16-bit compute copy of a mixed-precision model) the op also
+// writes compute_out[i] = p[i] converted, bitwise what convert(ctx, compute_out, p, false) would
+// write after the step: the trainer so saves a whole-buffer pass over the weights per step. A
+// skipped step leaves compute_out unchanged too (as it was, not a fresh conversion of p).
 #pragma once
 #include "moe/ops/common.hpp"
 
@@ -21,6 +26,9 @@ struct AdamWArgs {
   // (sum_squares over every segment), read by the op itself: clip and overflow skip on the device.
   Tensor norm_sq;
   double max_norm = 0;  // clip threshold on grad_scale * sqrt(norm_sq[0]); <= 0: no clipping
+  // Empty, or as many elements as p, of dtype bf16, f16 or f32, on p's device (not overlapping
+  // p, g, m or v): receives the updated p converted, rounded as the convert op rounds.
+  Tensor compute_out;
 };
 
 // p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1. The trainer runs it
