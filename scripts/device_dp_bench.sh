@@ -44,6 +44,6 @@ done
 ovoff=(--set zero_optimization.stage=2 --set zero_optimization.overlap_comm=true
   --set zero_optimization.reduce_bucket_size=5e7 --set 'zero_optimization.offload_optimizer.device="cpu"'
   --set zero_optimization.offload_optimizer.pin_memory=true)
-run stage2-ovoff "$ranks" "${ovoff[@]}"
-run stage2-ovoff-after "$ranks" "${ovoff[@]}" --set zero_optimization.offload_optimizer.overlap_backward=false
+run stage2-ovoff "$ranks" "${ovoff[@]}" --set zero_optimization.offload_optimizer.overlap_backward=true
+run stage2-ovoff-after "$ranks" "${ovoff[@]}"
 printf '%s\n' "${rows[@]}" | tee "$OUT/dp_bench.txt"

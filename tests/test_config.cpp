@@ -53,7 +53,7 @@ const char* kFullConfig = R"({
   "bf16": {"enabled": false},
   "zero_optimization": {"stage": 2, "overlap_comm": true, "reduce_bucket_size": 1000000.0,
                         "offload_optimizer": {"device": "cpu", "pin_memory": true,
-                                              "overlap_backward": false},
+                                              "overlap_backward": true},
                         "offload_param": {"device": "none", "pin_memory": true}},
   "model": {"vocab_size": 512, "hidden_size": 96, "intermediate_size": 160,
             "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 2,
@@ -104,7 +104,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.zero_optimization.overlap_comm);
   CHECK(c.zero_optimization.reduce_bucket_size == 1e6);
   CHECK(c.zero_optimization.offload_optimizer.device == "cpu");
-  CHECK_FALSE(c.zero_optimization.offload_optimizer.overlap_backward);
+  CHECK(c.zero_optimization.offload_optimizer.overlap_backward);
   CHECK(c.zero_optimization.offload_optimizer.pin_memory);
   CHECK(c.zero_optimization.offload_param.device == "none");
   CHECK(c.zero_optimization.offload_param.pin_memory);

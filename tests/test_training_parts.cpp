@@ -443,8 +443,9 @@ TEST_CASE("ZeRO: AdamW on each rank's shard reassembles the full update bitwise"
 }
 
 // The offload CPU AdamW against the adamw_step op on random inputs: the same arithmetic, so the
-// same bits, for f32 and f64 storage, with weight decay, grad_scale, clipping by a norm (active
-// and not) and the skip on a non-finite norm; sizes above and below the parallel threshold.
+// same bits, in place and out of place, for f32 and f64 storage, with weight decay, grad_scale,
+// clipping by a norm (active and not) and the skip on a non-finite norm; sizes above and below the
+// parallel threshold.
 template <class T>
 void compare_host_adamw_with_op() {
   const DType dt = std::is_same<T, float>::value ? DType::f32 : DType::f64;
@@ -491,6 +492,19 @@ void compare_host_adamw_with_op() {
       CHECK(host_p == op_p);
       CHECK(host_m == op_m);
       CHECK(host_v == op_v);
+      // Out of place (the overlapped offload step; f32 with streaming stores), into outputs
+      // starting at each offset from a 16-byte boundary: the same bits, the input untouched.
+      for (size_t shift = 0; shift < 4 && run; ++shift) {
+        std::vector<T> out_p(n + 4), out_m(n + 4), out_v(n + 4), in_p = p, in_m = m, in_v = v;
+        host_adamw_update(
+            HostAdamWState<T>{in_p.data(), in_m.data(), in_v.data()}, g.data(),
+            HostAdamWState<T>{out_p.data() + shift, out_m.data() + shift, out_v.data() + shift}, n,
+            host_adamw_step(a, scale));
+        CHECK(std::equal(op_p.begin(), op_p.end(), out_p.begin() + shift));
+        CHECK(std::equal(op_m.begin(), op_m.end(), out_m.begin() + shift));
+        CHECK(std::equal(op_v.begin(), op_v.end(), out_v.begin() + shift));
+        CHECK((in_p == p && in_m == m && in_v == v));
+      }
       CHECK((host_p != p) == run);  // the update did something exactly when not skipped
     }
   }

@@ -94,8 +94,10 @@ struct OffloadOptimizerConfig {
   std::string device = "none";  // none | cpu
   bool pin_memory = false;      // page-locked host buffers (GPU runs: faster copies)
   // offload_optimizer only: with overlap_comm at stages 1-2, the CPU AdamW updates each bucket
-  // as it reaches the host during the backward (OffloadOptions::overlap).
-  bool overlap_backward = true;
+  // as it reaches the host during the backward (OffloadOptions::overlap). Off by default: it
+  // costs 12 bytes of host memory per owned parameter and gains little where the host's memory
+  // bandwidth bounds the CPU AdamW (docs/perf.md).
+  bool overlap_backward = false;
 };
 
 struct ZeroConfig {

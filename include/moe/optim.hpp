@@ -138,6 +138,10 @@ class AdamW {
   // gradient buckets call, from any thread, once the owned part of [begin, end) (global
   // offsets) is in host_gradients(); every owned element must land once before step().
   bool overlaps_backward() const { return offload_.overlap; }
+  // Whether to overlap the next step: not right after a clipped or skipped step, since whether a
+  // step is clipped changes slowly and a wrong guess costs more than no guess (the ranges
+  // updated with it are made again, and the second copy is written more slowly than in place).
+  bool worth_overlapping() const { return offload_.overlap && !guess_failed_; }
   void begin_overlapped_step(const Model& model, double lr, double grad_scale);
   std::function<void(size_t begin, size_t end)> landing_hook() const;
   // Blocks until the thread has updated every range landed so far (for tests: a guess that is
@@ -204,6 +208,7 @@ class AdamW {
   Buffer master_, grads_;  // offloaded: host copies of the owned weights and their gradients
   bool master_current_ = false;
   bool grads_on_host_ = false;
+  bool guess_failed_ = false;  // the last offloaded step was clipped or skipped
   struct Background;
   std::unique_ptr<Background> background_;
   // OffloadOptions::overlap: the second copy the guessed update writes, and its thread (shared

@@ -11,6 +11,8 @@
 #include <string>
 #include <thread>
 
+#include <omp.h>
+
 #include "moe/cuda_runtime.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/optim.hpp"
@@ -351,7 +353,11 @@ void AdamW::begin_overlapped_step(const Model& model, double lr, double grad_sca
   const HostBases out{static_cast<char*>(next_master_.data()), nullptr,
                       static_cast<char*>(next_m_.data()), static_cast<char*>(next_v_.data())};
   const AdamWArgs a = host_args(lr, sp.step, grad_scale);
-  sp.worker = std::thread([this, &sp, in, out, a] {
+  // The thread's OpenMP team leaves a core to the thread that launches the backward's kernels:
+  // a full team competes with it, and a team member it pre-empts stalls every parallel loop.
+  const int team = std::max(1, omp_get_max_threads() - 1);
+  sp.worker = std::thread([this, &sp, in, out, a, team] {
+    omp_set_num_threads(team);
     for (;;) {
       Speculation::Range range;
       double scale;
@@ -469,6 +475,7 @@ void AdamW::step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale,
   double scale = grad_scale;
   // Not finite: skipped, as on a device (an overlapped update is dropped).
   const bool run = host_adamw_scale(a, host_norm_sq, &scale);
+  guess_failed_ = !run || scale != grad_scale;
   if (overlapped) {
     decide_overlapped(!run, scale);
     finish_overlapped();

@@ -445,7 +445,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       // The last micro-batch's backward reduces its gradient buckets as it goes (overlap_comm).
       const bool last_micro = micro % accum == accum - 1;
       Model::GradientReady hook;
-      if (last_micro && optimizer.overlaps_backward()) {
+      if (last_micro && optimizer.worth_overlapping()) {
         // The CPU AdamW updates each bucket as it lands on the host (AdamW::landing_hook).
         optimizer.begin_overlapped_step(model, lr, 1.0 / loss_scale);
         hook = dp.backward_hook(model, optimizer.host_gradients(), optimizer.landing_hook());

@@ -103,14 +103,16 @@ case "$mode" in
     done
     same "$work/ov0" "$work/ov1" 0
     # overlap_comm with the optimizer offloaded: each bucket's owned part also goes to the host
-    # staging during the backward and the CPU AdamW updates it there and then, guessing no clip
-    # (offload_optimizer.overlap_backward, on by default); this run's gradient norms are 0.84,
-    # 0.86, 1.21, 2.53, 1.13, 0.95 against gradient_clipping 1.0, so steps 1, 2 and 6 keep the
-    # guess and 3-5 redo it clipped: the arithmetic of the overlap run either way. Without
-    # overlap_backward the update follows the backward; at world 1 too (buckets to the host only)
+    # staging during the backward, and with offload_optimizer.overlap_backward the CPU AdamW
+    # updates it there and then, guessing no clip; this run's gradient norms are 0.84, 0.86,
+    # 1.21, 2.53, 1.13, 0.95 against gradient_clipping 1.0, so steps 1 and 2 keep the guess, 3
+    # redoes it clipped and 4-6 (after a clipped step) update after the backward: the arithmetic
+    # of the overlap run each way. Without overlap_backward the update follows the backward; at
+    # world 1 too (buckets to the host only)
     for stage in 1 2; do
       run "$np" "$work/ovoff$stage" --set zero_optimization.stage=$stage "${offload[@]}" \
-        --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000
+        --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000 \
+        --set zero_optimization.offload_optimizer.overlap_backward=true
       grep -q "as each gradient bucket lands during the backward" "$work/ovoff$stage.log" ||
         fail "no overlapped offload line"
       same "$work/ov$stage" "$work/ovoff$stage" "$tol_offload"
@@ -123,7 +125,8 @@ case "$mode" in
     fi
     same "$work/ov2" "$work/ovoffseq" "$tol_offload"
     run 1 "$work/ovoffone" --set zero_optimization.stage=1 "${offload[@]}" \
-      --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000
+      --set zero_optimization.overlap_comm=true --set zero_optimization.reduce_bucket_size=3000 \
+      --set zero_optimization.offload_optimizer.overlap_backward=true
     grep -q "as each gradient bucket lands during the backward" "$work/ovoffone.log" ||
       fail "no overlapped offload line at world 1"
     same "$work/ref" "$work/ovoffone" "$tol_offload"
