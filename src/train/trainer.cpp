@@ -461,7 +461,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     dp.gather_params(model);
-    model.weights_changed(ctx);
+    // Unsharded mixed precision: the AdamW op wrote the compute copy as it updated (no convert).
+    model.weights_changed(ctx, optimizer.writes_compute_copy(model));
     Losses sum = model.read_stats(ctx);  // waits for the step
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
       sum.lm /= world, sum.aux /= world, sum.z /= world, sum.mod_pred /= world;
