@@ -170,6 +170,50 @@ TEST_CASE("gpu AdamW two steps match the CPU (weight decay, grad_scale)", "[gpu]
   }
 }
 
+// The f32 kernel takes four elements per thread when every array is 16-byte aligned and falls
+// back to one per thread otherwise (a segment at an odd offset of the parameter buffer): both
+// must give the same bits (ZeRO-3's chunks start at other offsets than stage 0's segments, and
+// the two are compared bitwise), with and without the compute copy.
+TEST_CASE("gpu AdamW: the vectorised and the one-element kernels give the same bits",
+          "[gpu][optim]") {
+  const int64_t n = 4099;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
+  const std::vector<double> p0 = round_to(DType::f32, random_values(n, 71, -2.0, 2.0));
+  const std::vector<double> g = round_to(DType::f32, random_values(n, 72, -3.0, 3.0));
+  const std::vector<double> m0 = round_to(DType::f32, random_values(n, 73, -0.1, 0.1));
+  const std::vector<double> v0 = round_to(DType::f32, random_values(n, 74, 1e-3, 0.1));
+  for (bool with_copy : {false, true}) {
+    INFO("compute copy " << with_copy);
+    Ctx ctx = gpu_ctx();
+    // Aligned: the arrays themselves (vectorised, and the n % 4 tail one by one).
+    DeviceTensor ap = on_device(DType::f32, {n}, p0), ag = on_device(DType::f32, {n}, g);
+    DeviceTensor am = on_device(DType::f32, {n}, m0), av = on_device(DType::f32, {n}, v0);
+    DeviceTensor aout = poisoned(DType::bf16, {n});
+    // Misaligned: the same values one element into buffers of n + 1 (one element per thread).
+    auto shifted = [&](const std::vector<double>& x) {
+      std::vector<double> y(1, 7.0);
+      y.insert(y.end(), x.begin(), x.end());
+      return on_device(DType::f32, {n + 1}, y);
+    };
+    DeviceTensor sp = shifted(p0), sg = shifted(g), sm = shifted(m0), sv = shifted(v0);
+    DeviceTensor sout = poisoned(DType::bf16, {n + 1});
+    AdamWArgs aa = a, sa = a;
+    if (with_copy) aa.compute_out = aout, sa.compute_out = Tensor(sout).rows(1, n + 1);
+    adamw_step(ctx, ap, ag, am, av, aa);
+    adamw_step(ctx, Tensor(sp).rows(1, n + 1), Tensor(sg).rows(1, n + 1), Tensor(sm).rows(1, n + 1),
+               Tensor(sv).rows(1, n + 1), sa);
+    gpu::synchronize();
+    auto tail = [](const std::vector<double>& x) {
+      return std::vector<double>(x.begin() + 1, x.end());
+    };
+    CHECK(download(ap) == tail(download(sp)));
+    CHECK(download(am) == tail(download(sm)));
+    CHECK(download(av) == tail(download(sv)));
+    if (with_copy) CHECK(download(aout) == tail(download(sout)));
+  }
+}
+
 namespace {
 
 // moe::clip_factor (src/optim) written out: the factor a trainer computes on the host.

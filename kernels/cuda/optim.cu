@@ -21,6 +21,7 @@
 // the kernel does what it did before (D = void). A skipped step returns before either store.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -51,32 +52,100 @@ struct AdamConsts {
   double grad_scale_d, max_norm;
 };
 
+// One element's update (both kernels below run this same function, so a vectorised and a
+// scalar launch give the same bits). Returns the stored p; m and v are written here.
+template <class T, class A>
+__device__ __forceinline__ T adam_element(T p, T g, T& m, T& v, A grad_scale,
+                                          const AdamConsts<A>& c) {
+  const A gi = grad_scale * load(g);
+  const A mi = c.beta1 * load(m) + c.one_minus_beta1 * gi;
+  const A vi = c.beta2 * load(v) + c.one_minus_beta2 * gi * gi;
+  const A update = (mi / c.bc1) / (dev_sqrt(vi / c.bc2) + c.eps);
+  const A pi = load(p);
+  m = store<T>(mi);
+  v = store<T>(vi);
+  return store<T>(pi - c.lr * (update + c.weight_decay * pi));
+}
+
+// The gradient scale of the step, or false when the step is skipped (non-finite norm).
+template <class A>
+__device__ __forceinline__ bool step_scale(const AdamConsts<A>& c, A* grad_scale) {
+  *grad_scale = c.grad_scale;
+  if (!c.norm_sq) return true;
+  double s = 0;
+  if (!adamw_clipped_scale(*c.norm_sq, c.grad_scale_d, c.max_norm, &s)) return false;
+  *grad_scale = static_cast<A>(s);
+  return true;
+}
+
 // D: the storage type of the compute-copy output `out`, void when there is none.
 template <class T, class D>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
                  D* __restrict__ out, int64_t n, AdamConsts<acc_t<T>> c) {
-  using A = acc_t<T>;
-  A grad_scale = c.grad_scale;
-  if (c.norm_sq) {
-    double s = 0;
-    if (!adamw_clipped_scale(*c.norm_sq, c.grad_scale_d, c.max_norm, &s)) return;  // skip step
-    grad_scale = static_cast<A>(s);
-  }
+  acc_t<T> grad_scale;
+  if (!step_scale(c, &grad_scale)) return;  // skipped step
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
-    const A gi = grad_scale * load(g[i]);
-    const A mi = c.beta1 * load(m[i]) + c.one_minus_beta1 * gi;
-    const A vi = c.beta2 * load(v[i]) + c.one_minus_beta2 * gi * gi;
-    const A update = (mi / c.bc1) / (dev_sqrt(vi / c.bc2) + c.eps);
-    const A pi = load(p[i]);
-    const T pn = store<T>(pi - c.lr * (update + c.weight_decay * pi));
+    T mi = m[i], vi = v[i];
+    const T pn = adam_element(p[i], g[i], mi, vi, grad_scale, c);
     p[i] = pn;
     if constexpr (!std::is_void_v<D>) out[i] = convert_element<D>(pn);
-    m[i] = store<T>(mi);
-    v[i] = store<T>(vi);
+    m[i] = mi;
+    v[i] = vi;
   }
+}
+
+// Four elements of D stored at once (8 bytes for bf16 / f16, 16 for f32).
+template <class D>
+struct alignas(4 * sizeof(D)) Quad {
+  using elem = D;
+  D x[4];
+};
+template <class D>
+struct QuadOf {
+  using type = Quad<D>;
+};
+template <>
+struct QuadOf<void> {
+  using type = void;
+};
+
+// f32 storage with every array 16-byte aligned: four elements per thread and iteration, in
+// float4 loads and stores. The update is memory-bound (28 bytes per element, 30 with the bf16
+// copy); the scalar loop kept fewer bytes in flight per thread and reached ~3.4 TB/s on an H200.
+// The n % 4 tail is left to the scalar kernel.
+// Q: Quad<D> of the compute-copy output, void when there is none.
+template <class Q>
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel_f32x4(float4* __restrict__ p, const float4* __restrict__ g, float4* __restrict__ m,
+                       float4* __restrict__ v, Q* __restrict__ out, int64_t quads,
+                       AdamConsts<float> c) {
+  float grad_scale;
+  if (!step_scale(c, &grad_scale)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += stride) {
+    float4 pq = p[i], mq = m[i], vq = v[i];
+    const float4 gq = g[i];
+    pq.x = adam_element(pq.x, gq.x, mq.x, vq.x, grad_scale, c);
+    pq.y = adam_element(pq.y, gq.y, mq.y, vq.y, grad_scale, c);
+    pq.z = adam_element(pq.z, gq.z, mq.z, vq.z, grad_scale, c);
+    pq.w = adam_element(pq.w, gq.w, mq.w, vq.w, grad_scale, c);
+    p[i] = pq;
+    m[i] = mq;
+    v[i] = vq;
+    if constexpr (!std::is_void_v<Q>) {
+      using D = typename Q::elem;
+      out[i] = Q{{convert_element<D>(pq.x), convert_element<D>(pq.y), convert_element<D>(pq.z),
+                  convert_element<D>(pq.w)}};
+    }
+  }
+}
+
+bool aligned_to(const void* ptr, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
 void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
@@ -105,8 +174,29 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
                           a.max_norm};
     auto launch = [&](auto* out) {
       using D = std::remove_pointer_t<decltype(out)>;
+      T *pp = data_of<T>(p), *gp = data_of<T>(g), *mp = data_of<T>(m), *vp = data_of<T>(v);
+      int64_t done = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        using Q = typename QuadOf<D>::type;
+        bool out_ok = true;
+        if constexpr (!std::is_void_v<D>) out_ok = aligned_to(out, sizeof(Q));
+        if (out_ok && aligned_to(pp, 16) && aligned_to(gp, 16) && aligned_to(mp, 16) &&
+            aligned_to(vp, 16) && n >= 4) {
+          const int64_t quads = n / 4;
+          const int64_t qblocks = std::min((quads + kThreads - 1) / kThreads, kMaxBlocks);
+          adamw_kernel_f32x4<Q><<<static_cast<unsigned>(qblocks), kThreads, 0, stream_of(ctx)>>>(
+              reinterpret_cast<float4*>(pp), reinterpret_cast<const float4*>(gp),
+              reinterpret_cast<float4*>(mp), reinterpret_cast<float4*>(vp),
+              reinterpret_cast<Q*>(out), quads, c);
+          MOE_CUDA_LAUNCH_CHECK();
+          done = quads * 4;
+        }
+      }
+      if (done == n) return;
+      D* rest = nullptr;
+      if constexpr (!std::is_void_v<D>) rest = out + done;
       adamw_kernel<T, D><<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
-          data_of<T>(p), data_of<T>(g), data_of<T>(m), data_of<T>(v), out, n, c);
+          pp + done, gp + done, mp + done, vp + done, rest, n - done, c);
       MOE_CUDA_LAUNCH_CHECK();
     };
     // compute_out is bf16, f16 or f32 (check_adamw_step_args), or absent.
