@@ -515,51 +515,76 @@ TEST_CASE("offload: the CPU AdamW gives the adamw_step op's bits", "[optim][offl
   compare_host_adamw_with_op<double>();
 }
 
-// An offloaded AdamW (host master, moments and gradient staging) against the one on the model's
-// device (here both the CPU), over a ZeRO partition with a shared tail and decay segments: the
-// same weights and moments bit for bit after clipped steps and a skipped one; params_written()
-// makes it take the master copy from the model again.
-TEST_CASE("offload: AdamW with the state on the host updates like the device one",
-          "[optim][offload]") {
-  ModelConfig m = small_config();
-  OptimizerConfig oc;
-  oc.lr = 0.05;
-  oc.weight_decay = 0.1;
-  Ctx ctx;
-  std::vector<double> norm_sq = {0};
-  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
-  for (int world : {1, 3}) {
-    const size_t total = build_param_table(m).total;
-    const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
-    Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
+// An offloaded AdamW and the one on the model's device (here both the CPU) side by side: f64
+// models from the same weights and gradient, rank world - 1 of a `world`-way ZeRO split (with a
+// shared tail at world 3), decay segments, and a host norm_sq the steps read.
+struct OffloadPair {
+  static OptimizerConfig optimizer() {
+    OptimizerConfig oc;
+    oc.lr = 0.05;
+    oc.weight_decay = 0.1;
+    return oc;
+  }
+  OffloadPair(int world, OffloadOptions offload)
+      : part(ZeroPartition::split(build_param_table(m).total, world - 1, world)),
+        dev_model(m, DType::f64, Device{}, 1, 4),
+        host_model(m, DType::f64, Device{}, 1, 4),
+        on_device(oc, dev_model, part),
+        on_host(oc, host_model, part, offload) {
+    // (the offloaded AdamW takes its master copy at its first step)
     with_sine_gradient(dev_model);
     with_sine_gradient(host_model);
-    AdamW on_device(oc, dev_model, part);
+  }
+  // Both take a step with learning rate oc.lr, gradient scale 0.5 and max_norm 1 (f hooks the
+  // offloaded one's step: the overlapped step starts before it).
+  template <class F>
+  void step(double nsq, F&& before_host_step) {
+    norm_sq[0] = nsq;
+    on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
+    before_host_step();
+    on_host.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
+    if (!std::isfinite(nsq)) on_device.undo_step(), on_host.undo_step();
+  }
+  static bool same_bits(const Tensor& a, const Tensor& b) {
+    REQUIRE(a.numel() == b.numel());
+    return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
+  }
+  void check_same() {
+    CHECK(same_bits(on_host.moment1(), on_device.moment1()));
+    CHECK(same_bits(on_host.moment2(), on_device.moment2()));
+    CHECK(same_bits(host_model.params(), dev_model.params()));
+  }
+
+  ModelConfig m = small_config();
+  OptimizerConfig oc = optimizer();
+  Ctx ctx;
+  std::vector<double> norm_sq = {0};
+  Tensor norm_sq_t{norm_sq.data(), DType::f64, Device{}, {1}};
+  ZeroPartition part;
+  Model dev_model, host_model;
+  AdamW on_device, on_host;
+};
+
+// The offloaded AdamW (host master, moments and gradient staging) gives the device one's
+// weights and moments bit for bit after clipped steps and a skipped one; params_written() makes
+// it take the master copy from the model again.
+TEST_CASE("offload: AdamW with the state on the host updates like the device one",
+          "[optim][offload]") {
+  for (int world : {1, 3}) {
     OffloadOptions offload;
     offload.enabled = true;
-    AdamW on_host(oc, host_model, part, offload);
-    CHECK(on_host.offloaded());
-    CHECK(on_host.moment1().data != nullptr);
-    for (double nsq : {1e6, 1.0, double(INFINITY), 4.0}) {
-      norm_sq[0] = nsq;
-      on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
-      on_host.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
-      if (!std::isfinite(nsq)) on_device.undo_step(), on_host.undo_step();
-    }
-    auto same = [](const Tensor& a, const Tensor& b) {
-      REQUIRE(a.numel() == b.numel());
-      return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
-    };
-    CHECK(same(on_host.moment1(), on_device.moment1()));
-    CHECK(same(on_host.moment2(), on_device.moment2()));
-    CHECK(same(host_model.params(), dev_model.params()));
+    OffloadPair t(world, offload);
+    CHECK(t.on_host.offloaded());
+    CHECK(t.on_host.moment1().data != nullptr);
+    for (double nsq : {1e6, 1.0, double(INFINITY), 4.0}) t.step(nsq, [] {});
+    t.check_same();
     // Outside writes reach the host master only through params_written().
-    host_model.init_weights(9);
-    dev_model.init_weights(9);
-    on_host.params_written();
-    on_device.step(ctx, dev_model, oc.lr, 0.5);
-    on_host.step(ctx, host_model, oc.lr, 0.5);
-    CHECK(same(host_model.params(), dev_model.params()));
+    t.host_model.init_weights(9);
+    t.dev_model.init_weights(9);
+    t.on_host.params_written();
+    t.on_device.step(t.ctx, t.dev_model, t.oc.lr, 0.5);
+    t.on_host.step(t.ctx, t.host_model, t.oc.lr, 0.5);
+    CHECK(OffloadPair::same_bits(t.host_model.params(), t.dev_model.params()));
   }
 }
 
@@ -572,30 +597,19 @@ TEST_CASE("offload: AdamW with the state on the host updates like the device one
 // ranges may still be waiting. A step whose ranges did not all land is refused.
 TEST_CASE("offload: the AdamW overlapped with the backward gives the device one's bits",
           "[optim][offload]") {
-  ModelConfig m = small_config();
-  OptimizerConfig oc;
-  oc.lr = 0.05;
-  oc.weight_decay = 0.1;
-  Ctx ctx;
-  std::vector<double> norm_sq = {0};
-  const Tensor norm_sq_t(norm_sq.data(), DType::f64, Device{}, {1});
   for (int world : {1, 3}) {
-    const size_t total = build_param_table(m).total;
-    const ZeroPartition part = ZeroPartition::split(total, world - 1, world);
-    Model dev_model(m, DType::f64, Device{}, 1, 4), host_model(m, DType::f64, Device{}, 1, 4);
-    with_sine_gradient(dev_model);
-    with_sine_gradient(host_model);
-    AdamW on_device(oc, dev_model, part);
     OffloadOptions offload;
     offload.enabled = true;
     offload.overlap = true;
-    AdamW overlapped(oc, host_model, part, offload);
+    OffloadPair t(world, offload);
+    AdamW& overlapped = t.on_host;
     REQUIRE(overlapped.overlaps_backward());
+    const size_t total = t.part.total;
     // The backward's buckets: 1000 elements each, from the end of the buffer down.
     auto land = [&](bool all) {
       auto* staging = static_cast<double*>(overlapped.host_gradients());
-      const double* g = host_model.grads().ptr<double>();
-      for (const auto& r : part.ranges())
+      const double* g = t.host_model.grads().ptr<double>();
+      for (const auto& r : t.part.ranges())
         std::copy(g + r.global, g + r.global + r.count, staging + r.local);
       const auto hook = overlapped.landing_hook();
       std::thread backward([&] {
@@ -611,33 +625,25 @@ TEST_CASE("offload: the AdamW overlapped with the backward gives the device one'
     // kept (0.5 * 1 <= 1), clipped (redone), skipped (dropped), kept (0.5 * 2 == 1, not above)
     int round = 0;
     for (double nsq : {1.0, 1e6, double(INFINITY), 4.0}) {
-      norm_sq[0] = nsq;
       ++round;
-      on_device.step(ctx, dev_model, oc.lr, 0.5, norm_sq_t, 1.0);
-      overlapped.begin_overlapped_step(host_model, oc.lr, 0.5);
-      land(true);
-      // Every range updated with the guess before the step decides (else the decision may come
-      // first and the guess be made for none: the clipped step would then test no redo).
-      if (round < 3) overlapped.wait_overlapped_idle();
-      overlapped.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0);
-      if (!std::isfinite(nsq)) on_device.undo_step(), overlapped.undo_step();
-      for (auto* model : {&dev_model, &host_model}) {  // the next step's gradient
+      t.step(nsq, [&] {
+        overlapped.begin_overlapped_step(t.host_model, t.oc.lr, 0.5);
+        land(true);
+        // Every range updated with the guess before the step decides (else the decision may
+        // come first and the guess be made for none: the clipped step would test no redo).
+        if (round < 3) overlapped.wait_overlapped_idle();
+      });
+      for (auto* model : {&t.dev_model, &t.host_model}) {  // the next step's gradient
         double* g = model->grads().ptr<double>();
         for (int64_t i = 0; i < model->grads().numel(); ++i) g[i] = std::cos(0.11 * i + round);
       }
     }
-    auto same = [](const Tensor& a, const Tensor& b) {
-      REQUIRE(a.numel() == b.numel());
-      return std::equal(a.ptr<double>(), a.ptr<double>() + a.numel(), b.ptr<double>());
-    };
-    CHECK(same(overlapped.moment1(), on_device.moment1()));
-    CHECK(same(overlapped.moment2(), on_device.moment2()));
-    CHECK(same(host_model.params(), dev_model.params()));
+    t.check_same();
     // The last 1000 elements (this rank's) never landed: the step cannot be the whole update.
-    norm_sq[0] = 1.0;
-    overlapped.begin_overlapped_step(host_model, oc.lr, 0.5);
+    t.norm_sq[0] = 1.0;
+    overlapped.begin_overlapped_step(t.host_model, t.oc.lr, 0.5);
     land(false);
-    CHECK_THROWS_WITH(overlapped.step(ctx, host_model, oc.lr, 0.5, norm_sq_t, 1.0),
+    CHECK_THROWS_WITH(overlapped.step(t.ctx, t.host_model, t.oc.lr, 0.5, t.norm_sq_t, 1.0),
                       Catch::Contains("owned elements"));
   }
 }
