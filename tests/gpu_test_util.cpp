@@ -23,7 +23,8 @@ uint16_t float_to_half(float f) {
   const uint32_t sign = (x >> 16) & 0x8000u;
   const int32_t exp = static_cast<int32_t>((x >> 23) & 0xff) - 127 + 15;
   uint32_t mant = x & 0x7fffffu;
-  if (((x >> 23) & 0xff) == 0xff) return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0));
+  if (((x >> 23) & 0xff) == 0xff)
+    return static_cast<uint16_t>(sign | 0x7c00u | (mant ? 0x200u : 0));
   if (exp >= 31) return static_cast<uint16_t>(sign | 0x7c00u);
   if (exp <= 0) {
     if (exp < -10) return static_cast<uint16_t>(sign);
@@ -49,7 +50,10 @@ float half_to_float(uint16_t h) {
     } else {  // subnormal
       int e = -1;
       uint32_t m = mant;
-      do { ++e; m <<= 1; } while (!(m & 0x400u));
+      do {
+        ++e;
+        m <<= 1;
+      } while (!(m & 0x400u));
       x = sign | ((127 - 15 - e) << 23) | ((m & 0x3ffu) << 13);
     }
   } else if (exp == 31) {
@@ -65,7 +69,9 @@ float half_to_float(uint16_t h) {
 void upload(Tensor t, const std::vector<double>& v) {
   MOE_CHECK(static_cast<int64_t>(v.size()) == t.numel(), "upload: size mismatch");
   switch (t.dtype) {
-    case DType::f64: copy_from_host(t, v.data()); break;
+    case DType::f64:
+      copy_from_host(t, v.data());
+      break;
     case DType::f32: {
       std::vector<float> f(v.begin(), v.end());
       copy_from_host(t, f.data());
@@ -80,7 +86,8 @@ void upload(Tensor t, const std::vector<double>& v) {
       copy_from_host(t, h.data());
       break;
     }
-    default: throw InternalError("upload: use upload_i32 for index tensors");
+    default:
+      throw InternalError("upload: use upload_i32 for index tensors");
   }
 }
 
@@ -89,10 +96,18 @@ void upload_i32(Tensor t, const std::vector<int32_t>& v) {
   copy_from_host(t, v.data());
 }
 
+std::vector<unsigned char> bytes_of(Tensor t) {
+  std::vector<unsigned char> b(t.nbytes());
+  copy_to_host(b.data(), t);
+  return b;
+}
+
 std::vector<double> download(Tensor t) {
   std::vector<double> out(static_cast<size_t>(t.numel()));
   switch (t.dtype) {
-    case DType::f64: copy_to_host(out.data(), t); break;
+    case DType::f64:
+      copy_to_host(out.data(), t);
+      break;
     case DType::f32: {
       std::vector<float> f(out.size());
       copy_to_host(f.data(), t);
@@ -176,8 +191,8 @@ std::vector<double> round_to(DType dt, const std::vector<double>& v) {
   std::vector<double> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
     const float f = static_cast<float>(v[i]);
-    out[i] = dt == DType::f64 ? v[i]
-             : dt == DType::f32 ? f
+    out[i] = dt == DType::f64    ? v[i]
+             : dt == DType::f32  ? f
              : dt == DType::bf16 ? bf16_to_float(float_to_bf16(f))
                                  : half_to_float(float_to_half(f));
   }

@@ -18,8 +18,12 @@
 
 namespace moe::test {
 
-inline Device gpu0() { return Device{DeviceType::cuda, 0}; }
-inline Ctx gpu_ctx() { return make_ctx(gpu0()); }
+inline Device gpu0() {
+  return Device{DeviceType::cuda, 0};
+}
+inline Ctx gpu_ctx() {
+  return make_ctx(gpu0());
+}
 
 // Host-side conversions for the 16-bit storage types (round to nearest even).
 inline uint16_t float_to_bf16(float f) {
@@ -43,8 +47,7 @@ struct DeviceTensor {
   Buffer buf;
   Tensor t;
   DeviceTensor(DType dt, std::initializer_list<int64_t> dims)
-      : buf(gpu0(), Tensor(nullptr, dt, gpu0(), dims).nbytes()),
-        t(buf.data(), dt, gpu0(), dims) {}
+      : buf(gpu0(), Tensor(nullptr, dt, gpu0(), dims).nbytes()), t(buf.data(), dt, gpu0(), dims) {}
   operator Tensor() const { return t; }
 };
 
@@ -53,6 +56,8 @@ void upload(Tensor t, const std::vector<double>& values);
 void upload_i32(Tensor t, const std::vector<int32_t>& values);
 // Downloads as doubles.
 std::vector<double> download(Tensor t);
+// The raw bytes of a tensor (on the device or the host): bitwise comparisons, 16-bit included.
+std::vector<unsigned char> bytes_of(Tensor t);
 std::vector<int32_t> download_i32(Tensor t);
 // Fills with a NaN pattern (floats) or -777 (i32).
 void poison(Tensor t);

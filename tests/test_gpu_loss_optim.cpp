@@ -313,17 +313,6 @@ TEST_CASE("gpu AdamW with a non-finite norm_sq skips the step, p, m, v bitwise u
   CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, a), Catch::Contains("adamw_step: norm_sq is on"));
 }
 
-namespace {
-
-// The raw bytes of a tensor (on the device or the host): bitwise comparisons, 16-bit included.
-std::vector<unsigned char> bytes_of(Tensor t) {
-  std::vector<unsigned char> b(t.nbytes());
-  copy_to_host(b.data(), t);
-  return b;
-}
-
-}  // namespace
-
 // compute_out (the fused 16-bit compute copy): p, m and v as without it (against the CPU op, the
 // tolerances above), and compute_out bitwise the GPU's own p converted, by the GPU convert op and
 // by the CPU convert (the oracle) of p's downloaded bits. Clipped and unclipped steps through

@@ -317,17 +317,6 @@ TEST_CASE("gpu model: a training step has no host synchronisation (CUDA graph ca
   CHECK(relative_error(pc, pe, 0, pe.size()) < 1e-6);
 }
 
-namespace {
-
-// The raw bytes of a device tensor: bitwise comparisons of bf16 copies too.
-std::vector<unsigned char> bytes_of(Tensor t) {
-  std::vector<unsigned char> b(t.nbytes());
-  copy_to_host(b.data(), t);
-  return b;
-}
-
-}  // namespace
-
 // The unsharded AdamW step writes the bf16 compute copy itself (AdamWArgs::compute_out) and the
 // model skips its convert (weights_changed(ctx, true)). Against the path that keeps the convert
 // (ZeRO-1/2's: the same whole-buffer update, marked sharded, so AdamW leaves the compute copy to
