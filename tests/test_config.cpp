@@ -72,7 +72,8 @@ const char* kFullConfig = R"({
   "train": {"max_steps": 20, "log_interval": 5, "eval_interval": 10, "eval_batches": 2,
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
-            "comm_timeout_s": 30.5, "recompute_layers": true}
+            "comm_timeout_s": 30.5, "recompute_layers": true,
+            "gpu_memory_limit_gib": 15.5}
 })";
 
 }  // namespace
@@ -170,6 +171,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.out_dir == "runs/x");
   CHECK(c.train.save_interval == 5);
   CHECK_FALSE(c.train.save_at_end);
+  CHECK(c.train.gpu_memory_limit_gib == 15.5);
   CHECK(c.train.recompute_layers);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
@@ -598,6 +600,16 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "train.comm_timeout_s",
        {">= 0"}},
+      {"GPU memory cap negative",
+       R"({"train": {"gpu_memory_limit_gib": -2}})",
+       {},
+       "train.gpu_memory_limit_gib",
+       {">= 0", "got -2"}},
+      {"GPU memory cap too large",
+       R"({"train": {"gpu_memory_limit_gib": 1e9}})",
+       {},
+       "train.gpu_memory_limit_gib",
+       {"at most 1e6 GiB"}},
       {"bucket size zero",
        R"({"zero_optimization": {"reduce_bucket_size": 0}})",
        {},

@@ -22,10 +22,13 @@ double mib(double bytes) {
   return bytes / 1048576.0;
 }
 
-void run_train(const ConfigFlags& f, const std::string& device, const std::string& resume) {
+void run_train(const ConfigFlags& f, const std::string& device, const std::string& resume,
+               double memory_limit_gib) {
   std::vector<std::string> overrides = f.overrides;
   if (!device.empty()) overrides.push_back("train.device=\"" + device + "\"");
   if (!resume.empty()) overrides.push_back("train.resume=\"" + resume + "\"");
+  if (memory_limit_gib >= 0)
+    overrides.push_back("train.gpu_memory_limit_gib=" + std::to_string(memory_limit_gib));
   Config cfg = load_config(f.config_path, overrides);
   check_runnable(cfg);  // refusals before the config is printed: one message, nothing else
   const bool first_rank = detect_ranks().rank == 0;  // the other data-parallel ranks train quietly
@@ -175,7 +178,7 @@ void add_train_command(CLI::App& app) {
   auto device = std::make_shared<std::string>();
   auto resume = std::make_shared<std::string>();
   auto profile = std::make_shared<bool>(false);
-  auto memory_limit = std::make_shared<double>(0.0);
+  auto memory_limit = std::make_shared<double>(-1.0);  // not given: the config's key
   CLI::App* cmd = app.add_subcommand("train", "train a model as the config describes");
   add_config_flags(cmd, *flags);
   cmd->add_option("--device", *device, "cpu | cuda | cuda:N | auto (overrides train.device)");
@@ -187,12 +190,11 @@ void add_train_command(CLI::App& app) {
                 "the time per step of each op at the end (also MOE_PROFILE=1)");
   cmd->add_option("--gpu-memory-limit", *memory_limit,
                   "GiB the trainer may allocate on the GPU (0 = all of it): check that a run fits "
-                  "a smaller card, e.g. 16 for a T4")
+                  "a smaller card, e.g. 16 for a T4 (overrides train.gpu_memory_limit_gib)")
       ->check(CLI::Range(0.0, 1e6));
   register_runner("train", [flags, device, resume, profile, memory_limit] {
     if (*profile) profile::enable(true);
-    gpu::set_memory_limit(static_cast<size_t>(*memory_limit * 1073741824.0));
-    run_train(*flags, *device, *resume);
+    run_train(*flags, *device, *resume, *memory_limit);
   });
 }
 

@@ -235,7 +235,8 @@ KeyNode train_section() {
        leaf("save_at_end", AT(train.save_at_end)),
        leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume)),
        leaf("comm_timeout_s", AT(train.comm_timeout_s)),
-       leaf("recompute_layers", AT(train.recompute_layers))});
+       leaf("recompute_layers", AT(train.recompute_layers)),
+       leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }
 
 // DeepSpeed's zero_optimization, with its offload_optimizer and offload_param blocks.

@@ -266,6 +266,10 @@ void validate_train(const TrainConfig& t) {
   require_at_least("train.keep_checkpoints", t.keep_checkpoints, 0);
   if (t.out_dir.empty()) fail("train.out_dir", "must name a directory");
   require_non_negative("train.comm_timeout_s", t.comm_timeout_s);
+  require_non_negative("train.gpu_memory_limit_gib", t.gpu_memory_limit_gib);
+  if (t.gpu_memory_limit_gib > 1e6)
+    fail("train.gpu_memory_limit_gib",
+         "must be at most 1e6 GiB (0 = no cap), got " + num(t.gpu_memory_limit_gib));
 }
 
 // Features the layout can express but this build cannot run: refused up front, never ignored.

@@ -236,6 +236,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   check_global_batch(cfg, ranks.world);
   const Device dev = rank_device(cfg, ranks);
   const DType compute = compute_dtype(cfg, dev);
+  // Before anything is allocated on the device (ignored on the CPU: there is no GPU budget).
+  if (dev.type == DeviceType::cuda)
+    gpu::set_memory_limit(static_cast<size_t>(cfg.train.gpu_memory_limit_gib * 1073741824.0));
   Ctx ctx = make_ctx(dev);
   // Kept in this scope, so an exception that leaves train() also ends the comm (see comm.hpp).
   const std::unique_ptr<Comm> comm = make_comm(ranks, dev, cfg.train.comm_timeout_s);

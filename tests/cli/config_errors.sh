@@ -58,8 +58,23 @@ expect_error fp16_and_bf16 "at most one" train --config "$tiny" --set fp16.enabl
   --set bf16.enabled=true
 expect_error synthetic_big_vocab "use \"random\"" train --config "$tiny" --device cpu \
   --set model.vocab_size=32000
+expect_error gpu_cap_negative "train.gpu_memory_limit_gib" train --config "$tiny" \
+  --set train.gpu_memory_limit_gib=-1
+expect_error gpu_cap_flag_negative "--gpu-memory-limit" train --config "$tiny" --gpu-memory-limit -1
 expect_error missing_config_flag "--config" train
 expect_error unknown_flag "--bogus" train --config "$tiny" --bogus
+
+# --gpu-memory-limit is the key train.gpu_memory_limit_gib (the resolved config shows the flag's
+# value over the config's)
+out=$("$bin" train --config "$tiny" --device cpu --set train.gpu_memory_limit_gib=8 \
+  --gpu-memory-limit 3 --set train.max_steps=1 --set train.save_at_end=false \
+  --set train.out_dir="\"$tmp/cap\"" 2>&1)
+if grep -q '"gpu_memory_limit_gib": 3' <<<"$out"; then
+  echo "ok   gpu_memory_limit_flag"
+else
+  echo "FAIL gpu_memory_limit_flag: the resolved config lacks the flag's cap"
+  failures=$((failures + 1))
+fi
 
 # --help documents every subcommand and flag
 help=$("$bin" --help 2>&1)
