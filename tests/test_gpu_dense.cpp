@@ -112,13 +112,6 @@ void check_exact(const std::string& what, DType dt, const std::vector<double>& g
   CHECK(got == want);
 }
 
-// The bit patterns of a device tensor (for bitwise comparisons, NaN included).
-std::vector<uint8_t> bytes_of(Tensor t) {
-  std::vector<uint8_t> b(t.nbytes());
-  copy_to_host(b.data(), t);
-  return b;
-}
-
 }  // namespace
 
 // ---- elementwise --------------------------------------------------------------------------------
@@ -291,6 +284,111 @@ TEST_CASE("gpu rmsnorm: forward and backward", "[gpu]") {
       rmsnorm_backward(gpu, ddx, ddw, ddy, dx_in, dw_in, drr);
       check_close("rmsnorm_backward dx" + tag, dt, download(ddx), hdx.v, sum_tol(dt, d));
       check_close("rmsnorm_backward dw" + tag, acc, download(ddw), hdw.v, sum_tol(acc, n));
+    }
+  }
+}
+
+// The residual adds fused into RMSNorm (the pre-norm block's h = x + attn_y before norm2, and the
+// backward's dh = dout + norm2'(.), dx = dh + norm1'(.)), at d a multiple of 8 or not, below one
+// warp, and over the 256-thread row block.
+// - add_rmsnorm_forward: bitwise add + rmsnorm_forward on the GPU (h, y and rstd); h against the
+//   exactly rounded x + r, y and rstd against the CPU norm of the GPU's h; h over x (in place).
+// - rmsnorm_backward_add: against the CPU op in f64 (one rounding of residual + gradient, so the
+//   sum bound holds even where the two cancel); dw bitwise that of rmsnorm_backward; against the
+//   GPU composition rmsnorm_backward + add within 2 ulp(dt) of |residual| + |gradient| (the
+//   composition rounds the gradient to dt first); dx over the residual or over dy (in place),
+//   bitwise the out-of-place result.
+TEST_CASE("gpu rmsnorm with the residual add fused: forward and backward", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t n = 77;
+  const double eps = 1e-5;
+  for (int64_t d : {int64_t{5}, int64_t{48}, int64_t{1000}, int64_t{1003}}) {
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto x = rounded_random_values(dt, n * d, 130 + d),
+                 r = rounded_random_values(dt, n * d, 131 + d),
+                 w = rounded_random_values(dt, d, 132 + d);
+      const std::string tag = " d=" + std::to_string(d);
+      DeviceTensor gx = on_device(dt, {n, d}, x), gr = on_device(dt, {n, d}, r),
+                   gw = on_device(dt, {d}, w);
+
+      // forward
+      DeviceTensor h = poisoned(dt, {n, d}), y = poisoned(dt, {n, d}), rstd = poisoned(acc, {n});
+      add_rmsnorm_forward(gpu, h, y, rstd, gx, gr, gw, eps);
+      DeviceTensor h_ref = poisoned(dt, {n, d}), y_ref = poisoned(dt, {n, d}),
+                   rstd_ref = poisoned(acc, {n});
+      add(gpu, h_ref, gx, gr);
+      rmsnorm_forward(gpu, y_ref, rstd_ref, h_ref, gw, eps);
+      {
+        INFO("add_rmsnorm_forward is bitwise add + rmsnorm_forward" << tag << " [" << dtype_name(dt)
+                                                                    << "]");
+        CHECK(bytes_of(h) == bytes_of(h_ref));
+        CHECK(bytes_of(y) == bytes_of(y_ref));
+        CHECK(bytes_of(rstd) == bytes_of(rstd_ref));
+      }
+      std::vector<double> sum(x.size());
+      for (size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + r[i];
+      const auto hv = download(h);
+      check_close("add_rmsnorm_forward h" + tag, dt, hv, round_to(dt, sum), elementwise_tol(dt));
+      Buf<double> hh = host({n, d}, hv), hw = host({d}, w), hy({n, d}), hr({n});
+      cpu::rmsnorm_forward(cpu, hy, hr, hh, hw, eps);
+      check_close("add_rmsnorm_forward y" + tag, dt, download(y), hy.v, sum_tol(dt, d));
+      check_close("add_rmsnorm_forward rstd" + tag, acc, download(rstd), hr.v, sum_tol(acc, d));
+      DeviceTensor x_in_place = on_device(dt, {n, d}, x), y2 = poisoned(dt, {n, d}),
+                   rstd2 = poisoned(acc, {n});
+      add_rmsnorm_forward(gpu, x_in_place, y2, rstd2, x_in_place, gr, gw, eps);
+      {
+        INFO("add_rmsnorm_forward with h over x" << tag << " [" << dtype_name(dt) << "]");
+        CHECK(bytes_of(x_in_place) == bytes_of(h));
+        CHECK(bytes_of(y2) == bytes_of(y));
+      }
+
+      // backward, at the h and rstd the forward saved
+      const auto dy = rounded_random_values(dt, n * d, 133 + d),
+                 res = rounded_random_values(dt, n * d, 134 + d),
+                 dw0 = rounded_random_values(acc, d, 135 + d);
+      const auto rv = download(rstd);
+      Buf<double> hdy = host({n, d}, dy), hres = host({n, d}, res), hrr = host({n}, rv),
+                  hdx({n, d}), hdw = host({d}, dw0);
+      cpu::rmsnorm_backward_add(cpu, hdx, hdw, hdy, hh, hw, hrr, hres);
+      DeviceTensor gdy = on_device(dt, {n, d}, dy), gres = on_device(dt, {n, d}, res);
+      DeviceTensor gdx = poisoned(dt, {n, d}), gdw = on_device(acc, {d}, dw0);
+      rmsnorm_backward_add(gpu, gdx, gdw, gdy, h, gw, rstd, gres);
+      const auto dxv = download(gdx);
+      check_close("rmsnorm_backward_add dx" + tag, dt, dxv, hdx.v, sum_tol(dt, d));
+      check_close("rmsnorm_backward_add dw" + tag, acc, download(gdw), hdw.v, sum_tol(acc, n));
+
+      // the unfused composition: same dw bits, dx within its extra rounding
+      DeviceTensor g = poisoned(dt, {n, d}), dx_old = poisoned(dt, {n, d}),
+                   dw_old = on_device(acc, {d}, dw0);
+      rmsnorm_backward(gpu, g, dw_old, gdy, h, gw, rstd);
+      add(gpu, dx_old, gres, g);
+      const auto gv = download(g), oldv = download(dx_old);
+      double worst = 0;
+      for (size_t i = 0; i < dxv.size(); ++i) {
+        const double bound = 2 * ulp(dt) * (std::fabs(res[i]) + std::fabs(gv[i])) +
+                             4 * acc_eps(dt) * std::sqrt(static_cast<double>(d));
+        worst = std::max(worst, std::isnan(dxv[i]) ? 1e300 : std::fabs(dxv[i] - oldv[i]) / bound);
+      }
+      {
+        INFO("rmsnorm_backward_add vs rmsnorm_backward + add"
+             << tag << " [" << dtype_name(dt) << "]: worst error / bound = " << worst);
+        CHECK(worst <= 1.0);
+        CHECK(bytes_of(gdw) == bytes_of(dw_old));
+      }
+
+      // in place: dx over the residual, and over dy
+      DeviceTensor res_in_place = on_device(dt, {n, d}, res), dw_a = on_device(acc, {d}, dw0);
+      rmsnorm_backward_add(gpu, res_in_place, dw_a, gdy, h, gw, rstd, res_in_place);
+      DeviceTensor dy_in_place = on_device(dt, {n, d}, dy), dw_b = on_device(acc, {d}, dw0);
+      rmsnorm_backward_add(gpu, dy_in_place, dw_b, dy_in_place, h, gw, rstd, gres);
+      {
+        INFO("rmsnorm_backward_add in place" << tag << " [" << dtype_name(dt) << "]");
+        CHECK(bytes_of(res_in_place) == bytes_of(gdx));
+        CHECK(bytes_of(dw_a) == bytes_of(gdw));
+        CHECK(bytes_of(dy_in_place) == bytes_of(gdx));
+        CHECK(bytes_of(dw_b) == bytes_of(gdw));
+      }
     }
   }
 }

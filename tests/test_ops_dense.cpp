@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "catch.hpp"
@@ -228,6 +229,149 @@ TEST_CASE("rmsnorm f32 agrees with f64 and is thread-count independent", "[norm]
   omp_set_num_threads(saved);
   CHECK(dx1.v == dxf.v);
   CHECK(dw1.v == dwf.v);
+}
+
+// ---- RMSNorm with the residual add fused in
+// -------------------------------------------------------
+
+namespace {
+
+// Bitwise equality of two float buffers (NaN-free data, so == on values is bitwise).
+template <class T>
+bool same_bits(const Buf<T>& a, const Buf<T>& b) {
+  return a.v == b.v;
+}
+
+// add_rmsnorm_forward against add + rmsnorm_forward, and rmsnorm_backward_add against
+// rmsnorm_backward + add, in T (f32 or f64), out of place and in place.
+template <class T>
+void check_fused_norm_against_composition(int64_t n, int64_t d, uint64_t seed) {
+  Ctx ctx = cpu_ctx();
+  auto rnd = [&](std::initializer_list<int64_t> dims, uint64_t s) {
+    Buf<double> b = random_buf(dims, seed + s);
+    Buf<T> t(dims);
+    std::copy(b.v.begin(), b.v.end(), t.v.begin());
+    return t;
+  };
+  const Buf<T> x = rnd({n, d}, 1), r = rnd({n, d}, 2), w = rnd({d}, 3), dy = rnd({n, d}, 4),
+               res = rnd({n, d}, 5), dw0 = rnd({d}, 6);
+  const double eps = 1e-5;
+
+  // forward: bitwise add + norm, also with h written over x (the residual stream in place)
+  Buf<T> h_ref({n, d}), y_ref({n, d}), rstd_ref({n});
+  add(ctx, h_ref, x, r);
+  rmsnorm_forward(ctx, y_ref, rstd_ref, h_ref, w, eps);
+  Buf<T> h = rnd({n, d}, 7), y = rnd({n, d}, 8), rstd = rnd({n}, 9);  // garbage: overwritten
+  add_rmsnorm_forward(ctx, h, y, rstd, x, r, w, eps);
+  CHECK(same_bits(h, h_ref));
+  CHECK(same_bits(y, y_ref));
+  CHECK(same_bits(rstd, rstd_ref));
+  Buf<T> x_in_place = x;
+  add_rmsnorm_forward(ctx, x_in_place, y, rstd, x_in_place, r, w, eps);
+  CHECK(same_bits(x_in_place, h_ref));
+  CHECK(same_bits(y, y_ref));
+
+  // backward: the composition rounds the norm's gradient into T before the add; the fused op
+  // rounds once. Bitwise in f64 (double arithmetic either way), an f32 ulp or so apart in f32.
+  Buf<T> g({n, d}), dx_ref({n, d}), dw_ref = dw0;
+  rmsnorm_backward(ctx, g, dw_ref, dy, h_ref, w, rstd_ref);
+  add(ctx, dx_ref, res, g);
+  Buf<T> dx = rnd({n, d}, 10), dw = dw0;
+  rmsnorm_backward_add(ctx, dx, dw, dy, h_ref, w, rstd_ref, res);
+  CHECK(same_bits(dw, dw_ref));
+  if (std::is_same<T, double>::value) {
+    CHECK(same_bits(dx, dx_ref));
+  } else {
+    double worst = 0;
+    for (size_t i = 0; i < dx.size(); ++i) {
+      const double scale = std::max(std::fabs(double(res[i])), std::fabs(double(g[i])));
+      worst = std::max(worst, std::fabs(double(dx[i]) - double(dx_ref[i])) / scale);
+    }
+    CHECK(worst <= std::ldexp(1.0, -22));  // the composition's extra rounding: <= 1 ulp of the sum
+  }
+  // in place: dx aliases residual, or dy; bitwise the out-of-place result, dw included
+  Buf<T> res_in_place = res, dw_a = dw0;
+  rmsnorm_backward_add(ctx, res_in_place, dw_a, dy, h_ref, w, rstd_ref, res_in_place);
+  CHECK(same_bits(res_in_place, dx));
+  CHECK(same_bits(dw_a, dw));
+  Buf<T> dy_in_place = dy, dw_b = dw0;
+  rmsnorm_backward_add(ctx, dy_in_place, dw_b, dy_in_place, h_ref, w, rstd_ref, res);
+  CHECK(same_bits(dy_in_place, dx));
+  CHECK(same_bits(dw_b, dw));
+  // the plain backward with dx aliasing dy (dw is taken before dx overwrites dy)
+  Buf<T> dy_plain = dy, dw_c = dw0;
+  rmsnorm_backward(ctx, dy_plain, dw_c, dy_plain, h_ref, w, rstd_ref);
+  CHECK(same_bits(dy_plain, g));
+  CHECK(same_bits(dw_c, dw_ref));
+}
+
+}  // namespace
+
+TEST_CASE("add_rmsnorm_forward and rmsnorm_backward_add match the unfused ops", "[norm]") {
+  for (int64_t d : {int64_t{5}, int64_t{64}, int64_t{257}}) {
+    INFO("d = " << d);
+    check_fused_norm_against_composition<double>(70, d, 40 + d);
+    check_fused_norm_against_composition<float>(70, d, 50 + d);
+  }
+}
+
+TEST_CASE("add_rmsnorm_forward + rmsnorm_backward_add match finite differences", "[norm][grad]") {
+  // loss = dot(gy, RMSNorm(x + r)) + dot(gh, x + r): dL/dx = dL/dr = gh + norm'(gy), which is
+  // rmsnorm_backward_add with residual gh.
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 3, d = 7;
+  const double eps = 1e-5;
+  Buf<double> x = random_buf({n, d}, 61), r = random_buf({n, d}, 62), w = random_buf({d}, 63);
+  Buf<double> gy = random_buf({n, d}, 64), gh = random_buf({n, d}, 65);
+  Buf<double> h({n, d}), y({n, d}), rstd({n});
+  auto loss = [&] {
+    add_rmsnorm_forward(ctx, h, y, rstd, x, r, w, eps);
+    return dot(gy.v, y.v) + dot(gh.v, h.v);
+  };
+  loss();
+  Buf<double> dx = random_buf({n, d}, 66);  // garbage: must be overwritten
+  Buf<double> dw0 = random_buf({d}, 67), dw = dw0;
+  rmsnorm_backward_add(ctx, dx, dw, gy, h, w, rstd, gh);
+  check_gradient(x.v, dx.v, loss, 1e-6, 1e-6, 1e-9, "dx");
+  check_gradient(r.v, dx.v, loss, 1e-6, 1e-6, 1e-9, "dr");
+  check_gradient(w.v, minus(dw.v, dw0.v), loss, 1e-6, 1e-6, 1e-9, "dw (+= onto dw0)");
+  // in place into the residual: the same gradient
+  Buf<double> gh_in_place = gh, dw2 = dw0;
+  rmsnorm_backward_add(ctx, gh_in_place, dw2, gy, h, w, rstd, gh_in_place);
+  CHECK(gh_in_place.v == dx.v);
+  CHECK(dw2.v == dw.v);
+}
+
+TEST_CASE("fused rmsnorm ops are thread-count independent and check their arguments", "[norm]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 70, d = 257;
+  Buf<float> x = to_f32(random_buf({n, d}, 71)), r = to_f32(random_buf({n, d}, 72)),
+             w = to_f32(random_buf({d}, 73)), dy = to_f32(random_buf({n, d}, 74)),
+             res = to_f32(random_buf({n, d}, 75));
+  auto run = [&](Buf<float>& h, Buf<float>& y, Buf<float>& rstd, Buf<float>& dx, Buf<float>& dw) {
+    add_rmsnorm_forward(ctx, h, y, rstd, x, r, w, 1e-6);
+    rmsnorm_backward_add(ctx, dx, dw, dy, h, w, rstd, res);
+  };
+  Buf<float> h({n, d}), y({n, d}), rstd({n}), dx({n, d}), dw({d});
+  run(h, y, rstd, dx, dw);
+  Buf<float> h1({n, d}), y1({n, d}), rstd1({n}), dx1({n, d}), dw1({d});
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  run(h1, y1, rstd1, dx1, dw1);
+  omp_set_num_threads(saved);
+  CHECK(h1.v == h.v);
+  CHECK(y1.v == y.v);
+  CHECK(rstd1.v == rstd.v);
+  CHECK(dx1.v == dx.v);
+  CHECK(dw1.v == dw.v);
+
+  // y over an input, dx over x, a residual of the wrong shape: rejected with the op's name
+  CHECK_THROWS_AS(add_rmsnorm_forward(ctx, h, x, rstd, x, r, w, 1e-6), InternalError);
+  CHECK_THROWS_AS(add_rmsnorm_forward(ctx, h, h, rstd, x, r, w, 1e-6), InternalError);
+  CHECK_THROWS_AS(rmsnorm_backward_add(ctx, h, dw, dy, h, w, rstd, res), InternalError);
+  Buf<float> wrong({n, d + 1});
+  CHECK_THROWS_AS(rmsnorm_backward_add(ctx, dx, dw, dy, h, w, rstd, wrong), InternalError);
+  CHECK_THROWS_AS(add_rmsnorm_forward(ctx, h, y, rstd, x, wrong, w, 1e-6), InternalError);
 }
 
 // ---- linear -------------------------------------------------------------------------------------

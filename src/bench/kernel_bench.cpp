@@ -229,6 +229,14 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   Tensor rstd = pool.zeros(acc, {n});
   add("rmsnorm", shape({n, d}), double(2 * n * d * es + n * as), false, bw, 0,
       [&] { rmsnorm_forward(ctx, normed, rstd, tokens, gain, m.rms_norm_eps); });
+  // The block's fused residual norms. Bytes: the tensors each must touch once (x, r in, h, y out;
+  // dy, x, residual in, dx out); the backward's dw pass reads dy and x a second time.
+  Tensor resid = pool.random(dt, {n, d}), hsum = pool.zeros(dt, {n, d});
+  add("add_rmsnorm", shape({n, d}), double(4 * n * d * es + n * as), false, bw, 0,
+      [&] { add_rmsnorm_forward(ctx, hsum, normed, rstd, tokens, resid, gain, m.rms_norm_eps); });
+  Tensor ndy = pool.random(dt, {n, d}), ndx = pool.zeros(dt, {n, d}), ndw = pool.zeros(acc, {d});
+  add("rmsnorm_bwd_add", shape({n, d}) + " (dx, dw)", double(4 * n * d * es + n * as), false, bw, 0,
+      [&] { rmsnorm_backward_add(ctx, ndx, ndw, ndy, tokens, gain, rstd, resid); });
 
   // ---- attention forward + backward (causal; FLOPs of the unmasked half) ----
   const int64_t nh = m.num_attention_heads, nkv = m.num_key_value_heads;

@@ -1,5 +1,8 @@
 // The pre-norm transformer block (MODEL_SPEC "Block l"):
 //   h = x + Attn(RMSNorm_1(x));  out = h + FFN(RMSNorm_2(h)),  FFN dense or MoE per moe_layer_freq.
+// The residual adds that meet a norm run fused into it (add_rmsnorm_forward, rmsnorm_backward_add):
+// one pass over [N, d] per add saved. The final add of the forward has no norm of this block
+// after it and stays a plain add.
 #include "model/layers.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
@@ -39,8 +42,7 @@ void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) {
   const double eps = env_.cfg.rms_norm_eps;
   rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_.w, eps);
   attn_.forward(ctx, attn_y_, xn1_, pos);
-  add(ctx, h_, x, attn_y_);
-  rmsnorm_forward(ctx, xn2_, rstd2_, h_, norm2_.w, eps);
+  add_rmsnorm_forward(ctx, h_, xn2_, rstd2_, x, attn_y_, norm2_.w, eps);  // h = x + attn_y
   if (moe_)
     moe_->forward(ctx, ffn_y_, xn2_);
   else
@@ -54,18 +56,15 @@ void Block::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, dou
   const int64_t n = dims_.rows(), d = env_.cfg.hidden_size;
   Tensor dh = s.alloc(env_.dtype, {n, d});
   Tensor dxn = s.alloc(env_.dtype, {n, d});
-  Tensor dnorm = s.alloc(env_.dtype, {n, d});
-  // out = h + FFN(norm2(h))
+  // out = h + FFN(norm2(h)): dh = dout + norm2'(dxn)
   if (moe_)
     moe_->backward(ctx, dxn, dout, xn2_, grad_scale);
   else
     dense_->backward(ctx, dxn, dout, xn2_, false);
-  rmsnorm_backward(ctx, dnorm, norm2_.g, dxn, h_, norm2_.w, rstd2_);
-  add(ctx, dh, dout, dnorm);
-  // h = x + Attn(norm1(x))
+  rmsnorm_backward_add(ctx, dh, norm2_.g, dxn, h_, norm2_.w, rstd2_, dout);
+  // h = x + Attn(norm1(x)): dx = dh + norm1'(dxn)
   attn_.backward(ctx, dxn, dh, xn1_, pos);
-  rmsnorm_backward(ctx, dnorm, norm1_.g, dxn, x, norm1_.w, rstd1_);
-  add(ctx, dx, dh, dnorm);
+  rmsnorm_backward_add(ctx, dx, norm1_.g, dxn, x, norm1_.w, rstd1_, dh);
   s.release(mark);
 }
 

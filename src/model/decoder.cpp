@@ -200,8 +200,7 @@ void DecodeBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) {
   const double eps = env_.cfg.rms_norm_eps;
   rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_, eps);
   attn_.forward(ctx, attn_y_, xn1_, pos);
-  add(ctx, h_, x, attn_y_);
-  rmsnorm_forward(ctx, xn2_, rstd2_, h_, norm2_, eps);
+  add_rmsnorm_forward(ctx, h_, xn2_, rstd2_, x, attn_y_, norm2_, eps);  // bitwise add + norm
   if (moe_)
     moe_->forward(ctx, ffn_y_, xn2_);
   else
