@@ -136,7 +136,7 @@ void* malloc_device(size_t bytes, int index) {
     char msg[256];
     std::snprintf(msg, sizeof msg,
                   "out of GPU memory on cuda:%d allocating %.1f MiB: the GPU memory limit of "
-                  "%.1f MiB (--gpu-memory-limit) leaves %.1f MiB",
+                  "%.1f MiB (train.gpu_memory_limit_gib / --gpu-memory-limit) leaves %.1f MiB",
                   index, size / 1048576.0, a.limit / 1048576.0,
                   (a.limit - std::min(a.limit, a.live)) / 1048576.0);
     throw std::runtime_error(msg);
