@@ -257,8 +257,7 @@ TEST_CASE("gpu embedding: an out-of-range id gives a NaN row, never a stray acce
 TEST_CASE("gpu rmsnorm: forward and backward", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const double eps = 1e-5;
-  // 77 rows: fewer than the dw kernel's 64 row groups take four at a time; 1001: its four-row
-  // iterations and a tail (d = 48 only, to keep the test short).
+  // 77 rows and 1001 (several rows per dw row group, d = 48 only to keep the test short).
   for (const auto& [n, d] : {std::pair<int64_t, int64_t>{77, 48}, {77, 1000}, {1001, 48}}) {
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);

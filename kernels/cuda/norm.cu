@@ -119,24 +119,11 @@ __global__ void rmsnorm_dw_kernel(acc_t<T>* dw, const T* dy, const T* x, const a
   using A = acc_t<T>;
   __shared__ A partial[kDwRowGroups][kDwColumns + 1];
   const int64_t col = blockIdx.x * int64_t(kDwColumns) + threadIdx.x;
-  // Four rows per iteration into four sums (fixed order, combined at the end): four rows' loads
-  // in flight per thread. With one sum the loop issued one row's loads at a time and the kernel,
-  // whose 128 blocks (d = 1024) hold few threads for a memory-bound pass, ran far below the copy
-  // rate.
-  A acc[4] = {0, 0, 0, 0};
-  if (col < d) {
-    int64_t i = threadIdx.y;
-    for (; i + 3 * kDwRowGroups < n; i += 4 * kDwRowGroups) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int64_t row = i + k * kDwRowGroups;
-        acc[k] += load(dy[row * d + col]) * load(x[row * d + col]) * rstd[row];
-      }
-    }
-    for (; i < n; i += kDwRowGroups)
-      acc[0] += load(dy[i * d + col]) * load(x[i * d + col]) * rstd[i];
-  }
-  partial[threadIdx.y][threadIdx.x] = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+  A acc = 0;
+  if (col < d)
+    for (int64_t i = threadIdx.y; i < n; i += kDwRowGroups)
+      acc += load(dy[i * d + col]) * load(x[i * d + col]) * rstd[i];
+  partial[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < d) {
     A s = 0;
