@@ -1,10 +1,15 @@
 // Whole-model tests: the analytic gradient of the full model (dense, MoE with shared experts and
 // aux/z losses, MoD over a dense and over a MoE layer) against central finite differences in
 // f64; the parameter layout; and a tiny model overfitting one fixed batch.
+#include <unistd.h>
+
 #include <cmath>
+#include <cstring>
+#include <fstream>
 #include <set>
 
 #include "test_util.hpp"
+#include "moe/memory.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
 #include "moe/rng.hpp"
@@ -54,7 +59,9 @@ TokenBatch random_tokens(int n, int vocab, uint64_t seed) {
   return d;
 }
 
-bool is_predictor(const std::string& name) { return name.find("mod.predictor") != std::string::npos; }
+bool is_predictor(const std::string& name) {
+  return name.find("mod.predictor") != std::string::npos;
+}
 
 // Checks d(total loss)/d(param) for every element of the parameters `select` picks.
 void check_model_gradient(ModelConfig cfg, bool predictor_params, double* checked_out) {
@@ -138,6 +145,36 @@ TEST_CASE("whole-model gradient matches finite differences", "[model][gradcheck]
   }
 }
 
+// Large host buffers are mapped pages: zero, writable, movable, and memory only where written
+// (the CPU model that holds a ZeRO-3 run's whole weights while it saves never writes its
+// gradient buffer). Resident size from /proc/self/statm (Linux); AddressSanitizer builds keep
+// heap buffers, which are written when zeroed.
+TEST_CASE("host buffers: large ones read zero and cost memory only where written", "[memory]") {
+  auto resident_mib = [] {
+    std::ifstream f("/proc/self/statm");
+    long size = 0, resident = 0;
+    f >> size >> resident;
+    return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / 1048576.0;
+  };
+  const size_t bytes = size_t{256} << 20;
+  const double before = resident_mib();
+  Buffer b(Device{}, bytes);
+  auto* p = static_cast<unsigned char*>(b.data());
+  CHECK(reinterpret_cast<uintptr_t>(p) % Arena::kAlign == 0);
+  CHECK((p[0] == 0 && p[bytes / 2] == 0 && p[bytes - 1] == 0));
+#if !defined(__SANITIZE_ADDRESS__)
+  CHECK(resident_mib() - before < 16);  // three pages read
+#endif
+  std::memset(p, 1, bytes / 2);
+  CHECK(resident_mib() - before > 100);  // written: 128 MiB
+  Buffer moved(std::move(b));
+  CHECK(static_cast<unsigned char*>(moved.data())[bytes / 2 - 1] == 1);
+  CHECK(static_cast<unsigned char*>(moved.data())[bytes / 2] == 0);
+  CHECK(b.data() == nullptr);
+  Buffer small(Device{}, 1000);  // below kMapMinBytes: the heap, zeroed
+  CHECK(static_cast<unsigned char*>(small.data())[999] == 0);
+}
+
 TEST_CASE("the dry-run plan predicts the allocated sizes", "[model]") {
   ModelConfig m = gradcheck_config();
   Model planned(m, DType::f32, Device{}, 3, 8, false);
@@ -188,7 +225,8 @@ TEST_CASE("model: recomputing layers gives bitwise the same losses and gradients
   ModelConfig m = gradcheck_config();
   m.router_bias_update_rate = 0.01;  // the step loads feed the bias update: counted once
   const int b = 2, t = 8;
-  Model stored(m, DType::f32, Device{}, b, t), recomputed(m, DType::f32, Device{}, b, t, true, true);
+  Model stored(m, DType::f32, Device{}, b, t),
+      recomputed(m, DType::f32, Device{}, b, t, true, true);
   REQUIRE(recomputed.recomputes_layers());
   CHECK(recomputed.activation_bytes() < stored.activation_bytes());
   stored.init_weights(3);

@@ -14,7 +14,10 @@ namespace moe {
 class Buffer {
  public:
   Buffer() = default;
+  // Zeroed. On the host, buffers of kMapMinBytes or more are mapped pages, zeroed by the kernel
+  // on first touch: what is never written costs no memory.
   Buffer(Device dev, size_t bytes);
+  static constexpr size_t kMapMinBytes = size_t{1} << 20;
   // Host memory (zeroed), page-locked when `pinned` (a build with CUDA: cudaMallocHost, so copies
   // to and from a GPU run at full speed and asynchronously), else ordinary aligned memory.
   static Buffer host(size_t bytes, bool pinned);
@@ -36,6 +39,7 @@ class Buffer {
   size_t bytes_ = 0;
   Device dev_;
   bool pinned_ = false;
+  size_t mapped_ = 0;  // host buffers from mmap: the mapped length (else 0)
 };
 
 class Arena {

@@ -3,6 +3,8 @@
 #include "moe/cuda_runtime.hpp"
 #include "moe/ops/common.hpp"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -17,10 +19,25 @@ Buffer::Buffer(Device dev, size_t bytes) : bytes_(bytes), dev_(dev) {
     return;
   }
   size_t rounded = (bytes + Arena::kAlign - 1) / Arena::kAlign * Arena::kAlign;
-  ptr_ = std::aligned_alloc(Arena::kAlign, rounded == 0 ? Arena::kAlign : rounded);
+  if (rounded == 0) rounded = Arena::kAlign;
+#if !defined(__SANITIZE_ADDRESS__)
+  // Large buffers are mapped: the kernel hands out zero pages on first touch, so the parts of a
+  // buffer nothing writes cost no memory (the gradient buffer of the CPU model that holds a
+  // ZeRO-3 run's whole weights while it saves: 4 bytes per parameter). AddressSanitizer builds
+  // keep the heap, whose bounds it checks.
+  if (rounded >= kMapMinBytes) {
+    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw std::runtime_error("out of host memory allocating " + std::to_string(bytes) + " bytes");
+    ptr_ = p;
+    mapped_ = rounded;
+    return;
+  }
+#endif
+  ptr_ = std::aligned_alloc(Arena::kAlign, rounded);
   if (!ptr_)
     throw std::runtime_error("out of host memory allocating " + std::to_string(bytes) + " bytes");
-  std::memset(ptr_, 0, rounded == 0 ? Arena::kAlign : rounded);
+  std::memset(ptr_, 0, rounded);
 }
 
 Buffer Buffer::host(size_t bytes, bool pinned) {
@@ -42,18 +59,22 @@ void Buffer::release() {
     gpu::free_device(ptr_);
   else if (ptr_ && pinned_)
     gpu::free_pinned(ptr_);
+  else if (ptr_ && mapped_ > 0)
+    munmap(ptr_, mapped_);
   else if (ptr_)
     std::free(ptr_);
   ptr_ = nullptr;
   bytes_ = 0;
   pinned_ = false;
+  mapped_ = 0;
 }
 
 Buffer::Buffer(Buffer&& o) noexcept
-    : ptr_(o.ptr_), bytes_(o.bytes_), dev_(o.dev_), pinned_(o.pinned_) {
+    : ptr_(o.ptr_), bytes_(o.bytes_), dev_(o.dev_), pinned_(o.pinned_), mapped_(o.mapped_) {
   o.ptr_ = nullptr;
   o.bytes_ = 0;
   o.pinned_ = false;
+  o.mapped_ = 0;
 }
 
 Buffer& Buffer::operator=(Buffer&& o) noexcept {
@@ -63,9 +84,11 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     bytes_ = o.bytes_;
     dev_ = o.dev_;
     pinned_ = o.pinned_;
+    mapped_ = o.mapped_;
     o.ptr_ = nullptr;
     o.bytes_ = 0;
     o.pinned_ = false;
+    o.mapped_ = 0;
   }
   return *this;
 }
