@@ -30,6 +30,8 @@ struct ParamInfo {
   std::vector<int64_t> shape;  // of one member of the stack
   size_t offset = 0;           // elements from the start of the parameter buffer
   size_t numel() const;        // of the whole stack
+  // The tensor over `data` ([stack, shape...] for a stack, else shape) of dtype dt on dev.
+  Tensor view(void* data, DType dt, Device dev) const;
 };
 
 // The fixed layout of every parameter, built from the model config alone.

@@ -179,12 +179,7 @@ Tensor Model::compute_params() const {
 static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev,
                          const ParamInfo& p) {
   void* data = allocated ? static_cast<char*>(buf.data()) + p.offset * dtype_size(dt) : nullptr;
-  Tensor t(data, dt, dev, {});
-  t.ndim = static_cast<int>(p.shape.size()) + (p.stack > 1 ? 1 : 0);
-  int i = 0;
-  if (p.stack > 1) t.shape[i++] = p.stack;
-  for (int64_t s : p.shape) t.shape[i++] = s;
-  return t;
+  return p.view(data, dt, dev);
 }
 
 Tensor Model::param(const ParamInfo& p) const {

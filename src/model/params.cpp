@@ -18,6 +18,15 @@ size_t ParamInfo::numel() const {
   return n;
 }
 
+Tensor ParamInfo::view(void* data, DType dt, Device dev) const {
+  Tensor t(data, dt, dev, {});
+  t.ndim = static_cast<int>(shape.size()) + (stack > 1 ? 1 : 0);
+  int i = 0;
+  if (stack > 1) t.shape[i++] = stack;
+  for (int64_t s : shape) t.shape[i++] = s;
+  return t;
+}
+
 const ParamInfo& ParamTable::find(const std::string& name) const {
   for (const auto& p : params)
     if (p.name == name) return p;

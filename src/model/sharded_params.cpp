@@ -88,12 +88,7 @@ Tensor ShardedParams::slot_view(const Buffer& buf, DType dt, const ParamInfo& p)
   const int u = unit_of(p.offset);
   const size_t at = p.offset - bounds_[u];  // within the gathered unit
   void* data = allocated_ ? static_cast<char*>(buf.data()) + at * dtype_size(dt) : nullptr;
-  Tensor t(data, dt, dev_, {});
-  t.ndim = static_cast<int>(p.shape.size()) + (p.stack > 1 ? 1 : 0);
-  int i = 0;
-  if (p.stack > 1) t.shape[i++] = p.stack;
-  for (int64_t s : p.shape) t.shape[i++] = s;
-  return t;
+  return p.view(data, dt, dev_);
 }
 
 Tensor ShardedParams::master(const ParamInfo& p) const {
