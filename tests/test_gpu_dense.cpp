@@ -589,6 +589,9 @@ const GroupedCase kGroupedCases[] = {
     // 4-deep ring (forward 5, dx 9, dw up to 8), an empty expert between full ones
     {1001, 264, 520, {0, 129, 129, 600, 1001}},
     {640, 136, 72, {0, 0, 256, 640, 640}},
+    // the persistent TMA rows kernel: more tiles than an H200 has SMs (each block runs several,
+    // its ring carried from tile to tile)
+    {9000, 200, 520, {0, 1000, 1000, 4100, 8000, 9000}},
 };
 
 // 40 experts: the device-side tile scan takes two 32-expert passes; a few empty, one large.
@@ -607,9 +610,9 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
   cases.push_back(forty_experts());
-  // Each kernel configuration this device runs: the sm_90 wgmma kernels (grouped_wgmma_sm90.cu,
-  // 256- and 128-column tiles; elsewhere they decline) and, with those off, both of the sm_80+
-  // kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
+  // Each kernel configuration this device runs: the sm_90 TMA + wgmma kernels
+  // (grouped_wgmma_sm90.cu, 256- and 128-column tiles; elsewhere they decline) and, with those
+  // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
   const bool sm90 = kernel.rfind("sm90", 0) == 0;

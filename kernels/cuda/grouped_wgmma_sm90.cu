@@ -1,38 +1,39 @@
-// Hopper (sm_90a) grouped GEMMs with wgmma: the first path of grouped_mma_rows / grouped_mma_dw
-// (grouped_mma.cuh) on an sm_90 device, ahead of the mma.sync kernels of grouped_mma_sm80.cu,
-// which stay for sm_80 / sm_89 and for every case this file declines.
+// Hopper (sm_90a) grouped GEMMs with wgmma and TMA: the first path of grouped_mma_rows /
+// grouped_mma_dw (grouped_mma.cuh) on an sm_90 device, ahead of the mma.sync kernels of
+// grouped_mma_sm80.cu, which stay for sm_80 / sm_89 and for every case this file declines.
 //
-// Why it is faster than mma.sync: a warpgroup (4 warps) issues one asynchronous m64nNk16 MMA that
-// reads both operands straight from shared memory (no ldmatrix, no fragment registers), so the
-// tensor cores run back to back while the same threads stream the next k-slices in with cp.async.
+// Why it is fast: a warpgroup (4 warps) issues one asynchronous m64nNk16 MMA that reads both
+// operands straight from shared memory, and the operands get there by TMA (the tensor memory
+// accelerator copies a whole box per instruction, zero-fills what lies outside the tensor and
+// writes the 128-byte swizzle the MMA reads), so the math warps issue almost nothing else.
 //
-// A block: 2 warpgroups (256 threads), a 128 x kBN output tile (warpgroup g owns rows 64g..64g+63,
-// all kBN columns: m64nkBNk16), k-slices of 64 in a kStages-deep ring. Operand tiles are stored in
-// the 128-byte swizzle that the wgmma descriptors read (wgmma_sm90.cuh), in the operand's global
-// major-ness, so the three products share one loop:
+// A block: 3 warpgroups (384 threads). Warpgroup 0 produces: one thread issues the TMA loads of
+// each 64-wide k-slice into a kStages-deep ring of shared-memory stages, each guarded by a "full"
+// and an "empty" barrier (tma_sm90.cuh). Warpgroups 1 and 2 compute a 128 x kBN output tile
+// (warpgroup g owns rows 64g..64g+63, all kBN columns: m64nkBNk16): wait for a stage to be full,
+// issue its four wgmma, and free the stage before once its wgmma have retired (one group in
+// flight). Operand tiles keep the operand's global major-ness, read through wgmma's transpose
+// bits, so the three products share one loop:
 //   y  = x w_e^T        A = x [R, in] K-major      B(k, n) = w_e[n, k] K-major    rows kernel
 //   dx = dy w_e         A = dy [R, out] K-major    B(k, n) = w_e[k, n] N-major    rows kernel
 //   dw_e += dy_e^T x_e  A(m, k) = dy[k, m] M-major B(k, n) = x[k, n] N-major      dw kernel
 // A K-major tile is kMN rows of 64 k (128 bytes); an MN-major tile is kMN / 64 blocks of 64 k-rows
-// of 64 m/n-elements, 8 KiB apart. Copies are cp.async of 16-byte chunks, zero-filled past the
-// bounds (the same requirements as the sm_80 kernels: 16-byte aligned bases, leading dimensions
-// and inner extents multiples of 8 elements).
+// of 64 m/n-elements, 8 KiB apart. TMA needs 16-byte aligned bases and leading dimensions that
+// are multiples of 8 elements (the sm_80 kernels' requirements too).
 //
-// The loop (each thread): wait for its own copies of slice t, fence them to the async proxy,
-// barrier (slice t visible to both warpgroups; both are done with slice t - 2), issue slice t's
-// four wgmma, start the copies of slice t + kStages - 2 into the stage slice t - 2 used, and wait
-// for slice t - 1's wgmma: one wgmma group in flight under the copies.
-//
-// Rows kernel: blockIdx.x walks the output columns fastest (blocks resident together share their A
-// row tiles and the expert's weights in L2); blockIdx.y is the 128-row tile, cut per expert on the
-// device (grouped_tiles.cuh). dw kernel: grid (in tiles, out tiles, E), a block loops over its
-// expert's rows as the k dimension; an expert without rows returns before touching dw[e]. No
-// atomics: deterministic.
+// Rows kernel: persistent, one block per SM walking (row tile, column tile) pairs, columns
+// fastest (blocks resident together share their A row tiles and the expert's weights in L2);
+// row tiles are cut per expert on the device (grouped_tiles.cuh). dw kernel: grid (in tiles, out
+// tiles, E), a block loops over its expert's rows as the k dimension; an expert without rows
+// returns before touching dw[e]. Each output element is written by one thread: deterministic.
 //
 // Which code runs: the kernels' bodies exist only in sm_90a code (kHasWgmma). The top
 // CMakeLists.txt builds MOE_CUDA_ARCHS entry 90 as sm_90a machine code (no compute_90 PTX) and
 // then defines MOE_WITH_SM90A; with it, a kernel whose code for this device is version 9.0 on an
 // sm_90 device is the sm_90a code, and the host launches these kernels. Otherwise they decline.
+#include <cudaTypedefs.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -43,6 +44,7 @@
 #include "cuda/grouped_tiles.cuh"
 #include "cuda/mma_common.cuh"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/tma_sm90.cuh"
 #include "cuda/wgmma_sm90.cuh"
 
 namespace moe::cuda_detail {
@@ -69,7 +71,6 @@ namespace {
 
 constexpr int kBM = 128;  // rows of the block tile: two warpgroups of 64
 constexpr int kBK = 64;   // k per slice: one 128-byte swizzle row of 16-bit elements
-constexpr int kThreads = 256;
 
 using Wide = Sm90Cfg<256, 4>;    // 192 KiB: one block per SM
 using Narrow = Sm90Cfg<128, 4>;  // 128 KiB: one block per SM, half the accumulators
@@ -84,70 +85,6 @@ __device__ __forceinline__ void wgmma_step(float (&d)[kN / 2], uint64_t da, uint
     wgmma_m64n128<T, kTransA, kTransB>(d, da, db);
 }
 
-// Copies one operand's k-slices [kb, kb + kBK) x [mn_begin, mn_begin + kMN) into swizzled tiles.
-// The operand's element (mn, k) is src[mn * ld + k] (kKFast) or src[k * ld + mn]; elements at
-// mn >= mn_end or k >= k_end read as zero. Each thread's chunks sit a fixed stride apart in global
-// and shared memory and keep their swizzle phase from slice to slice, so the addresses and the m/n
-// bounds are worked out once per tile and a slice costs a pointer step and a k compare per chunk
-// (computing them afresh took ~250 of the loop's ~360 instructions per slice).
-template <class T, bool kKFast, int kMN>
-struct SliceLoader {
-  // A thread's chunks: global rows (mn when kKFast, else k) row + it * kRowsPerIt, one chunk each.
-  static constexpr int kPerRow = kKFast ? 8 : kMN / 8;  // 16-byte chunks per global row
-  static constexpr int kRowsPerIt = kThreads / kPerRow;
-  static constexpr int kIters = kMN * kBK / 8 / kThreads;
-  static_assert(kIters * kThreads * 8 == kMN * kBK && kRowsPerIt % 8 == 0,
-                "whole rows per step, the swizzle phase (row % 8) kept");
-  const T* src;     // the tensor's base: the address of zero-filled chunks
-  const T* first;   // this thread's first chunk of slice 0
-  int64_t it_step;  // elements between this thread's successive chunks of one slice
-  int64_t slice_step;
-  uint32_t smem0;  // byte offset of the first chunk in a stage's tile
-  uint32_t mn_ok;  // bit it: chunk it lies inside the m/n bounds
-  int64_t k_left;  // chunk it of slice t is inside the k bounds iff t * kBK (+ it * kRowsPerIt) <
-                   // k_left
-
-  __device__ __forceinline__ SliceLoader(const T* src_, int64_t ld, int64_t mn_begin,
-                                         int64_t mn_end, int64_t k_begin, int64_t k_end) {
-    const int tid = static_cast<int>(threadIdx.x);
-    const int row = tid / kPerRow, chunk = tid % kPerRow;
-    src = src_;
-    mn_ok = 0;
-    if constexpr (kKFast) {  // rows = mn: row + it * kRowsPerIt, 8 k-chunks per row
-      first = src_ + (mn_begin + row) * ld + k_begin + chunk * 8;
-      it_step = kRowsPerIt * ld;
-      slice_step = kBK;
-      smem0 = row * Sw128::kRowBytes + ((chunk ^ (row & 7)) << 4);
-#pragma unroll
-      for (int it = 0; it < kIters; ++it)
-        if (mn_begin + row + it * kRowsPerIt < mn_end) mn_ok |= 1u << it;
-      k_left = k_end - (k_begin + chunk * 8);
-    } else {  // rows = k: row + it * kRowsPerIt, kMN / 8 m/n-chunks per row in 64-wide blocks
-      first = src_ + (k_begin + row) * ld + mn_begin + chunk * 8;
-      it_step = kRowsPerIt * ld;
-      slice_step = kBK * ld;
-      smem0 = (chunk >> 3) * Sw128::kBlockBytes + row * Sw128::kRowBytes +
-              (((chunk & 7) ^ (row & 7)) << 4);
-      if (mn_begin + chunk * 8 < mn_end) mn_ok = ~0u;
-      k_left = k_end - (k_begin + row);
-    }
-  }
-
-  // Starts the copies of slice t into the tile at shared address `dst`.
-  __device__ __forceinline__ void load(uint32_t dst, int t) const {
-    const T* p = first + t * slice_step;
-    const int64_t k0 = int64_t(t) * kBK;
-#pragma unroll
-    for (int it = 0; it < kIters; ++it) {
-      const bool valid =
-          ((mn_ok >> it) & 1u) && (kKFast ? k0 < k_left : k0 + it * kRowsPerIt < k_left);
-      const uint32_t off = smem0 + it * kRowsPerIt * Sw128::kRowBytes;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + off),
-                   "l"(valid ? p + it * it_step : src), "r"(valid ? 16 : 0));
-    }
-  }
-};
-
 // Descriptor of the k16 step `s` (0..3) of a staged slice for a 64-row (A) or kN-column (B) piece
 // starting at m/n-block offset `mn0` (a multiple of 64) of the tile at `base`.
 template <bool kKFast>
@@ -159,64 +96,93 @@ __device__ __forceinline__ uint64_t step_desc(uint32_t base, int mn0, int s) {
                            1024);
 }
 
-// acc = sum over k in [k_begin, k_end) of A(m, k) B(k, n) for the block's 128 x kBN tile, the
-// k-slices streamed through the ring at `ring` (shared address, 1024-byte aligned). A(m, k) =
-// a[m * lda + k] (kAKFast) or a[k * lda + m], m in [m_begin, m_end); B(k, n) = b[n * ldb + k]
-// (kBKFast) or b[k * ldb + n], n in [n_begin, n_end). All threads call it.
-template <class C, class T, bool kAKFast, bool kBKFast>
-__device__ __forceinline__ void wgmma_mainloop(float (&acc)[C::kAcc], uint32_t ring, const T* a,
-                                               int64_t lda, int64_t m_begin, int64_t m_end,
-                                               const T* b, int64_t ldb, int64_t n_begin,
-                                               int64_t n_end, int64_t k_begin, int64_t k_end) {
-  constexpr int kStages = C::kStages, kAhead = kStages - 2;  // slices in flight ahead of the math
-  const int wg = static_cast<int>(threadIdx.x) / 128;
+template <int kAlign = 1024>
+__device__ __forceinline__ uint32_t ring_base(unsigned char* smem) {
+  return (shared_addr(smem) + (kAlign - 1)) & ~uint32_t(kAlign - 1);
+}
+
+constexpr int kTmaThreads = 384;  // a producer warpgroup and two math warpgroups
+// Experts whose offsets the rows kernel keeps in shared memory (more: it reads them from global).
+constexpr int kSharedOffsets = 1024;
+
+// Ring bookkeeping shared by the producer and the math warps: slice number `it` (counted over
+// every tile the block runs) uses stage it % kStages in round it / kStages.
+template <class C>
+struct TmaRing {
+  uint32_t base;   // shared address of stage 0 (1024-byte aligned)
+  uint32_t full0;  // shared address of full[0]; full[s] = full0 + 8 s
+  uint32_t empty0;
+  __device__ __forceinline__ uint32_t stage(int64_t it) const {
+    return base + static_cast<uint32_t>(it % C::kStages) * C::kStageBytes;
+  }
+  __device__ __forceinline__ uint32_t full(int64_t it) const {
+    return full0 + 8 * static_cast<uint32_t>(it % C::kStages);
+  }
+  __device__ __forceinline__ uint32_t empty(int64_t it) const {
+    return empty0 + 8 * static_cast<uint32_t>(it % C::kStages);
+  }
+  __device__ __forceinline__ static uint32_t parity(int64_t it) {
+    return static_cast<uint32_t>((it / C::kStages) & 1);
+  }
+  // Producer side: waits until slice it's stage is free (the math of slice it - kStages retired),
+  // then arms its full barrier for one stage of bytes.
+  __device__ __forceinline__ void acquire(int64_t it) const {
+    if (it >= C::kStages) mbar_wait(empty(it), parity(it) ^ 1u);
+    mbar_arrive_expect_tx(full(it), C::kStageBytes);
+  }
+};
+
+// Sets up the ring in the dynamic shared memory and the barriers: all threads call it.
+template <class C>
+__device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* full,
+                                                uint64_t* empty) {
+  TmaRing<C> r{ring_base(smem), shared_addr(full), shared_addr(empty)};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      mbar_init(r.full0 + 8 * s, 1);
+      mbar_init(r.empty0 + 8 * s, kTmaThreads / 32 - 4);  // one arrival per math warp
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  return r;
+}
+
+// Math warpgroup `g` (0 or 1: rows 64g..64g+63 of the tile): acc = the sum over `slices`
+// k-slices of ring slices it0, it0 + 1, ... . `before(t, stage)` runs after slice t has landed
+// and before its wgmma (the dw kernel masks the rows past the expert there).
+template <class C, class T, bool kAKFast, bool kBKFast, class Before>
+__device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRing<C>& ring,
+                                              int64_t it0, int slices, int g, Before&& before) {
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
-  const int slices = static_cast<int>((k_end - k_begin + kBK - 1) / kBK);
-  const SliceLoader<T, kAKFast, kBM> load_a(a, lda, m_begin, m_end, k_begin, k_end);
-  const SliceLoader<T, kBKFast, C::kBN> load_b(b, ldb, n_begin, n_end, k_begin, k_end);
-  auto load = [&](int t) {
-    const uint32_t stage = ring + (t % kStages) * C::kStageBytes;
-    load_a.load(stage, t);
-    load_b.load(stage + C::kABytes, t);
-  };
-  // One cp.async commit per slice (empty past the end): "slice t has landed" is always "at most
-  // kAhead - 1 younger groups pending".
-#pragma unroll
-  for (int t = 0; t < kAhead; ++t) {
-    if (t < slices) load(t);
-    cp_async_commit();
-  }
-  fence_accumulators(acc);
+  const bool signals = (threadIdx.x % 32) == 0;
   for (int t = 0; t < slices; ++t) {
-    cp_async_wait<kAhead - 1>();
-    fence_proxy_async_smem();
-    // Slice t is visible to both warpgroups, and both have retired slice t - 2's wgmma (each
-    // waited for it at the end of iteration t - 1), whose stage the copies below overwrite.
-    __syncthreads();
-    const uint32_t stage = ring + (t % kStages) * C::kStageBytes;
+    const int64_t it = it0 + t;
+    mbar_wait(ring.full(it), TmaRing<C>::parity(it));
+    const uint32_t stage = ring.stage(it);
+    before(t, stage);
     wgmma_fence();
 #pragma unroll
     for (int s = 0; s < kBK / 16; ++s)
       wgmma_step<T, C::kBN, kAKFast ? 0 : 1, kBKFast ? 0 : 1>(
-          acc, step_desc<kAKFast>(stage, wg * 64, s), step_desc<kBKFast>(stage + C::kABytes, 0, s));
+          acc, step_desc<kAKFast>(stage, g * 64, s), step_desc<kBKFast>(stage + C::kABytes, 0, s));
     wgmma_commit();
-    if (t + kAhead < slices) load(t + kAhead);
-    cp_async_commit();
-    wgmma_wait<1>();
+    wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc);
+    if (t > 0 && signals) mbar_arrive(ring.empty(it - 1));
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  cp_async_wait<0>();
+  if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
 }
 
-// Hands every accumulator pair to out(row, col, v0, v1) (col even; v1 belongs to col + 1), with
-// row and col relative to the block tile.
+// Hands math warpgroup g's accumulator pairs to out(row, col, v0, v1) (col even), row and col
+// relative to the block tile (the wgmma accumulator layout of wgmma_sm90.cuh).
 template <class C, class Out>
-__device__ __forceinline__ void for_each_pair(const float (&acc)[C::kAcc], Out&& out) {
-  const int t = static_cast<int>(threadIdx.x);
-  const int row = (t / 128) * 64 + ((t % 128) / 32) * 16 + (t % 32) / 4;
+__device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], int g, Out&& out) {
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const int row = g * 64 + (t / 32) * 16 + (t % 32) / 4;
   const int col = 2 * (t % 4);
 #pragma unroll
   for (int j = 0; j < C::kBN / 8; ++j) {
@@ -225,86 +191,225 @@ __device__ __forceinline__ void for_each_pair(const float (&acc)[C::kAcc], Out&&
   }
 }
 
-template <int kAlign = 1024>
-__device__ __forceinline__ uint32_t ring_base(unsigned char* smem) {
-  return (shared_addr(smem) + (kAlign - 1)) & ~uint32_t(kAlign - 1);
-}
-
+// Rows kernel, persistent: block b runs tiles b, b + gridDim.x, ... of (row tile, column tile),
+// columns fastest. While the math warps store one tile, the producer already streams the next
+// tile's slices. A: a tensor map over a [rows, k_total] (box 64 k x 128 rows; the rows past the
+// expert belong to the next one and only feed output rows that are not stored). B: over w as
+// [E, n_total, k_total] (kBKFast, box 64 x kBN x 1) or [E, k_total, n_total] (box 64 x 64 x 1,
+// kBN / 64 of them per slice), so each expert's bounds zero-fill on their own.
 template <class C, class T, bool kBKFast>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_sm90_rows_kernel(T* c, const T* a, const T* w, const int32_t* offsets, int experts,
-                             int64_t rows, int64_t n_total, int64_t k_total,
-                             int64_t expert_stride) {
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
+                            const __grid_constant__ CUtensorMap map_b, T* c, const int32_t* offsets,
+                            int experts, int64_t rows, int64_t n_total, int64_t k_total,
+                            int n_tiles, int64_t tiles) {
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
-    int64_t r0 = 0, r1 = 0;
-    const int expert = block_row_tile<kBM>(offsets, experts, rows, blockIdx.y, &r0, &r1);
-    if (expert < 0) return;  // uniform over the block
-    const int64_t n0 = int64_t(blockIdx.x) * C::kBN;
-    float acc[C::kAcc];
-    // B(k, n) = w_e[n * k_total + k] (forward) or w_e[k * n_total + n] (dx)
-    wgmma_mainloop<C, T, true, kBKFast>(acc, ring_base(smem), a, k_total, r0, r1,
-                                        w + expert * expert_stride, kBKFast ? k_total : n_total, n0,
-                                        n_total, 0, k_total);
-    for_each_pair<C>(acc, [&](int row, int col, float v0, float v1) {
-      const int64_t r = r0 + row, n = n0 + col;
-      if (r < r1 && n < n_total) store_pair(c + r * n_total + n, v0, v1);
-    });
+    __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
+    // Every tile starts with a scan of the offsets: from shared memory it costs a few hundred
+    // cycles, from global memory a chain of dependent loads.
+    __shared__ int32_t shared_offsets[kSharedOffsets + 1];
+    if (experts <= kSharedOffsets) {
+      for (int i = static_cast<int>(threadIdx.x); i <= experts; i += kTmaThreads)
+        shared_offsets[i] = offsets[i];
+      offsets = shared_offsets;
+    }
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty);  // (its barrier publishes the copy)
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    const int slices = static_cast<int>((k_total + kBK - 1) / kBK);
+    int64_t it = 0;
+    if (wg == 0) {
+      release_registers<40>();
+      if (threadIdx.x >= 32) return;
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        int e = 0;
+        int64_t r0 = 0, r1 = 0;
+        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        const int n0 = static_cast<int>(tile % n_tiles) * C::kBN;
+        if (threadIdx.x == 0) {
+          for (int t = 0; t < slices; ++t, ++it) {
+            ring.acquire(it);
+            const uint32_t stage = ring.stage(it), bar = ring.full(it);
+            tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
+            if constexpr (kBKFast) {
+              tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
+            } else {
+#pragma unroll
+              for (int j = 0; j < C::kBN / 64; ++j)
+                tma_load_3d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_b, bar, n0 + 64 * j,
+                            t * kBK, e);
+            }
+          }
+        }
+        __syncwarp();
+      }
+    } else {
+      claim_registers<232>();
+      const int g = wg - 1;
+      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, it += slices) {
+        int e = 0;
+        int64_t r0 = 0, r1 = 0;
+        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        const int64_t n0 = (tile % n_tiles) * C::kBN;
+        float acc[C::kAcc];
+        tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
+        for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
+          const int64_t r = r0 + row, n = n0 + col;
+          if (r < r1 && n < n_total) store_pair(c + r * n_total + n, v0, v1);
+        });
+      }
+    }
   }
 }
 
+// dw kernel: grid (in tiles, out tiles, E); a block runs its expert's rows as the k dimension.
+// A(m = o, k = r) = dy[r, o] and B(k = r, n = i) = x[r, i] come through tensor maps over dy
+// [rows, out] and x [rows, in] (boxes of 64 x 64, MN-major tiles). A slice that runs past the
+// expert's last row holds the next expert's rows: each math warpgroup zeroes those k-rows of its
+// own 64-wide block of A before its wgmma, so they add nothing.
 template <class C, class T>
-__global__ void __launch_bounds__(kThreads, 1)
-    grouped_sm90_dw_kernel(float* dw, const T* dy, const T* x, const int32_t* offsets, int64_t rows,
-                           int64_t out, int64_t in) {
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
+                          const __grid_constant__ CUtensorMap map_x, float* dw,
+                          const int32_t* offsets, int64_t rows, int64_t out, int64_t in) {
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
     const int e = blockIdx.z;
     const int64_t r0 = clamp_offset(offsets[e], rows), r1 = clamp_offset(offsets[e + 1], rows);
     if (r1 <= r0) return;  // no rows: dw[e] += 0, left untouched (uniform over the block)
-    const int64_t m0 = int64_t(blockIdx.y) * kBM, n0 = int64_t(blockIdx.x) * C::kBN;
-    float acc[C::kAcc];
-    // A(m = o, k = r) = dy[r * out + o]; B(k = r, n = i) = x[r * in + i]
-    wgmma_mainloop<C, T, false, false>(acc, ring_base(smem), dy, out, m0, out, x, in, n0, in, r0,
-                                       r1);
-    float* dw_e = dw + int64_t(e) * out * in;
-    for_each_pair<C>(acc, [&](int row, int col, float v0, float v1) {
-      const int64_t o = m0 + row, i = n0 + col;
-      if (o < out && i < in) {  // in % 8 == 0: i + 1 < in too; 8-byte aligned
-        float2* p = reinterpret_cast<float2*>(dw_e + o * in + i);
-        float2 v = *p;
-        v.x += v0;
-        v.y += v1;
-        *p = v;
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty);
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    const int slices = static_cast<int>((r1 - r0 + kBK - 1) / kBK);
+    const int m0 = static_cast<int>(blockIdx.y) * kBM, n0 = static_cast<int>(blockIdx.x) * C::kBN;
+    if (wg == 0) {
+      release_registers<40>();
+      if (threadIdx.x != 0) return;
+      for (int t = 0; t < slices; ++t) {
+        ring.acquire(t);
+        const uint32_t stage = ring.stage(t), bar = ring.full(t);
+        const int32_t k = static_cast<int32_t>(r0) + t * kBK;
+#pragma unroll
+        for (int j = 0; j < kBM / 64; ++j)
+          tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+#pragma unroll
+        for (int j = 0; j < C::kBN / 64; ++j)
+          tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j, k);
       }
-    });
+    } else {
+      claim_registers<232>();
+      const int g = wg - 1;
+      const int tail = static_cast<int>((r1 - r0) % kBK);  // k-rows of the last slice, 0: whole
+      float acc[C::kAcc];
+      tma_math_loop<C, T, false, false>(acc, ring, 0, slices, g, [&](int t, uint32_t stage) {
+        if (t != slices - 1 || tail == 0) return;
+        // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
+        // only permutes chunks within a row).
+        const uint32_t block = stage + g * Sw128::kBlockBytes;
+        for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
+                       : "memory");
+        fence_proxy_async_smem();
+        named_barrier_sync(1 + g, 128);
+      });
+      float* dw_e = dw + int64_t(e) * out * in;
+      for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
+        const int64_t o = m0 + row, i = n0 + col;
+        // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element, so the
+        // reduction in L2 is deterministic: a load, add and store without waiting for the load
+        // (the same rounding; subnormal f32 sums flush to zero).
+        if (o < out && i < in)
+          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
+                       "f"(v1)
+                       : "memory");
+      });
+    }
   }
 }
 
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                    cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      throw InternalError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A tensor map over a row-major 16-bit tensor of `rank` (2 or 3) dimensions, innermost first:
+// dims[i] elements, strides[i] elements between steps of dimension i + 1, boxes of box[i]
+// elements, stored in shared memory in the 128-byte swizzle (box[0] must be 64 elements).
+CUtensorMap tile_map(DType t, const void* base, int rank, const uint64_t* dims,
+                     const uint64_t* strides, const uint32_t* box) {
+  CUtensorMap map{};
+  uint64_t stride_bytes[2] = {0, 0};
+  for (int i = 0; i + 1 < rank; ++i) stride_bytes[i] = strides[i] * 2;
+  const uint32_t ones[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, t == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, stride_bytes, box, ones,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw InternalError("cuTensorMapEncodeTiled failed (error " + std::to_string(int(r)) +
+                        ") for a grouped GEMM operand");
+  return map;
+}
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 template <class C, class T, bool kBKFast>
-void launch_rows(Ctx& ctx, void* c, const void* a, const void* w, const int32_t* offsets,
+void launch_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w, const int32_t* offsets,
                  int experts, int64_t rows, int64_t n_total, int64_t k_total,
                  int64_t expert_stride) {
-  auto kernel = grouped_sm90_rows_kernel<C, T, kBKFast>;
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
-  const dim3 grid(blocks_for(n_total, C::kBN),
-                  static_cast<unsigned>(blocks_for(rows, kBM) + experts));
-  kernel<<<grid, kThreads, C::kSmemBytes, stream_of(ctx)>>>(
-      static_cast<T*>(c), static_cast<const T*>(a), static_cast<const T*>(w), offsets, experts,
-      rows, n_total, k_total, expert_stride);
+  const uint64_t a_dims[2] = {uint64_t(k_total), uint64_t(rows)};
+  const uint64_t a_strides[1] = {uint64_t(k_total)};
+  const uint32_t a_box[2] = {kBK, kBM};
+  const CUtensorMap map_a = tile_map(t, a, 2, a_dims, a_strides, a_box);
+  // w_e as [n_total, k_total] (y = x w_e^T) or [k_total, n_total] (dx = dy w_e), E of them.
+  const uint64_t b_dims[3] = {uint64_t(kBKFast ? k_total : n_total),
+                              uint64_t(kBKFast ? n_total : k_total), uint64_t(experts)};
+  const uint64_t b_strides[2] = {b_dims[0], uint64_t(expert_stride)};
+  const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(C::kBN) : 64u, 1};
+  const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
+  const int n_tiles = static_cast<int>(blocks_for(n_total, C::kBN));
+  const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(
+      map_a, map_b, static_cast<T*>(c), offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
 template <class C, class T>
-void launch_dw(Ctx& ctx, float* dw, const void* dy, const void* x, const int32_t* offsets,
+void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in) {
-  auto kernel = grouped_sm90_dw_kernel<C, T>;
+  auto kernel = grouped_tma_dw_kernel<C, T>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
+  const uint32_t box[2] = {64, kBK};
+  const uint64_t dy_dims[2] = {uint64_t(out), uint64_t(rows)}, dy_strides[1] = {uint64_t(out)};
+  const uint64_t x_dims[2] = {uint64_t(in), uint64_t(rows)}, x_strides[1] = {uint64_t(in)};
+  const CUtensorMap map_dy = tile_map(t, dy, 2, dy_dims, dy_strides, box);
+  const CUtensorMap map_x = tile_map(t, x, 2, x_dims, x_strides, box);
   const dim3 grid(blocks_for(in, C::kBN), blocks_for(out, kBM), static_cast<unsigned>(experts));
-  kernel<<<grid, kThreads, C::kSmemBytes, stream_of(ctx)>>>(
-      dw, static_cast<const T*>(dy), static_cast<const T*>(x), offsets, rows, out, in);
+  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(map_dy, map_x, dw, offsets, rows,
+                                                               out, in);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -313,9 +418,9 @@ template <class C, class T>
 bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  return is90(compiled_arch(grouped_sm90_rows_kernel<C, T, true>)) &&
-         is90(compiled_arch(grouped_sm90_rows_kernel<C, T, false>)) &&
-         is90(compiled_arch(grouped_sm90_dw_kernel<C, T>));
+  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T>));
 #else
   return false;
 #endif
@@ -372,14 +477,15 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
   if (m == Mode::off || !sm90_available(t) ||
       !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, kBM))
     return false;
+  if (rows == 0) return true;  // nothing to write (and a tensor map needs a row)
   with_config(t, m, [&](auto cfg, auto zero) {
     using C = decltype(cfg);
     using T = decltype(zero);
     if (b_k_fast)
-      launch_rows<C, T, true>(ctx, c, a, w, offsets, experts, rows, n_total, k_total,
+      launch_rows<C, T, true>(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total,
                               expert_stride);
     else
-      launch_rows<C, T, false>(ctx, c, a, w, offsets, experts, rows, n_total, k_total,
+      launch_rows<C, T, false>(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total,
                                expert_stride);
   });
   return true;
@@ -391,8 +497,9 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
   if (m == Mode::off || !sm90_available(t) || !aligned16_rows(dy, out) || !aligned16_rows(x, in) ||
       out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0)
     return false;
+  if (rows == 0) return true;  // every dw[e] += 0
   with_config(t, m, [&](auto cfg, auto zero) {
-    launch_dw<decltype(cfg), decltype(zero)>(ctx, dw, dy, x, offsets, experts, rows, out, in);
+    launch_dw<decltype(cfg), decltype(zero)>(ctx, t, dw, dy, x, offsets, experts, rows, out, in);
   });
   return true;
 }

@@ -1,0 +1,106 @@
+// PTX wrappers for Hopper's tensor memory accelerator (TMA) and the shared-memory barriers that
+// track it (sm_90a, like wgmma_sm90.cuh: the bodies exist only where MOE_HAS_WGMMA is 1), plus
+// the warp-specialisation primitives the TMA kernels use (setmaxnreg, named barriers).
+//
+// A TMA load copies a box of a tensor described by a CUtensorMap (built on the host) into shared
+// memory, zero-filling the parts of the box outside the tensor, and counts its bytes against an
+// mbarrier ("complete_tx"). A consumer waits on the barrier's phase parity: the k-th completion
+// of a barrier flips its phase, so the consumer of round r waits for parity r % 2.
+#pragma once
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/wgmma_sm90.cuh"
+
+namespace moe::cuda_detail {
+
+// Initialises the barrier at shared address `bar` to expect `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+#if MOE_HAS_WGMMA
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#endif
+}
+
+// Makes barrier initialisation visible to the async proxy (the TMA unit) before its first use;
+// a block barrier after it publishes it to the other threads.
+__device__ __forceinline__ void mbar_init_fence() {
+#if MOE_HAS_WGMMA
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#endif
+}
+
+// One arrival that also tells the barrier to wait for `bytes` more bytes of TMA traffic.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if MOE_HAS_WGMMA
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+#if MOE_HAS_WGMMA
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
+
+// Spins until the barrier's phase with parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#endif
+}
+
+// Loads the box at coordinates (c0, c1[, c2]) (innermost first, in elements) of `map` into shared
+// memory at `dst`, completing `bytes` of transaction on the barrier `bar`.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int32_t c0, int32_t c1) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int32_t c0, int32_t c1, int32_t c2) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+#endif
+}
+
+// Warp specialisation: the producer warpgroup gives registers back (kRegs per thread) so the
+// math warpgroups can take more; every warp of a warpgroup must execute the same call.
+template <int kRegs>
+__device__ __forceinline__ void release_registers() {
+#if MOE_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+template <int kRegs>
+__device__ __forceinline__ void claim_registers() {
+#if MOE_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+#endif
+}
+
+// Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads of the block.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace moe::cuda_detail
