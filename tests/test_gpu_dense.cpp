@@ -393,6 +393,85 @@ TEST_CASE("gpu rmsnorm with the residual add fused: forward and backward", "[gpu
   }
 }
 
+// The row kernels load 16 bytes at a time where d is a multiple of 16 bytes' worth of elements
+// (8 for 16-bit, 4 for f32, 2 for f64) and every pointer is 16-byte aligned, element by element
+// otherwise, in the same order: the same values one element off alignment must give the same
+// bits, fused and plain, forward and backward. Rows of one warp (d = 48), two (1000), 16 (4104,
+// 16-bit) and past the row kernels (8200: the wide kernels); dw in one block (n = 5) or
+// from many blocks' partials (1001). Checked against the CPU op as above.
+TEST_CASE("gpu rmsnorm: aligned and misaligned rows agree bitwise", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const double eps = 1e-5;
+  for (const auto& [n, d] :
+       {std::pair<int64_t, int64_t>{5, 48}, {1001, 1000}, {33, 4104}, {9, 8200}}) {
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto x = rounded_random_values(dt, n * d, 230 + d),
+                 r = rounded_random_values(dt, n * d, 231 + d),
+                 w = rounded_random_values(dt, d, 232 + d),
+                 dy = rounded_random_values(dt, n * d, 233 + d),
+                 dw0 = rounded_random_values(acc, d, 234 + d);
+      const std::string tag = " n=" + std::to_string(n) + " d=" + std::to_string(d);
+      std::vector<std::vector<unsigned char>> aligned;
+      for (int shift = 0; shift < 2; ++shift) {
+        // Each tensor `shift` elements past the start of its own (poisoned) allocation.
+        std::vector<DeviceTensor> keep;
+        keep.reserve(16);
+        auto tensor = [&](DType t, std::initializer_list<int64_t> dims) {
+          int64_t count = 1;
+          for (int64_t s : dims) count *= s;
+          DeviceTensor& b = keep.emplace_back(t, std::initializer_list<int64_t>{count + shift});
+          poison(b);
+          return Tensor(static_cast<char*>(b.t.data) + shift * dtype_size(t), t, gpu0(), dims);
+        };
+        Tensor gx = tensor(dt, {n, d}), gr = tensor(dt, {n, d}), gw = tensor(dt, {d}),
+               gdy = tensor(dt, {n, d}), h = tensor(dt, {n, d}), y = tensor(dt, {n, d}),
+               rstd = tensor(acc, {n}), y2 = tensor(dt, {n, d}), rstd2 = tensor(acc, {n}),
+               dx = tensor(dt, {n, d}), dw = tensor(acc, {d}), dx2 = tensor(dt, {n, d}),
+               dw2 = tensor(acc, {d});
+        for (auto [t, v] : {std::pair<Tensor, const std::vector<double>*>{gx, &x},
+                            {gr, &r},
+                            {gw, &w},
+                            {gdy, &dy},
+                            {dw, &dw0},
+                            {dw2, &dw0}})
+          upload(t, *v);
+        add_rmsnorm_forward(gpu, h, y, rstd, gx, gr, gw, eps);
+        rmsnorm_forward(gpu, y2, rstd2, h, gw, eps);
+        rmsnorm_backward_add(gpu, dx, dw, gdy, h, gw, rstd, gr);
+        rmsnorm_backward(gpu, dx2, dw2, gdy, h, gw, rstd);
+        const std::vector<std::vector<unsigned char>> got = {
+            bytes_of(h),  bytes_of(y),  bytes_of(rstd), bytes_of(y2),
+            bytes_of(dx), bytes_of(dw), bytes_of(dx2),  bytes_of(dw2)};
+        INFO("rmsnorm" << tag << " [" << dtype_name(dt) << "], shift " << shift);
+        CHECK(got[1] == got[3]);  // add_rmsnorm_forward is bitwise rmsnorm_forward of its h
+        CHECK(got[2] == bytes_of(rstd2));
+        CHECK(got[5] == got[7]);  // the same dw with and without the residual
+        if (shift == 1) {
+          for (size_t k = 0; k < got.size(); ++k) {
+            INFO("output " << k << " (h, y, rstd, y2, dx, dw, dx2, dw2)");
+            CHECK(got[k] == aligned[k]);
+          }
+          continue;
+        }
+        aligned = got;
+        const auto hv = download(h), rv = download(rstd);
+        Buf<double> hh = host({n, d}, hv), hw = host({d}, w), hy({n, d}), hr({n});
+        cpu::rmsnorm_forward(cpu, hy, hr, hh, hw, eps);
+        check_close("rmsnorm_forward y" + tag, dt, download(y), hy.v, sum_tol(dt, d));
+        check_close("rmsnorm_forward rstd" + tag, acc, rv, hr.v, sum_tol(acc, d));
+        Buf<double> hdy = host({n, d}, dy), hres = host({n, d}, r), hrr = host({n}, rv),
+                    hdx({n, d}), hdw = host({d}, dw0), hdx2({n, d}), hdw2 = host({d}, dw0);
+        cpu::rmsnorm_backward_add(cpu, hdx, hdw, hdy, hh, hw, hrr, hres);
+        cpu::rmsnorm_backward(cpu, hdx2, hdw2, hdy, hh, hw, hrr);
+        check_close("rmsnorm_backward_add dx" + tag, dt, download(dx), hdx.v, sum_tol(dt, d));
+        check_close("rmsnorm_backward_add dw" + tag, acc, download(dw), hdw.v, sum_tol(acc, n));
+        check_close("rmsnorm_backward dx" + tag, dt, download(dx2), hdx2.v, sum_tol(dt, d));
+      }
+    }
+  }
+}
+
 // ---- RoPE ---------------------------------------------------------------------------------------
 
 TEST_CASE("gpu rope: table, forward and backward at non-contiguous positions", "[gpu]") {

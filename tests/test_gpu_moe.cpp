@@ -11,6 +11,7 @@
 //   dtopk_w gets that dtype's bound.
 // add_counts (acc += counts on the device) must equal the CPU exactly.
 #include <algorithm>
+#include <deque>
 #include <random>
 
 #include "catch.hpp"
@@ -207,10 +208,37 @@ TEST_CASE("gpu router: bias update", "[gpu][moe]") {
 
 namespace {
 
-// Permute / combine forward and backward on a routing of (n, e, k), model width d.
-void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_t seed) {
-  INFO("permute N=" << n << " E=" << e << " K=" << k << " d=" << d << " dtype=" << dtype_name(dt));
+// Device views whose data starts `shift` elements into a larger buffer: shift 1 misaligns every
+// row start, which must send the kernels down their scalar path even when d allows 16-byte access.
+struct ShiftedTensors {
+  int64_t shift = 0;
+  std::deque<DeviceTensor> owned;
+  Tensor make(DType dt, std::initializer_list<int64_t> dims) {
+    int64_t numel = 1;
+    for (int64_t x : dims) numel *= x;
+    const DeviceTensor& b = owned.emplace_back(dt, std::initializer_list<int64_t>{numel + shift});
+    return Tensor(static_cast<char*>(b.t.data) + shift * dtype_size(dt), dt, gpu0(), dims);
+  }
+  Tensor holding(DType dt, std::initializer_list<int64_t> dims, const std::vector<double>& v) {
+    Tensor t = make(dt, dims);
+    upload(t, v);
+    return t;
+  }
+  Tensor poisoned(DType dt, std::initializer_list<int64_t> dims) {
+    Tensor t = make(dt, dims);
+    poison(t);
+    return t;
+  }
+};
+
+// Permute / combine forward and backward on a routing of (n, e, k), model width d; with
+// `misaligned`, every activation tensor starts one element past a 16-byte boundary.
+void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_t seed,
+                   bool misaligned = false) {
+  INFO("permute N=" << n << " E=" << e << " K=" << k << " d=" << d << " dtype=" << dtype_name(dt)
+                    << " misaligned=" << misaligned);
   Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  ShiftedTensors dev{misaligned ? 1 : 0, {}};
   const int64_t slots = n * k;
   // Routing and plan on the CPU (the plan itself is compared in the router tests).
   RouteCase rc = make_case(n, e, k, true, false, false, seed, "permute");
@@ -226,7 +254,7 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   const std::vector<double> x = round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 1));
   Buf<double> hx = host({n, d}, x), hxp({slots, d});
   cpu::permute_forward(cctx, hxp, hx, rt);
-  DeviceTensor gx = on_device(dt, {n, d}, x), gxp = poisoned(dt, {slots, d});
+  Tensor gx = dev.holding(dt, {n, d}, x), gxp = dev.poisoned(dt, {slots, d});
   permute_forward(gctx, gxp, gx, grt);
   CHECK(download(gxp) == hxp.v);
 
@@ -235,9 +263,14 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
       round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 2));
   Buf<double> hdxp = host({slots, d}, dxp), hdx({n, d});
   cpu::permute_backward(cctx, hdx, hdxp, sr);
-  DeviceTensor gdxp = on_device(dt, {slots, d}, dxp), gdx = poisoned(dt, {n, d});
+  Tensor gdxp = dev.holding(dt, {slots, d}, dxp), gdx = dev.poisoned(dt, {n, d});
   permute_backward(gctx, gdx, gdxp, gsr);
   check_grad(download(gdx), hdx.v, dt, "permute_backward");
+  // Sums run in a fixed order: a second run gives the same bits.
+  const std::vector<unsigned char> dx_bits = bytes_of(gdx);
+  poison(gdx);
+  permute_backward(gctx, gdx, gdxp, gsr);
+  CHECK(bytes_of(gdx) == dx_bits);
 
   // combine_forward (the router's weights in acc_dtype)
   const DType acc = acc_dtype(dt);
@@ -246,20 +279,28 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   const std::vector<double> wr = round_to(acc, w.v);
   Buf<double> hyp = host({slots, d}, yp), hw = host({n, k}, wr), hy({n, d});
   cpu::combine_forward(cctx, hy, hyp, hw, sr);
-  DeviceTensor gyp = on_device(dt, {slots, d}, yp), gw = on_device(acc, {n, k}, wr);
-  DeviceTensor gy = poisoned(dt, {n, d});
+  Tensor gyp = dev.holding(dt, {slots, d}, yp), gw = dev.holding(acc, {n, k}, wr);
+  Tensor gy = dev.poisoned(dt, {n, d});
   combine_forward(gctx, gy, gyp, gw, gsr);
   check_grad(download(gy), hy.v, dt, "combine_forward");
+  const std::vector<unsigned char> y_bits = bytes_of(gy);
+  poison(gy);
+  combine_forward(gctx, gy, gyp, gw, gsr);
+  CHECK(bytes_of(gy) == y_bits);
 
   // combine_backward
   const std::vector<double> dy = round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 4));
   Buf<double> hdy = host({n, d}, dy), hdyp({slots, d}), hdw({n, k});
   cpu::combine_backward(cctx, hdyp, hdw, hdy, hyp, hw, sr);
-  DeviceTensor gdy = on_device(dt, {n, d}, dy);
-  DeviceTensor gdyp = poisoned(dt, {slots, d}), gdw = poisoned(acc, {n, k});
+  Tensor gdy = dev.holding(dt, {n, d}, dy);
+  Tensor gdyp = dev.poisoned(dt, {slots, d}), gdw = dev.poisoned(acc, {n, k});
   combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
   check_grad(download(gdyp), hdyp.v, dt, "combine_backward dyp");
   check_grad(download(gdw), hdw.v, acc, "combine_backward dtopk_w");
+  const std::vector<unsigned char> dw_bits = bytes_of(gdw);
+  poison(gdw);
+  combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
+  CHECK(bytes_of(gdw) == dw_bits);
 
   // A 16-bit topk_w is rejected.
   if (dt != acc) {
@@ -272,11 +313,24 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
 }  // namespace
 
 TEST_CASE("gpu permute and combine, forward and backward", "[gpu][moe]") {
+  // d % 8 == 0 takes the 16-byte path in every dtype; other d the scalar one (d = 130: vector in
+  // f64 only). Odd token counts, K = 1..8, E not a power of two.
   for (DType dt : kFloatTypes) {
     check_permute(203, 8, 2, 37, dt, 31);
     check_permute(203, 64, 8, 130, dt, 32);
     check_permute(64, 16, 4, 1000, dt, 33);  // rows longer than a block
     check_permute(1, 8, 3, 5, dt, 34);
+    check_permute(333, 12, 1, 64, dt, 35);  // top-1
+    check_permute(257, 100, 8, 256, dt, 36);
+    check_permute(129, 6, 5, 24, dt, 37);  // rows shorter than a lane group
+    check_permute(97, 24, 2, 1032, dt, 38);
+  }
+}
+
+TEST_CASE("gpu permute and combine: rows not 16-byte aligned take the scalar path", "[gpu][moe]") {
+  for (DType dt : kFloatTypes) {
+    check_permute(203, 64, 8, 128, dt, 41, true);
+    check_permute(97, 10, 1, 1032, dt, 42, true);
   }
 }
 
@@ -312,6 +366,31 @@ TEST_CASE("gpu permute plan: large, skewed and hand-made routings", "[gpu][moe]"
   check_plan(777, 8, 2, std::vector<int32_t>(1554, 0));
   // E = 1.
   check_plan(203, 1, 1, std::vector<int32_t>(203, 0));
+  // Uniform routings over the tiling's regimes: many tiles (moe-fine, moe-small and E = 256
+  // shapes), E not a power of two, fewer slots than experts (one tile), E large enough that a
+  // block holds fewer warps' counters, and the largest E the CUDA plan takes.
+  auto uniform = [&](int64_t n, int64_t e, int64_t k) {
+    std::vector<int32_t> ex(static_cast<size_t>(n * k));
+    for (auto& x : ex) x = static_cast<int32_t>(rng() % static_cast<uint64_t>(e));
+    check_plan(n, e, k, ex);
+  };
+  uniform(16384, 64, 8);
+  uniform(16384, 8, 2);
+  uniform(16384, 256, 8);
+  uniform(16383, 100, 7);
+  uniform(333, 12, 1);
+  uniform(1, 8, 3);
+  uniform(5000, 1000, 4);
+  uniform(700, 5000, 8);
+  uniform(3, 12288, 2);
+  // Asked twice: the same positions every run.
+  {
+    const int64_t n = 2049, e = 24, k = 8;
+    std::vector<int32_t> ex(static_cast<size_t>(n * k));
+    for (auto& x : ex) x = static_cast<int32_t>(rng() % 3 ? rng() % e : 7);
+    check_plan(n, e, k, ex);
+    check_plan(n, e, k, ex);
+  }
 }
 
 TEST_CASE("gpu add_counts: expert loads summed over micro-batches on the device", "[gpu][moe]") {
