@@ -683,12 +683,22 @@ GroupedCase forty_experts() {
   c.rows = c.offsets.back();
   return c;
 }
+
+// 300 experts: more than the sm_90 rows kernel keeps in shared memory (256), so its tile scan
+// reads the offsets from global memory; rows of 0-9 per expert, one of 200.
+GroupedCase three_hundred_experts() {
+  GroupedCase c{0, 72, 56, {0}};
+  for (int e = 0; e < 300; ++e) c.offsets.push_back(c.offsets.back() + (e == 150 ? 200 : e % 10));
+  c.rows = c.offsets.back();
+  return c;
+}
 }  // namespace
 
 TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the device", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
   cases.push_back(forty_experts());
+  cases.push_back(three_hundred_experts());
   // Each kernel configuration this device runs: the sm_90 TMA + wgmma kernels
   // (grouped_wgmma_sm90.cu, 256- and 128-column tiles; elsewhere they decline) and, with those
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
