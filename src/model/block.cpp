@@ -26,13 +26,14 @@ Block::Block(const LayerEnv& env, int layer, int moe_index, Dims dims)
 
 void Block::plan(Arena& acts) {
   const int64_t n = dims_.rows(), d = env_.cfg.hidden_size;
+  // Kept for the backward: the norms' inputs and outputs. The attention's and the FFN's outputs
+  // are not (the residual adds' gradients do not read them): they are written straight into h
+  // and into the block's output, which the adds then update in place.
   xn1_ = acts.alloc(env_.dtype, {n, d});
   rstd1_ = acts.alloc(env_.acc, {n});
-  attn_y_ = acts.alloc(env_.dtype, {n, d});
   h_ = acts.alloc(env_.dtype, {n, d});
   xn2_ = acts.alloc(env_.dtype, {n, d});
   rstd2_ = acts.alloc(env_.acc, {n});
-  ffn_y_ = acts.alloc(env_.dtype, {n, d});
   attn_.plan(acts, dims_);
   if (moe_) moe_->plan(acts, n);
   if (dense_) dense_->plan(acts, n);
@@ -41,13 +42,13 @@ void Block::plan(Arena& acts) {
 void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) {
   const double eps = env_.cfg.rms_norm_eps;
   rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_.w, eps);
-  attn_.forward(ctx, attn_y_, xn1_, pos);
-  add_rmsnorm_forward(ctx, h_, xn2_, rstd2_, x, attn_y_, norm2_.w, eps);  // h = x + attn_y
+  attn_.forward(ctx, h_, xn1_, pos);                                 // h = attn_y
+  add_rmsnorm_forward(ctx, h_, xn2_, rstd2_, x, h_, norm2_.w, eps);  // h = x + attn_y (in place)
   if (moe_)
-    moe_->forward(ctx, ffn_y_, xn2_);
+    moe_->forward(ctx, out, xn2_);  // out = ffn_y (out is never x: the decoder keeps each input)
   else
-    dense_->forward(ctx, ffn_y_, xn2_, false);
-  add(ctx, out, h_, ffn_y_);
+    dense_->forward(ctx, out, xn2_, false);
+  add(ctx, out, h_, out);  // out = h + ffn_y
 }
 
 void Block::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) {

@@ -152,7 +152,7 @@ class Block : public Layer {
   SelfAttention attn_;
   std::unique_ptr<DenseFfn> dense_;
   std::unique_ptr<MoeFfn> moe_;
-  Tensor xn1_, rstd1_, attn_y_, h_, xn2_, rstd2_, ffn_y_;
+  Tensor xn1_, rstd1_, h_, xn2_, rstd2_;
 };
 
 // Mixture-of-Depths wrapper: the inner block runs on the C best-scoring tokens per sequence;
