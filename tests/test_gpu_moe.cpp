@@ -187,6 +187,9 @@ TEST_CASE("gpu router: group layouts (E not a power of 2, E > 256, K = 1 and K =
   check_routing_all(make_case(65, 300, 8, true, false, false, 60, "E300 K8 +bias"));
   check_routing_all(make_case(45, 600, 20, false, false, true, 61, "E600 K20 ties"));
   check_routing_all(make_case(63, 72, 8, false, false, true, 62, "E72 ties"));
+  // E > 8192: the per-block counts no longer fit the shared-memory histogram and go straight to
+  // the scratch accumulator (several blocks: 4 tokens per block at 32 lanes per token).
+  check_routing_all(make_case(37, 8200, 3, false, false, false, 63, "E8200 K3 (global counts)"));
 }
 
 TEST_CASE("gpu router: many tokens (grid-stride blocks, counts and aux partials of many blocks)",

@@ -689,6 +689,15 @@ RouterScratch router_scratch(int64_t n_exp, cudaStream_t stream) {
   if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1);
   Slot& s = per_device[dev];
   if (s.n_exp < n_exp) {
+    // cudaMalloc / cudaDeviceSynchronize are illegal while `stream` is captured (global mode), and
+    // in relaxed mode the zeroing memset would only be recorded into the graph, leaving eager
+    // calls before its first replay with garbage tickets: allocate outside a capture only.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    MOE_CHECK(
+        capture == cudaStreamCaptureStatusNone,
+        "router: the per-device scratch for E = " + std::to_string(n_exp) +
+            " must first be allocated outside a CUDA graph capture (run the op eagerly once)");
     const int64_t cap = std::max<int64_t>(n_exp, 256);
     const size_t bytes = kHead + static_cast<size_t>(cap) * sizeof(int32_t);
     if (s.base) {  // kernels queued earlier may still use the old one
