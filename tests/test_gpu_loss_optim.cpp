@@ -3,7 +3,10 @@
 //  - cross-entropy: N = 9 rows over V = 1000 with ignored targets (-1, -5) and targets 0 and V-1;
 //    losses and lse (in acc_dtype: f32 for 16-bit logits), then the backward both into a separate
 //    dlogits and in place (dlogits == logits, the fused head's path), grad_scale 0.37. Ignored rows
-//    must come back exactly 0.
+//    must come back exactly 0. Odd shapes (V = 1, 3, 1003, 20011, logits at an element offset so
+//    rows start anywhere within 16 bytes, -inf logits) take the vectors' scalar heads and tails
+//    and, for a dlogits at another 16-byte phase, the all-scalar backward: the same bits as the
+//    vector path in place, and the forward bitwise the same on a second run.
 //  - BCE with logits: N = 1001 with |x| up to 1000 (where exp(|x|) overflows even in f64) and soft
 //    targets; the mean must be finite and match, and be bitwise the same on a second run.
 //  - AdamW: two steps (t = 1 from zero moments, then t = 2) with weight decay and grad_scale, f32
@@ -89,6 +92,89 @@ TEST_CASE("gpu cross-entropy forward/backward match the CPU, in place too", "[gp
     const std::vector<double> in_place = download(gl);
     expect_close(in_place, cdl.v, rtol, "dlogits in place");
     CHECK(in_place == dl);  // same arithmetic, same bits
+  }
+}
+
+namespace {
+
+// A [rows, cols] view of buf starting `offset` elements in: rows at other offsets within 16 bytes
+// than a fresh allocation's.
+Tensor view_at(const DeviceTensor& buf, DType dt, int64_t offset, int64_t rows, int64_t cols) {
+  return Tensor(static_cast<char*>(buf.t.data) + offset * static_cast<int64_t>(dtype_size(dt)), dt,
+                gpu0(), {rows, cols});
+}
+
+// Cross-entropy on [n, v] logits of dt, `offset` elements into their buffer, against the CPU op.
+// Every fourth row is ignored; row 0 targets 0, row 1 targets v - 1; rows 0, 3, 6, ... hold one
+// -inf logit (a masked vocabulary entry, never the target). The backward runs into a fresh
+// dlogits (all-scalar when offset leaves the logits' rows at another 16-byte phase) and in place.
+void check_ce(int64_t n, int64_t v, DType dt, int64_t offset, uint64_t seed) {
+  INFO("cross-entropy N=" << n << " V=" << v << " offset=" << offset << " dtype "
+                          << dtype_name(dt));
+  const DType acc = acc_dtype(dt);
+  const double grad_scale = 0.37;
+  std::vector<int32_t> targets(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i)
+    targets[i] = i % 4 == 2 ? -1 : static_cast<int32_t>((seed * 7919 + i * 104729) % v);
+  targets[0] = 0;
+  if (n > 1) targets[1] = static_cast<int32_t>(v - 1);
+  std::vector<double> logits = round_to(dt, random_values(n * v, seed, -6.0, 6.0));
+  if (v > 1)
+    for (int64_t i = 0; i < n; i += 3)
+      logits[i * v + (std::max(targets[i], 0) + 1) % v] = -std::numeric_limits<double>::infinity();
+
+  Ctx cpu{};
+  Host cl({n, v}, logits), closs({n}), clse({n});
+  Tensor ctgt(targets.data(), DType::i32, Device{}, {n});
+  cross_entropy_forward(cpu, closs, clse, cl, ctgt);
+  const std::vector<double> lse_r = round_to(acc, clse.v);
+  Host clse_r({n}, lse_r), cdl({n, v});
+  cross_entropy_backward(cpu, cdl, cl, clse_r, ctgt, grad_scale);
+
+  Ctx ctx = gpu_ctx();
+  DeviceTensor lbuf(dt, {n * v + offset});
+  const Tensor gl = view_at(lbuf, dt, offset, n, v);
+  upload(gl, logits);
+  DeviceTensor gtgt(DType::i32, {n});
+  upload_i32(gtgt, targets);
+  DeviceTensor gloss = poisoned(acc, {n}), glse = poisoned(acc, {n});
+  cross_entropy_forward(ctx, gloss, glse, gl, gtgt);
+  gpu::synchronize();
+  const std::vector<double> loss = download(gloss), lse = download(glse);
+  expect_close(loss, closs.v, rtol_for(acc), "losses");
+  expect_close(lse, clse.v, rtol_for(acc), "lse");
+  for (int64_t i = 2; i < n; i += 4) CHECK(loss[static_cast<size_t>(i)] == 0.0);
+  poison(gloss);
+  poison(glse);
+  cross_entropy_forward(ctx, gloss, glse, gl, gtgt);
+  gpu::synchronize();
+  CHECK(download(gloss) == loss);  // fixed reduction order
+  CHECK(download(glse) == lse);
+
+  upload(glse, lse_r);
+  DeviceTensor gdl = poisoned(dt, {n, v});
+  cross_entropy_backward(ctx, gdl, gl, glse, gtgt, grad_scale);
+  gpu::synchronize();
+  const std::vector<double> dl = download(gdl);
+  expect_close(dl, cdl.v, rtol_for(dt), "dlogits");
+  for (int64_t i = 2; i < n; i += 4)
+    for (int64_t j = 0; j < v; ++j) CHECK(dl[static_cast<size_t>(i * v + j)] == 0.0);
+  cross_entropy_backward(ctx, gl, gl, glse, gtgt, grad_scale);
+  gpu::synchronize();
+  const std::vector<double> in_place = download(gl);
+  expect_close(in_place, cdl.v, rtol_for(dt), "dlogits in place");
+  CHECK(in_place == dl);  // vector and scalar paths: the same arithmetic per element
+}
+
+}  // namespace
+
+TEST_CASE("gpu cross-entropy: odd V, rows at any 16-byte offset, -inf logits", "[gpu][loss]") {
+  for (DType dt : kAllFloat) {
+    check_ce(7, 1003, dt, 0, 1);   // every row at another offset: scalar head and tail
+    check_ce(5, 20011, dt, 3, 2);  // several unrolled vector rounds; dlogits at another phase
+    check_ce(6, 4096, dt, 1, 3);   // V a multiple of 8 but misaligned rows
+    check_ce(4, 3, dt, 1, 4);      // V below one vector: all scalar
+    check_ce(3, 1, dt, 0, 5);      // V = 1: lse = the logit, loss 0
   }
 }
 

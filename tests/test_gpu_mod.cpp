@@ -2,6 +2,9 @@
 // values rounded to the storage dtype, the CPU computing in f64. Outputs are poisoned before each
 // GPU call (except the accumulating dx of mod_gather_backward, which starts from random values).
 //
+// Shapes cover both row paths of the gather / scatter kernels (16-byte vectors when d fills whole
+// vectors: d = 8, 16, 64, 1032; one element per lane otherwise) and the radix select's edge
+// cases (ties at the threshold, signed zeros, infinities, C = 1 ... T, T > the block size).
 // mod_select keeps one dtype (scores and mask of dt); the gated scatter reads the same score values
 // from an acc_dtype(dt) tensor (f32 for 16-bit activations) and writes dscores in it.
 // sel and mask must equal the CPU exactly (mask holds exact 0/1). Float outputs:
@@ -10,6 +13,7 @@
 //   copies (gather forward, skipped rows of the scatters) must be exact; dscores gets the bound of
 //   its (acc) dtype.
 #include <algorithm>
+#include <limits>
 #include <random>
 
 #include "catch.hpp"
@@ -115,9 +119,53 @@ void check_mod(int64_t b, int64_t t, int64_t c, int64_t d, bool ties, DType dt, 
 
 TEST_CASE("gpu MoD: random scores", "[gpu][mod]") {
   for (DType dt : kFloatTypes) {
-    check_mod(3, 203, 26, 37, false, dt, 1);    // capacity 0.125 of T = 203
-    check_mod(2, 64, 8, 300, false, dt, 2);     // rows longer than a block
-    check_mod(2, 2500, 313, 16, false, dt, 3);  // T spans several select groups and tiles
+    check_mod(3, 203, 26, 37, false, dt, 1);     // capacity 0.125 of T = 203
+    check_mod(2, 64, 8, 300, false, dt, 2);      // rows longer than a block
+    check_mod(2, 2500, 313, 16, false, dt, 3);   // T spans several select groups and tiles
+    check_mod(16, 1024, 128, 64, false, dt, 4);  // the bench's selection shape
+    check_mod(2, 64, 8, 1032, false, dt, 5);     // vector rows: several unrolled rounds + a partial
+    check_mod(3, 40, 5, 8, false, dt, 6);        // vector rows of one 16-byte vector (bf16, f16)
+  }
+}
+
+namespace {
+
+// mod_select alone against the CPU op on the given score values (already rounded to dt).
+void check_select(int64_t b, int64_t t, int64_t c, DType dt, const std::vector<double>& sc) {
+  INFO("mod_select B=" << b << " T=" << t << " C=" << c << " dtype=" << dtype_name(dt));
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  Buf<double> hs = host({b, t}, sc), hmask({b, t});
+  Buf<int32_t> hsel({b, c});
+  cpu::mod_select(cctx, hsel, hmask, hs);
+  DeviceTensor gs = on_device(dt, {b, t}, sc), gmask = poisoned(dt, {b, t});
+  DeviceTensor gsel = poisoned(DType::i32, {b, c});
+  mod_select(gctx, gsel, gmask, gs);
+  CHECK(download_i32(gsel) == hsel.v);
+  CHECK(download(gmask) == hmask.v);
+}
+
+}  // namespace
+
+// The radix select compares order-preserving integer keys: -0 must still tie with +0, negative
+// scores order below positive ones, infinities and values that round to 16-bit subnormals stay
+// in place, and a tie group at the threshold runs every digit pass.
+TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ranges",
+          "[gpu][mod]") {
+  const double inf = std::numeric_limits<double>::infinity();
+  for (DType dt : kFloatTypes) {
+    const int64_t b = 2, t = 300;
+    const std::vector<double> special = round_to(
+        dt, tied_values(static_cast<size_t>(b * t), 31,
+                        {-0.0, 0.0, inf, -inf, 1e-7, -1e-7, 3e-5, -3e-5, 6e4, -6e4, 1.0, -1.0}));
+    const std::vector<double> zeros =
+        round_to(dt, tied_values(static_cast<size_t>(b * t), 32, {-0.0, 0.0, -0.5}));
+    const std::vector<double> wide =
+        round_to(dt, uniform_values(static_cast<size_t>(b * t), 33, -6e4, 6e4));
+    for (int64_t c : {1, 37, 150, 299, 300}) {
+      check_select(b, t, c, dt, special);
+      check_select(b, t, c, dt, zeros);
+      check_select(b, t, c, dt, wide);
+    }
   }
 }
 

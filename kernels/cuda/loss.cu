@@ -5,15 +5,30 @@
 // in the op's contract): a 16-bit lse would shift every probability of the backward by up to half
 // a 16-bit ulp of lse, and 16-bit per-token losses would be summed already rounded.
 //
+// The cross-entropy kernels stream the [N, V] logits (1 GB at 16k tokens x 32k vocab): both are
+// bandwidth-bound, so each thread reads whole 16-byte vectors, kUnroll of them issued before any is
+// used (scalar 2-byte loads, one at a time, reached ~30% of the copy bandwidth). A row is split
+// into a scalar head up to its first 16-byte boundary, the aligned vectors, and a scalar tail, so
+// any V (and rows at any offset) take the vector path for all but < 2 * 16 bytes of each row.
+// fp32 exponentials are one multiply by log2(e) and one ex2.approx (max relative error ~2^-22,
+// far below the fp32 tolerance of the sum): the accurate expf adds ~8 instructions per element,
+// which would bring the forward's ALU time close to its memory time. f64 (the gradient-check path)
+// keeps exp.
+//
 // - cross_entropy_forward: one block per row. Each thread runs an online log-sum-exp over its
-//   strided share of the row (running max m, running sum s of exp(x - m), rescaled when the max
-//   grows), then the per-thread (m, s) pairs are merged in a fixed tree (warp shuffles, then the
-//   warps' results in shared memory): lse = m + log s, loss = lse - x[target] (0 when the target is
-//   < 0). One read of the logits, deterministic.
-// - cross_entropy_backward: one block per row; each thread reads logit j, then writes
-//   grad_scale * (exp(x_j - lse) - [j == target]) to the same index j, so dlogits may alias logits
-//   (no element is read after any thread has written it: every element has one reader, which is its
-//   writer). Ignored rows (target < 0) are written as zeros.
+//   share of the row, 16 bytes at a time: the running max m and the sum s of exp(x - m), s
+//   rescaled once per vector when the vector's max exceeds m. The per-thread (m, s) pairs are
+//   merged in a fixed tree (warp shuffles, then the warps in index order): lse = m + log s,
+//   loss = lse - x[target] (0 when the target is < 0; the thread that reads x[target] keeps it,
+//   so there is no dependent load at the end). One read of the logits; the order of every sum
+//   depends only on V and the row's offset within 16 bytes, so a given buffer gives the same bits
+//   on every run.
+// - cross_entropy_backward: one block per row; each thread reads a vector of logits, then writes
+//   grad_scale * (exp(x - lse) - [j == target]) to the same 16 bytes, so dlogits may alias logits
+//   (every element has one reader, which is its writer). Ignored rows (target < 0) are written as
+//   zeros (selected per element, so the row's loads never wait for the target). A dlogits whose
+//   rows sit at another offset within 16 bytes than the logits' rows takes the scalar path (the
+//   same per-element arithmetic).
 // - bce_with_logits_forward: one block (fixed size) sums max(x, 0) - x t + log1p(exp(-|x|)) over
 //   all N, each thread in index order in double, then a fixed tree: the mean is bitwise the same
 //   on every run.
@@ -22,11 +37,13 @@
 // which the CPU op reports) gives NaN for that row's loss and gradient instead of an out-of-range
 // read.
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 
 #include "common/loss_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
 #include "moe/ops/loss.hpp"
 
@@ -35,109 +52,238 @@ namespace {
 
 constexpr int kWarp = 32;
 constexpr int kRowThreads = 256;  // threads per cross-entropy row
+constexpr int kUnroll = 4;        // 16-byte loads in flight per thread
 constexpr int kBceSumThreads = 1024;
 constexpr int kElementwiseThreads = 256;
 
-// Merges the log-sum-exp state (m2, s2) into (m, s): sum exp(x - m) over both sets. A state that
-// holds no elements (m = -inf, s = 0) is neutral.
-template <class A>
-__device__ __forceinline__ void lse_merge(A& m, A& s, A m2, A s2) {
-  if (m2 == neg_inf<A>()) return;
-  if (m == neg_inf<A>()) {
-    m = m2;
-    s = s2;
-    return;
-  }
-  if (m2 > m) {
-    s = s * dev_exp(m - m2) + s2;
-    m = m2;
-  } else {
-    s = s + s2 * dev_exp(m2 - m);
-  }
+// e^d for the cross-entropy, d = x - (row max or lse) <= 0 in the common case. fp32: one multiply
+// and one ex2.approx; -inf gives 0, NaN gives NaN, results below 2^-126 flush to 0 (a sum term
+// that small is nothing next to the row's largest, 1; a probability that small a zero gradient).
+__device__ __forceinline__ float ce_exp(float d) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d * 1.4426950408889634f));  // log2(e)
+  return r;
+}
+__device__ __forceinline__ double ce_exp(double d) {
+  return exp(d);
 }
 
-// Block-wide merge of every thread's (m, s); the result is returned to every thread.
+// A 16-byte vector to / from its values in A. bf16 widens by a shift (exact, as
+// __bfloat162float) and narrows two at a time (one cvt on sm_80+): the per-element intrinsics
+// cost ~50% more registers here, which limits the blocks per SM.
+template <class T>
+__device__ __forceinline__ void unpack(const Vec16<T>& in, acc_t<T> (&x)[kVec<T>]) {
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) x[k] = load(in.v[k]);
+}
+template <>
+__device__ __forceinline__ void unpack(const Vec16<__nv_bfloat16>& in, float (&x)[8]) {
+  const uint4 w = *reinterpret_cast<const uint4*>(&in);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    x[2 * q] = __uint_as_float(words[q] << 16);
+    x[2 * q + 1] = __uint_as_float(words[q] & 0xffff0000u);
+  }
+}
+template <class T>
+__device__ __forceinline__ Vec16<T> pack(const acc_t<T> (&x)[kVec<T>]) {
+  Vec16<T> out;
+#pragma unroll
+  for (int k = 0; k < kVec<T>; ++k) out.v[k] = store<T>(x[k]);
+  return out;
+}
+template <>
+__device__ __forceinline__ Vec16<__nv_bfloat16> pack(const float (&x)[8]) {
+  Vec16<__nv_bfloat16> out;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) pairs[q] = __floats2bfloat162_rn(x[2 * q], x[2 * q + 1]);
+  return out;
+}
+
+// Elements of a row before its first 16-byte boundary: the scalar head. The whole row (v) when
+// the vector path must not be used (`vec` false, or a pointer not even aligned to its element).
+template <class T>
+__device__ __forceinline__ int vector_head(const T* row, int v, bool vec) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(row);
+  if (!vec || a % sizeof(T) != 0) return v;
+  const int head = static_cast<int>(((16 - a % 16) % 16) / sizeof(T));
+  return head < v ? head : v;
+}
+
+// Running log-sum-exp of one thread: m = the largest x seen (-inf while none is finite), s = sum
+// of exp(x - m). x - m is exact near the max (the terms that matter), and the max's own term is
+// exactly 1, so a one-element row gives lse = x, loss 0, bit for bit like the CPU.
+template <class A>
+struct OnlineLse {
+  A m = neg_inf<A>(), s = A(0);
+
+  // Adds the k values x[0..k): one rescale per call, then one exp per value.
+  template <int K>
+  __device__ __forceinline__ void add(const A (&x)[K]) {
+    A top = x[0];
+#pragma unroll
+    for (int i = 1; i < K; ++i) top = fmax(top, x[i]);  // (drops NaN; the sum below keeps it)
+    if (top > m) {
+      s *= ce_exp(m - top);  // exp(-inf) = 0 on the first finite value
+      m = top;
+    }
+    // Until a finite value is seen, -inf values add exp(-inf) = 0 (not exp(-inf - -inf) = NaN);
+    // NaN values add NaN wherever they are.
+    const A off = m == neg_inf<A>() ? A(0) : m;
+#pragma unroll
+    for (int i = 0; i < K; ++i) s += ce_exp(x[i] - off);
+  }
+
+  __device__ __forceinline__ void add1(A x) {
+    const A one[1] = {x};
+    add(one);
+  }
+
+  // Merges another state in: the smaller maximum's sum is rescaled to the larger one. A state
+  // with m = -inf contributes s2 * 0 (0, or NaN when it saw a NaN).
+  __device__ __forceinline__ void merge(A m2, A s2) {
+    if (m2 > m) {
+      const A tm = m, ts = s;
+      m = m2, s = s2, m2 = tm, s2 = ts;
+    }
+    s += m2 == neg_inf<A>() ? s2 * A(0) : s2 * ce_exp(m2 - m);
+  }
+
+  __device__ __forceinline__ A lse() const {
+    return m + dev_log(s);
+  }
+};
+
+// Block-wide merge of every thread's state in a fixed tree; the result is returned to thread 0.
 // blockDim.x == kRowThreads.
 template <class A>
-__device__ void block_lse(A& m, A& s) {
+__device__ void block_lse(OnlineLse<A>& st) {
   __shared__ A sh_m[kRowThreads / kWarp], sh_s[kRowThreads / kWarp];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
 #pragma unroll
   for (int o = kWarp / 2; o > 0; o >>= 1) {
-    const A m2 = __shfl_down_sync(0xffffffffu, m, o);
-    const A s2 = __shfl_down_sync(0xffffffffu, s, o);
-    lse_merge(m, s, m2, s2);
+    const A m2 = __shfl_down_sync(0xffffffffu, st.m, o);
+    const A s2 = __shfl_down_sync(0xffffffffu, st.s, o);
+    st.merge(m2, s2);
   }
   if (lane == 0) {
-    sh_m[warp] = m;
-    sh_s[warp] = s;
+    sh_m[warp] = st.m;
+    sh_s[warp] = st.s;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int w = 1; w < kRowThreads / kWarp; ++w) lse_merge(m, s, sh_m[w], sh_s[w]);
-    sh_m[0] = m;
-    sh_s[0] = s;
-  }
-  __syncthreads();
-  m = sh_m[0];
-  s = sh_s[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < kRowThreads / kWarp; ++w) st.merge(sh_m[w], sh_s[w]);
 }
 
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
     ce_forward_kernel(acc_t<T>* __restrict__ losses, acc_t<T>* __restrict__ lse,
-                      const T* __restrict__ logits, const int32_t* __restrict__ targets,
-                      int64_t v) {
+                      const T* __restrict__ logits, const int32_t* __restrict__ targets, int v) {
   using A = acc_t<T>;
+  constexpr int kV = kVec<T>;
+  __shared__ A target_logit;  // written by the thread that reads it, read by thread 0
   const int64_t n = blockIdx.x;
   const T* row = logits + n * v;
-  A m = neg_inf<A>(), s = 0;
-  for (int64_t j = threadIdx.x; j < v; j += kRowThreads) {
+  const int t = targets[n];  // every thread: issued with the first row loads, no dependent load
+  OnlineLse<A> st;
+  const int head = vector_head(row, v, true);
+  const int nvec = (v - head) / kV;
+  const int tail = head + nvec * kV;
+  // The scalar head and tail (fewer than kV elements each unless the row has no vector part).
+  auto scalar = [&](int j) {
     const A x = load(row[j]);
-    if (x > m) {
-      s = s * dev_exp(m - x) + A(1);  // exp(-inf) = 0 on the first element
-      m = x;
-    } else if (x != neg_inf<A>()) {  // (-inf adds 0; skipping it avoids -inf - -inf)
-      s += dev_exp(x - m);           // NaN logits propagate through here
+    if (j == t) target_logit = x;
+    st.add1(x);
+  };
+  for (int j = threadIdx.x; j < head; j += kRowThreads) scalar(j);
+  for (int j = tail + threadIdx.x; j < v; j += kRowThreads) scalar(j);
+  const T* vrow = row + head;
+  for (int c0 = threadIdx.x; c0 < nvec; c0 += kUnroll * kRowThreads) {
+    Vec16<T> buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kRowThreads;
+      if (c < nvec) buf[u] = load16(vrow + static_cast<int64_t>(c) * kV);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kRowThreads;
+      if (c >= nvec) break;
+      A x[kV];
+      unpack(buf[u], x);
+      const int j0 = head + c * kV;
+      if (static_cast<unsigned>(t - j0) < static_cast<unsigned>(kV)) {  // (rare: one thread)
+#pragma unroll
+        for (int k = 0; k < kV; ++k)
+          if (j0 + k == t) target_logit = x[k];
+      }
+      st.add(x);
     }
   }
-  block_lse(m, s);
+  block_lse(st);  // (its barrier also orders the target_logit write before the read below)
   if (threadIdx.x != 0) return;
-  const A row_lse = m + dev_log(s);
+  const A row_lse = st.lse();
   lse[n] = row_lse;
-  const int64_t t = targets[n];
   if (t < 0)
     losses[n] = A(0);
   else if (t >= v)
     losses[n] = std::numeric_limits<A>::quiet_NaN();
   else
-    losses[n] = row_lse - load(row[t]);
+    losses[n] = row_lse - target_logit;
+}
+
+// drow[j] = f(j, logit j) for every j of a row: scalar head and tail, then 16-byte vectors with
+// kUnroll loads in flight. Each element is read, then written, by one thread (so drow may be row).
+// drow and row must sit at the same offset within 16 bytes unless head == v.
+template <class T, class F>
+__device__ __forceinline__ void map_row(T* drow, const T* row, int v, int head, F&& f) {
+  using A = acc_t<T>;
+  constexpr int kV = kVec<T>;
+  const int nvec = (v - head) / kV;
+  const int tail = head + nvec * kV;
+  for (int j = threadIdx.x; j < head; j += kRowThreads) drow[j] = store<T>(f(j, load(row[j])));
+  for (int j = tail + threadIdx.x; j < v; j += kRowThreads) drow[j] = store<T>(f(j, load(row[j])));
+  for (int c0 = threadIdx.x; c0 < nvec; c0 += kUnroll * kRowThreads) {
+    Vec16<T> buf[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kRowThreads;
+      if (c < nvec) buf[u] = load16(row + head + static_cast<int64_t>(c) * kV);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * kRowThreads;
+      if (c >= nvec) break;
+      const int j0 = head + c * kV;
+      A x[kV];
+      unpack(buf[u], x);
+#pragma unroll
+      for (int k = 0; k < kV; ++k) x[k] = f(j0 + k, x[k]);
+      store16(drow + j0, pack<T>(x));
+    }
+  }
 }
 
 // dlogits and logits may be the same memory: deliberately not __restrict__.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
     ce_backward_kernel(T* dlogits, const T* logits, const acc_t<T>* __restrict__ lse,
-                       const int32_t* __restrict__ targets, int64_t v, acc_t<T> grad_scale) {
+                       const int32_t* __restrict__ targets, int v, acc_t<T> grad_scale, bool vec) {
   using A = acc_t<T>;
   const int64_t n = blockIdx.x;
-  const int64_t t = targets[n];
+  // Loaded with the row (the row's loads do not wait for them): ignored and out-of-range rows
+  // are selected per element rather than branched on first.
+  const int t = targets[n];
+  const A row_lse = lse[n];
   const T* row = logits + n * v;
   T* drow = dlogits + n * v;
-  if (t < 0) {
-    for (int64_t j = threadIdx.x; j < v; j += kRowThreads) drow[j] = store<T>(A(0));
-    return;
-  }
-  if (t >= v) {
-    for (int64_t j = threadIdx.x; j < v; j += kRowThreads)
-      drow[j] = store<T>(std::numeric_limits<A>::quiet_NaN());
-    return;
-  }
-  const A row_lse = lse[n];
-  for (int64_t j = threadIdx.x; j < v; j += kRowThreads) {
-    const A p = dev_exp(load(row[j]) - row_lse);               // read element j ...
-    drow[j] = store<T>(grad_scale * (j == t ? p - A(1) : p));  // ... then write it
-  }
+  map_row(drow, row, v, vector_head(row, v, vec), [&](int j, A x) {
+    const A p = ce_exp(x - row_lse);
+    const A g = grad_scale * (j == t ? p - A(1) : p);
+    return t < 0 ? A(0) : t >= v ? std::numeric_limits<A>::quiet_NaN() : g;
+  });
 }
 
 template <class T>
@@ -193,11 +339,12 @@ void cross_entropy_forward_cuda(Ctx& ctx, Tensor losses, Tensor lse, Tensor logi
   check_on_gpu({&losses, &lse, &logits, &targets}, "cross_entropy_forward");
   if (n == 0) return;
   MOE_CHECK(n <= std::numeric_limits<int32_t>::max(), "cross_entropy_forward: too many rows");
+  MOE_CHECK(v <= std::numeric_limits<int32_t>::max(), "cross_entropy_forward: V too large");
   dispatch_storage(logits.dtype, "cross_entropy_forward", [&](auto zero) {
     using T = decltype(zero);
     ce_forward_kernel<T><<<static_cast<unsigned>(n), kRowThreads, 0, stream_of(ctx)>>>(
         data_of<acc_t<T>>(losses), data_of<acc_t<T>>(lse), data_of<T>(logits),
-        static_cast<const int32_t*>(targets.data), v);
+        static_cast<const int32_t*>(targets.data), static_cast<int>(v));
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -210,11 +357,17 @@ void cross_entropy_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor
   check_on_gpu({&dlogits, &logits, &lse, &targets}, "cross_entropy_backward");
   if (n == 0) return;
   MOE_CHECK(n <= std::numeric_limits<int32_t>::max(), "cross_entropy_backward: too many rows");
+  MOE_CHECK(v <= std::numeric_limits<int32_t>::max(), "cross_entropy_backward: V too large");
+  // Vectors need dlogits' rows at the logits' offset within 16 bytes (always so in place).
+  const uintptr_t gap =
+      reinterpret_cast<uintptr_t>(dlogits.data) - reinterpret_cast<uintptr_t>(logits.data);
+  const bool vec = gap % 16 == 0;
   dispatch_storage(logits.dtype, "cross_entropy_backward", [&](auto zero) {
     using T = decltype(zero);
     ce_backward_kernel<T><<<static_cast<unsigned>(n), kRowThreads, 0, stream_of(ctx)>>>(
         data_of<T>(dlogits), data_of<T>(logits), data_of<acc_t<T>>(lse),
-        static_cast<const int32_t*>(targets.data), v, static_cast<acc_t<T>>(grad_scale));
+        static_cast<const int32_t*>(targets.data), static_cast<int>(v),
+        static_cast<acc_t<T>>(grad_scale), vec);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -2,31 +2,47 @@
 // in one launch; its backward; the auxiliary load-balance and z losses and their gradient; the
 // aux-loss-free bias update. Semantics follow kernels/cpu/router.cpp exactly.
 //
-// Design:
-// - One warp per token (8 tokens per 256-thread block). Lanes stride over the E experts; warp
-//   reductions are xor butterflies, so every lane ends with the bitwise same value and the result
-//   does not depend on timing.
+// Design (router rows are short, E values, and the ops are bandwidth-bound passes over [N, E]):
+// - A group of G lanes per token, G the smallest power of 2 (<= 32) with 8 * G >= E, so each lane
+//   owns at most 8 of the row's values (all of them in registers up to E = 256; beyond that the
+//   ninth and later are read again for each pass). When E / G is a whole number of 16-byte vectors
+//   a lane owns a contiguous run and loads it with 16-byte accesses; otherwise lanes own every G-th
+//   value, so each warp access still covers whole sectors. Which layout is used depends on the
+//   shape only, so the bits of every result do too. A block walks tokens grid-stride; the grid
+//   depends only on N and E.
+// - Group reductions are xor butterflies: every lane of the group ends with the bitwise same
+//   value, independent of timing.
 // - Softmax and weights run in fp32 for f32/f16/bf16 storage (double for f64). The selection score
 //   logits + bias is formed and compared in double, exactly as the CPU reference does, so the
 //   selected experts (and the tie-break: higher score first, then lower expert index) agree
-//   bitwise with the CPU on the same stored values. The K picks are K warp-wide argmax passes,
-//   each taking "the best expert ranked after the previous pick" (the CPU's stateless scan), which
-//   lists them in descending score order.
-// - counts: a cudaMemsetAsync on the op's stream zeroes them, then lane 0 of each warp adds its
-//   picks with integer atomics (exact, order-independent).
+//   bitwise with the CPU. Without bias and with 16/32-bit logits the score is the float logit, and
+//   (score, index) packs into one 64-bit integer key. Each lane sorts its own candidates once (a
+//   19-comparator network); then each of the K picks is one group argmax of the lanes' heads and
+//   the winning lane pops its head. Picks come out in descending score order, G at a time: lane g
+//   ends a batch holding its pick g, so indices, counts and the renormalisation sum cost one
+//   group step per batch, not per pick (the sum is added per batch, a rounding away from the CPU's
+//   one-by-one order).
+// - counts: each block counts its picks in shared memory (integer atomics: exact); blocks add
+//   those into an accumulator in a per-device scratch, and the last block to finish (a ticket)
+//   moves the totals to `counts` and zeroes the accumulator. One launch, no memset per call.
 // - A row whose score is not finite cannot throw on the device without a host read: it gets
 //   topk_idx = -1 and weight 0 and is left out of counts (the CPU op throws for such a row).
-// - The aux-loss forward is one 1024-thread block: warp w handles rows w, w+32, ... in order and
-//   accumulates them in double; the 32 warp partials are added in warp order. Deterministic.
+// - The aux-loss forward sums each block's tokens (in a fixed order) into a double partial; the
+//   last block adds the partials in block order. Deterministic for a given shape.
 // - The bias update is one block with a fixed-order tree sum of the loads in double.
 // - add_counts (acc += counts, f32 / f64 acc) is one thread per expert: exact for integer loads
 //   below 2^24 in f32, so the micro-batches' sum is the same in any order.
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "common/router_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
 #include "moe/ops/router.hpp"
 
@@ -35,226 +51,586 @@ namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kWarp = 32;
-constexpr int kTokensPerBlock = 8;  // warps per block of the per-token kernels
-constexpr int kAuxThreads = 1024;   // the single block of the aux-loss forward
+constexpr int kThreads = 128;     // threads per block of the per-token kernels
+constexpr int kLaneValues = 8;    // row values a lane keeps in registers
+constexpr int kMaxBlocks = 2048;  // grid cap of the per-token kernels (= aux-loss partials)
 
-template <class A>
-__device__ __forceinline__ A warp_max(A v) {
-  for (int o = kWarp / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(kFullMask, v, o));
+// ---- rows spread over a group of lanes ----------------------------------------------------------
+
+// group: lanes per token; contiguous: lane g owns values [g*v, g*v + v), v = E / group (else
+// g, g + group, ...); vec: contiguous and every row pointer 16-byte aligned.
+struct RowLayout {
+  int group, log2_group;
+  bool contiguous;
+  bool vec;
+};
+
+// The values a lane owns: experts first + i * step for i < count.
+struct LaneSpan {
+  int first, step, count;
+  __device__ int expert(int i) const { return first + i * step; }
+};
+
+__device__ __forceinline__ LaneSpan lane_span(const RowLayout& lay, int n_exp, int lane_g) {
+  if (lay.contiguous) {
+    const int v = n_exp >> lay.log2_group;
+    return {lane_g * v, 1, v};
+  }
+  return {lane_g, lay.group,
+          lane_g < n_exp ? (n_exp - lane_g + lay.group - 1) >> lay.log2_group : 0};
+}
+
+// x[i] = row[expert(i)] for the lane's first kLaneValues values (0 past its count).
+template <class T>
+__device__ __forceinline__ void load_lane(acc_t<T> (&x)[kLaneValues], const T* row,
+                                          const LaneSpan& s, bool vec) {
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i) x[i] = 0;
+  if (vec) {
+#pragma unroll
+    for (int c = 0; c < kLaneValues; c += kVec<T>)
+      if (c < s.count) {
+        const Vec16<T> v = load16(row + s.first + c);
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) x[c + j] = load(v.v[j]);
+      }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i)
+      if (i < s.count) x[i] = load(row[s.expert(i)]);
+  }
+}
+
+// fn(i, e, x, cached) for every value the lane owns: e its expert, x its value. The first
+// kLaneValues come from the registers x (cached = true, i their slot); later ones are read from
+// `row` again (cached = false). i is a compile-time slot either way, so the caller's own register
+// arrays indexed by it stay in registers.
+template <class T, class Fn>
+__device__ __forceinline__ void for_lane(const acc_t<T> (&x)[kLaneValues], const T* row,
+                                         const LaneSpan& s, Fn&& fn) {
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i)
+    if (i < s.count) fn(i, s.expert(i), x[i], true);
+  for (int j = kLaneValues; j < s.count; j += kLaneValues) {
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i)
+      if (j + i < s.count) {
+        const int e = s.expert(j + i);
+        fn(i, e, load(row[e]), false);
+      }
+  }
+}
+
+// row[expert(i)] = value(i, e, cached) for every value the lane owns (cached: slot i <
+// kLaneValues).
+template <class T, class Fn>
+__device__ __forceinline__ void store_lane(T* row, const LaneSpan& s, bool vec, Fn&& value) {
+  if (vec) {  // contiguous and at most kLaneValues values
+#pragma unroll
+    for (int c = 0; c < kLaneValues; c += kVec<T>)
+      if (c < s.count) {
+        Vec16<T> v;
+#pragma unroll
+        for (int j = 0; j < kVec<T>; ++j) v.v[j] = store<T>(value(c + j, s.first + c + j, true));
+        store16(row + s.first + c, v);
+      }
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i)
+    if (i < s.count) row[s.expert(i)] = store<T>(value(i, s.expert(i), true));
+  for (int j = kLaneValues; j < s.count; j += kLaneValues) {
+#pragma unroll
+    for (int i = 0; i < kLaneValues; ++i)
+      if (j + i < s.count) {
+        const int e = s.expert(j + i);
+        row[e] = store<T>(value(i, e, false));
+      }
+  }
+}
+
+// Butterflies over the `group` lanes of a token (group: a power of 2 dividing 32; a token's lanes
+// are consecutive and aligned): every lane ends with the same value. The offsets run group/2, ...,
+// 1 (unrolled; the guard is the same for the whole warp).
+template <class V>
+__device__ __forceinline__ V group_sum(V v, int group) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < group) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
 }
-
-// Selection order: a ranks before b when its score is higher, or equal with a lower index.
-__device__ __forceinline__ bool ranks_before(double sa, int a, double sb, int b) {
-  return sa > sb || (sa == sb && a < b);
+template <class V>
+__device__ __forceinline__ V group_max(V v, int group) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < group) v = max(v, __shfl_xor_sync(kFullMask, v, o));
+  return v;
+}
+__device__ __forceinline__ bool group_all(bool b, int group) {
+  int v = b;
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < group) v &= __shfl_xor_sync(kFullMask, v, o);
+  return v != 0;
 }
 
-// log(sum_e exp(l_e)) of one row, warp-wide (every lane gets it).  l: [E]
-template <class T>
-__device__ acc_t<T> warp_logsumexp(const T* l, int n_exp, int lane) {
-  using A = acc_t<T>;
-  A mx = -INFINITY;
-  for (int e = lane; e < n_exp; e += kWarp) mx = max(mx, load(l[e]));
-  mx = warp_max(mx);
-  A s = 0;
-  for (int e = lane; e < n_exp; e += kWarp) s += dev_exp(load(l[e]) - mx);
-  return mx + dev_log(warp_sum(s));
+// ---- selection order ----------------------------------------------------------------------------
+
+// A candidate expert in the selection order: higher score first, then lower expert index. The
+// default candidate ("none") ranks after every expert.
+template <bool kPacked>
+struct Cand;
+
+// Float score (no bias, 16/32-bit logits): key = ordered float bits << 32 | ~index, so one unsigned
+// compare ranks two candidates. -0 is keyed as +0 (equal scores, as in the double compare).
+template <>
+struct Cand<true> {
+  uint64_t key = 0;  // every expert's key is above 0
+  __device__ static Cand of(float score, int e) {
+    const uint32_t u = __float_as_uint(score == 0.0f ? 0.0f : score);
+    const uint32_t ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return {(static_cast<uint64_t>(ordered) << 32) | ~static_cast<uint32_t>(e)};
+  }
+  __device__ bool before(const Cand& o) const { return key > o.key; }
+  __device__ bool same(const Cand& o) const { return key == o.key; }
+  __device__ int expert() const { return key ? static_cast<int>(~static_cast<uint32_t>(key)) : -1; }
+  __device__ float score() const {
+    const uint32_t ordered = static_cast<uint32_t>(key >> 32);
+    return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+  }
+  __device__ Cand shfl_xor(int o) const { return {__shfl_xor_sync(kFullMask, key, o)}; }
+};
+
+template <>
+struct Cand<false> {
+  double s = 0;
+  int e = -1;
+  __device__ static Cand of(double score, int e) { return {score, e}; }
+  __device__ bool before(const Cand& o) const {
+    return e >= 0 && (o.e < 0 || s > o.s || (s == o.s && e < o.e));
+  }
+  __device__ bool same(const Cand& o) const { return e == o.e; }
+  __device__ int expert() const { return e; }
+  __device__ Cand shfl_xor(int o) const {
+    return {__shfl_xor_sync(kFullMask, s, o), __shfl_xor_sync(kFullMask, e, o)};
+  }
+};
+
+template <class C>
+__device__ __forceinline__ void order_pair(C (&a)[kLaneValues], int i, int j) {
+  if (a[j].before(a[i])) {
+    const C t = a[i];
+    a[i] = a[j];
+    a[j] = t;
+  }
+}
+
+// Sorts 8 candidates into selection order (the optimal 19-comparator network for 8 inputs).
+template <class C>
+__device__ __forceinline__ void sort8(C (&a)[kLaneValues]) {
+  static_assert(kLaneValues == 8, "sort8 sorts 8 values");
+  order_pair(a, 0, 2), order_pair(a, 1, 3), order_pair(a, 4, 6), order_pair(a, 5, 7);
+  order_pair(a, 0, 4), order_pair(a, 1, 5), order_pair(a, 2, 6), order_pair(a, 3, 7);
+  order_pair(a, 0, 1), order_pair(a, 2, 3), order_pair(a, 4, 5), order_pair(a, 6, 7);
+  order_pair(a, 2, 4), order_pair(a, 3, 5);
+  order_pair(a, 1, 4), order_pair(a, 3, 6);
+  order_pair(a, 1, 2), order_pair(a, 3, 4), order_pair(a, 5, 6);
+}
+
+// The best candidate over the token's lanes (every lane gets it).
+template <class C>
+__device__ __forceinline__ C group_best(C c, int group) {
+#pragma unroll
+  for (int o = kWarp / 2; o > 0; o >>= 1)
+    if (o < group) {
+      const C other = c.shfl_xor(o);
+      if (other.before(c)) c = other;
+    }
+  return c;
 }
 
 // ---- top-K forward ------------------------------------------------------------------------------
 
-template <class T>
-__global__ void topk_forward_kernel(T* __restrict__ probs, int32_t* __restrict__ idx,
-                                    T* __restrict__ w, int32_t* __restrict__ counts,
-                                    const T* __restrict__ logits, const T* __restrict__ bias,
-                                    int64_t n_tok, int n_exp, int k, bool norm_topk_prob) {
+// Per-device scratch of the router kernels: two tickets, the aux-loss partials and the top-K
+// count accumulator (tickets and accumulator are left zero by the kernels that use them).
+struct RouterScratch {
+  int* tickets;        // [0]: top-K forward, [1]: aux-loss forward
+  double* partials;    // [2 * kMaxBlocks]
+  int32_t* count_acc;  // [E]
+};
+
+// After a block's picks are in hist (shared memory, or count_acc itself): the last block to finish
+// writes counts = the sum over blocks and zeroes the accumulator and ticket for the next call.
+__device__ void finish_counts(int32_t* counts, const int32_t* hist, bool hist_in_smem,
+                              const RouterScratch& scratch, int n_exp) {
+  __shared__ bool last;
+  __syncthreads();
+  if (hist_in_smem)
+    for (int e = threadIdx.x; e < n_exp; e += blockDim.x)
+      if (hist[e]) atomicAdd(&scratch.count_acc[e], hist[e]);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(&scratch.tickets[0], 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < n_exp; e += blockDim.x)
+    counts[e] = atomicExch(&scratch.count_acc[e], 0);
+  if (threadIdx.x == 0) scratch.tickets[0] = 0;
+}
+
+template <class T, bool kPacked>
+__global__ void __launch_bounds__(kThreads)
+    topk_forward_kernel(T* __restrict__ probs, int32_t* __restrict__ idx, T* __restrict__ w,
+                        int32_t* __restrict__ counts, const T* __restrict__ logits,
+                        const T* __restrict__ bias, int64_t n_tok, int n_exp, int k,
+                        bool norm_topk_prob, RowLayout lay, RouterScratch scratch,
+                        bool hist_in_smem) {
   using A = acc_t<T>;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + threadIdx.x / kWarp;
-  if (n >= n_tok) return;  // the whole warp leaves together
-  const T* l = logits + n * n_exp;
-  auto score = [&](int e) {
-    return static_cast<double>(load(l[e])) + (bias ? static_cast<double>(load(bias[e])) : 0.0);
+  using C = Cand<kPacked>;
+  extern __shared__ int32_t smem_hist[];
+  int32_t* hist = hist_in_smem ? smem_hist : scratch.count_acc;
+  if (hist_in_smem) {
+    for (int e = threadIdx.x; e < n_exp; e += blockDim.x) hist[e] = 0;
+    __syncthreads();
+  }
+  const int group = lay.group, lane_g = threadIdx.x & (group - 1);
+  const LaneSpan span = lane_span(lay, n_exp, lane_g);
+  const bool in_regs = (n_exp + group - 1) / group <= kLaneValues;  // the same for every lane
+  const int tokens = kThreads >> lay.log2_group;
+  // The lane's bias values (the same experts for every token), in double like the CPU's score.
+  double lane_bias[kLaneValues];
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i)
+    lane_bias[i] = bias && i < span.count ? static_cast<double>(load(bias[span.expert(i)])) : 0.0;
+  auto cand = [&](int i, int e, A x, bool cached) {
+    if constexpr (kPacked)
+      return C::of(x, e);
+    else
+      return C::of(static_cast<double>(x) + (cached ? lane_bias[i]
+                                             : bias ? static_cast<double>(load(bias[e]))
+                                                    : 0.0),
+                   e);
   };
 
-  // Softmax: p_e = exp(l_e - max) / sum.
-  A mx = -INFINITY;
-  bool finite = true;
-  for (int e = lane; e < n_exp; e += kWarp) {
-    mx = max(mx, load(l[e]));
-    finite = finite && isfinite(score(e));
-  }
-  mx = warp_max(mx);
-  finite = __all_sync(kFullMask, finite);
-  A sum = 0;
-  for (int e = lane; e < n_exp; e += kWarp) sum += dev_exp(load(l[e]) - mx);
-  sum = warp_sum(sum);
-  T* p = probs + n * n_exp;
-  for (int e = lane; e < n_exp; e += kWarp) p[e] = store<T>(dev_exp(load(l[e]) - mx) / sum);
+  for (int64_t base = int64_t(blockIdx.x) * tokens; base < n_tok;
+       base += int64_t(gridDim.x) * tokens) {
+    const int64_t n = base + (threadIdx.x >> lay.log2_group);
+    const bool valid = n < n_tok;  // lanes past the end still join the butterflies
+    const int64_t row_n = valid ? n : 0;
+    const T* l = logits + row_n * n_exp;
+    A x[kLaneValues];
+    load_lane(x, l, span, lay.vec);
 
-  // K argmax passes, each over the experts ranked after the previous pick.
-  int32_t* in = idx + n * k;
-  int prev = -1;
-  double prev_score = 0;
-  A sum_topk = 0;  // in pick order, like the CPU
-  for (int j = 0; j < k; ++j) {
-    int best = -1;
-    double best_score = 0;
-    if (finite) {
-      for (int e = lane; e < n_exp; e += kWarp) {
-        const double s = score(e);
-        const bool after_prev = prev < 0 || ranks_before(prev_score, prev, s, e);
-        if (after_prev && (best < 0 || ranks_before(s, e, best_score, best))) {
-          best = e;
-          best_score = s;
+    // Softmax: p_e = exp(l_e - max) / sum.
+    A mx = neg_inf<A>();
+    bool finite = true;
+    for_lane(x, l, span, [&](int i, int e, A v, bool cached) {
+      mx = max(mx, v);
+      if constexpr (kPacked)  // & rather than &&: no branch per value
+        finite &= static_cast<bool>(isfinite(v));
+      else
+        finite &= static_cast<bool>(isfinite(cand(i, e, v, cached).s));
+    });
+    mx = group_max(mx, group);
+    finite = group_all(finite, group);
+    A ex[kLaneValues];
+    A sum = 0;
+    for_lane(x, l, span, [&](int i, int, A v, bool cached) {
+      const A t = dev_exp(v - mx);
+      if (cached) ex[i] = t;
+      sum += t;
+    });
+    const A inv_sum = A(1) / group_sum(sum, group);
+    if (valid)
+      store_lane(probs + row_n * n_exp, span, lay.vec, [&](int i, int e, bool cached) {
+        return (cached ? ex[i] : dev_exp(load(l[e]) - mx)) * inv_sum;
+      });
+
+    // Selection: K group argmaxes over the lanes' best remaining candidates.
+    C sorted[kLaneValues];  // in_regs: the lane's candidates in selection order
+    C head;                 // the lane's best candidate not yet picked
+    if (finite && in_regs) {
+#pragma unroll
+      for (int i = 0; i < kLaneValues; ++i)
+        sorted[i] = i < span.count ? cand(i, span.expert(i), x[i], true) : C{};
+      sort8(sorted);
+      head = sorted[0];
+    }
+    // Without registers for all values (E > 8 * 32): scan again for the best after `prev`.
+    auto scan_after = [&](const C& prev, bool first) {
+      C best;
+      for_lane(x, l, span, [&](int i, int e, A v, bool cached) {
+        const C c = cand(i, e, v, cached);
+        if ((first || prev.before(c)) && c.before(best)) best = c;
+      });
+      return best;
+    };
+    if (finite && !in_regs) head = scan_after(C{}, true);
+
+    // Picks are made `group` at a time; after each batch lane g holds pick j0 + g, so the stores,
+    // counts and probabilities of a batch are one step of the group (not one per pick).
+    int32_t* in = idx + row_n * k;
+    T* wn = w + row_n * k;
+    A sum_topk = 0;  // batch by batch in pick order (the CPU adds them one by one)
+    A p_mine = 0;    // the probability of this lane's pick of the last batch
+    for (int j0 = 0; j0 < k; j0 += group) {
+      const int batch = min(group, k - j0);
+      C mine;
+      for (int jj = 0; jj < batch; ++jj) {
+        const C pick = group_best(head, group);
+        if (head.same(pick)) {  // this lane's head was picked: pop it
+          if (in_regs) {
+#pragma unroll
+            for (int i = 0; i + 1 < kLaneValues; ++i) sorted[i] = sorted[i + 1];
+            sorted[kLaneValues - 1] = C{};
+            head = sorted[0];
+          } else if (finite) {
+            head = scan_after(pick, false);
+          }
+        }
+        if (lane_g == jj) mine = pick;
+      }
+      const bool holds = lane_g < batch;
+      const int e = mine.expert();
+      p_mine = 0;
+      if (holds && e >= 0) {
+        A logit;
+        if constexpr (kPacked)
+          logit = mine.score();
+        else
+          logit = load(l[e]);
+        p_mine = dev_exp(logit - mx) * inv_sum;
+      }
+      if (valid && holds) {
+        in[j0 + lane_g] = e;
+        if (e >= 0) atomicAdd(&hist[e], 1);
+      }
+      sum_topk += group_sum(p_mine, group);
+    }
+    auto weight = [&](A pj) {
+      return store<T>(norm_topk_prob ? (sum_topk > A(0) ? pj / sum_topk : A(0)) : pj);
+    };
+    if (valid) {
+      if (k <= group) {  // one batch: each lane still holds its pick's probability
+        if (lane_g < k) wn[lane_g] = weight(p_mine);
+      } else {
+        for (int j = lane_g; j < k; j += group) {
+          const int e = in[j];  // written by this lane above
+          wn[j] = weight(e >= 0 ? dev_exp(load(l[e]) - mx) * inv_sum : A(0));
         }
       }
     }
-    for (int o = kWarp / 2; o > 0; o >>= 1) {
-      const int other = __shfl_xor_sync(kFullMask, best, o);
-      const double other_score = __shfl_xor_sync(kFullMask, best_score, o);
-      if (other >= 0 && (best < 0 || ranks_before(other_score, other, best_score, best))) {
-        best = other;
-        best_score = other_score;
-      }
-    }
-    if (lane == 0) {
-      in[j] = best;
-      if (best >= 0) atomicAdd(&counts[best], 1);
-    }
-    if (best >= 0) sum_topk += dev_exp(load(l[best]) - mx) / sum;
-    prev = best;
-    prev_score = best_score;
   }
-  __syncwarp();  // lane 0's writes of `in` are visible to the warp
-  for (int j = lane; j < k; j += kWarp) {
-    const int e = in[j];
-    const A pj = e >= 0 ? dev_exp(load(l[e]) - mx) / sum : A(0);
-    w[n * k + j] = store<T>(norm_topk_prob ? (sum_topk > A(0) ? pj / sum_topk : A(0)) : pj);
-  }
+  finish_counts(counts, hist, hist_in_smem, scratch, n_exp);
 }
 
 // ---- top-K backward -----------------------------------------------------------------------------
 
 template <class T>
-__global__ void topk_backward_kernel(T* __restrict__ dlogits, const T* __restrict__ dtopk_w,
-                                     const T* __restrict__ probs, const int32_t* __restrict__ idx,
-                                     int64_t n_tok, int n_exp, int k, bool norm_topk_prob) {
+__global__ void __launch_bounds__(kThreads)
+    topk_backward_kernel(T* __restrict__ dlogits, const T* __restrict__ dtopk_w,
+                         const T* __restrict__ probs, const int32_t* __restrict__ idx,
+                         int64_t n_tok, int n_exp, int k, bool norm_topk_prob, RowLayout lay) {
   using A = acc_t<T>;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + threadIdx.x / kWarp;
-  if (n >= n_tok) return;
-  const T* p = probs + n * n_exp;
-  const T* dw = dtopk_w + n * k;
-  const int32_t* in = idx + n * k;
-  auto valid = [&](int j) { return in[j] >= 0 && in[j] < n_exp; };  // invalid picks are skipped
-  // Renormalisation w_j = p_j / S:  dp_j = (dw_j - sum_i dw_i w_i) / S on the top-K.
-  A sum_topk = 0;
-  for (int j = lane; j < k; j += kWarp) sum_topk += valid(j) ? load(p[in[j]]) : A(0);
-  sum_topk = warp_sum(sum_topk);
-  A dw_dot_w = 0;
-  for (int j = lane; j < k; j += kWarp)
-    dw_dot_w += valid(j) ? load(dw[j]) * load(p[in[j]]) / sum_topk : A(0);
-  dw_dot_w = warp_sum(dw_dot_w);
-  auto dp = [&](int j) {
-    return norm_topk_prob ? (load(dw[j]) - dw_dot_w) / sum_topk : load(dw[j]);
-  };
-  // Softmax: dl_e = p_e * (dp_e - sum_j p_j dp_j).
-  A p_dot_dp = 0;
-  for (int j = lane; j < k; j += kWarp) p_dot_dp += valid(j) ? load(p[in[j]]) * dp(j) : A(0);
-  p_dot_dp = warp_sum(p_dot_dp);
-  T* dl = dlogits + n * n_exp;
-  for (int e = lane; e < n_exp; e += kWarp) dl[e] = store<T>(-load(p[e]) * p_dot_dp);
-  __syncwarp();  // the selected entries below overwrite the ones just written
-  for (int j = lane; j < k; j += kWarp)
-    if (valid(j)) dl[in[j]] = store<T>(load(p[in[j]]) * (dp(j) - p_dot_dp));
+  const int group = lay.group, lane_g = threadIdx.x & (group - 1);
+  const LaneSpan span = lane_span(lay, n_exp, lane_g);
+  const int tokens = kThreads >> lay.log2_group;
+  for (int64_t base = int64_t(blockIdx.x) * tokens; base < n_tok;
+       base += int64_t(gridDim.x) * tokens) {
+    const int64_t n = base + (threadIdx.x >> lay.log2_group);
+    const bool valid = n < n_tok;
+    const int64_t row_n = valid ? n : 0;
+    const T* p = probs + row_n * n_exp;
+    const T* dw = dtopk_w + row_n * k;
+    const int32_t* in = idx + row_n * k;
+    auto pick = [&](int j) {  // invalid picks are skipped
+      const int e = in[j];
+      return e >= 0 && e < n_exp ? e : -1;
+    };
+    // Renormalisation w_j = p_j / S:  dp_j = (dw_j - sum_i dw_i w_i) / S on the top-K.
+    A sum_topk = 0;
+    for (int j = lane_g; j < k; j += group) {
+      const int e = pick(j);
+      if (e >= 0) sum_topk += load(p[e]);
+    }
+    sum_topk = group_sum(sum_topk, group);
+    A dw_dot_w = 0;
+    for (int j = lane_g; j < k; j += group) {
+      const int e = pick(j);
+      if (e >= 0) dw_dot_w += load(dw[j]) * (load(p[e]) / sum_topk);  // w_j as the forward
+    }
+    dw_dot_w = group_sum(dw_dot_w, group);
+    auto dp = [&](int j) {
+      return norm_topk_prob ? (load(dw[j]) - dw_dot_w) / sum_topk : load(dw[j]);
+    };
+    // Softmax: dl_e = p_e * (dp_e - sum_j p_j dp_j).
+    A p_dot_dp = 0;
+    for (int j = lane_g; j < k; j += group) {
+      const int e = pick(j);
+      if (e >= 0) p_dot_dp += load(p[e]) * dp(j);
+    }
+    p_dot_dp = group_sum(p_dot_dp, group);
+    A x[kLaneValues];
+    load_lane(x, p, span, lay.vec);
+    T* dl = dlogits + row_n * n_exp;
+    if (valid)
+      store_lane(dl, span, lay.vec, [&](int i, int e, bool cached) {
+        return -(cached ? x[i] : load(p[e])) * p_dot_dp;
+      });
+    __syncwarp();  // the selected entries below overwrite ones just written by other lanes
+    if (valid)
+      for (int j = lane_g; j < k; j += group) {
+        const int e = pick(j);
+        if (e >= 0) dl[e] = store<T>(load(p[e]) * (dp(j) - p_dot_dp));
+      }
+  }
 }
 
 // ---- auxiliary losses ---------------------------------------------------------------------------
 
-// d aux / d p_ne = aux_coef * E * f_e / N, f_e = count_e / (N*K); factors: [E] in shared memory.
+// d aux / d p_ne = aux_coef * E * f_e / N = factor_scale * count_e, f_e = count_e / (N*K): the
+// lane's experts are the same for every token, so their factors are computed once.
 template <class A>
-__device__ void fill_aux_factors(A* factors, const int32_t* counts, int64_t n_tok, int n_exp, int k,
-                                 double aux_coef) {
-  for (int e = threadIdx.x; e < n_exp; e += blockDim.x)
-    factors[e] = static_cast<A>(
-        aux_coef * n_exp * (static_cast<double>(counts[e]) / (static_cast<double>(n_tok) * k)) /
-        static_cast<double>(n_tok));
-  __syncthreads();
+__device__ __forceinline__ void lane_factors(A (&g)[kLaneValues], const int32_t* counts,
+                                             const LaneSpan& s, A factor_scale) {
+#pragma unroll
+  for (int i = 0; i < kLaneValues; ++i)
+    g[i] = i < s.count ? factor_scale * static_cast<A>(counts[s.expert(i)]) : A(0);
 }
 
+// log(sum_e exp(l_e)) of one row over the token's lanes (every lane gets it).
 template <class T>
-__global__ void __launch_bounds__(kAuxThreads)
-    aux_forward_kernel(T* __restrict__ losses, const T* __restrict__ logits,
-                       const T* __restrict__ probs, const int32_t* __restrict__ counts,
-                       int64_t n_tok, int n_exp, int k, double aux_coef, double z_coef) {
+__device__ __forceinline__ acc_t<T> group_logsumexp(const acc_t<T> (&x)[kLaneValues], const T* l,
+                                                    const LaneSpan& s, int group) {
   using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  A* factors = reinterpret_cast<A*>(smem);
-  __shared__ double part_aux[kAuxThreads / kWarp], part_z[kAuxThreads / kWarp];
-  fill_aux_factors(factors, counts, n_tok, n_exp, k, aux_coef);
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int warps = blockDim.x / kWarp;
-  // One token per thread (router rows are short: E values), so all 1024 threads stream the
-  // [N, E] rows; a warp per token left most lanes idle on E = 8 and took ~0.5 ms at N = 16k.
-  double aux = 0, z = 0;
-  for (int64_t n = threadIdx.x; n < n_tok; n += blockDim.x) {
-    const T* pn = probs + n * n_exp;
-    const T* ln = logits + n * n_exp;
-    A s = 0, mx = -INFINITY;
-    for (int e = 0; e < n_exp; ++e) {
-      s += factors[e] * load(pn[e]);
-      mx = max(mx, load(ln[e]));
-    }
-    A sum = 0;
-    for (int e = 0; e < n_exp; ++e) sum += dev_exp(load(ln[e]) - mx);
-    const A lse = mx + dev_log(sum);
-    aux += static_cast<double>(s);
-    z += static_cast<double>(lse) * static_cast<double>(lse);
-  }
-  aux = warp_sum(aux);  // fixed butterfly order: deterministic
-  z = warp_sum(z);
-  if (lane == 0) {
-    part_aux[warp] = aux;
-    part_z[warp] = z;
+  A mx = neg_inf<A>();
+  for_lane(x, l, s, [&](int, int, A v, bool) { mx = max(mx, v); });
+  mx = group_max(mx, group);
+  A sum = 0;
+  for_lane(x, l, s, [&](int, int, A v, bool) { sum += dev_exp(v - mx); });
+  return mx + dev_log(group_sum(sum, group));
+}
+
+// Sum of a and b over the block in a fixed order, valid in thread 0.
+__device__ void block_sum2(double& a, double& b) {
+  __shared__ double part[2][kThreads / kWarp];
+  a = warp_sum(a);
+  b = warp_sum(b);
+  if (threadIdx.x % kWarp == 0) {
+    part[0][threadIdx.x / kWarp] = a;
+    part[1][threadIdx.x / kWarp] = b;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    double ta = 0, tz = 0;
-    for (int i = 0; i < warps; ++i) {
-      ta += part_aux[i];
-      tz += part_z[i];
+    a = b = 0;
+    for (int i = 0; i < kThreads / kWarp; ++i) {
+      a += part[0][i];
+      b += part[1][i];
     }
-    losses[0] = store<T>(static_cast<A>(n_tok > 0 ? ta : 0.0));
-    losses[1] =
-        store<T>(static_cast<A>(n_tok > 0 ? z_coef * tz / static_cast<double>(n_tok) : 0.0));
+  }
+  __syncthreads();
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads)
+    aux_forward_kernel(T* __restrict__ losses, const T* __restrict__ logits,
+                       const T* __restrict__ probs, const int32_t* __restrict__ counts,
+                       int64_t n_tok, int n_exp, acc_t<T> factor_scale, double z_coef,
+                       RowLayout lay, RouterScratch scratch) {
+  using A = acc_t<T>;
+  const int group = lay.group, lane_g = threadIdx.x & (group - 1);
+  const LaneSpan span = lane_span(lay, n_exp, lane_g);
+  const int tokens = kThreads >> lay.log2_group;
+  A g[kLaneValues];
+  lane_factors(g, counts, span, factor_scale);
+  // aux = sum_n sum_e g_e p_ne (aux is linear in p with f held constant); z = mean_n lse_n^2.
+  double aux = 0, z = 0;  // this lane's tokens, in token order (group leaders only)
+  for (int64_t base = int64_t(blockIdx.x) * tokens; base < n_tok;
+       base += int64_t(gridDim.x) * tokens) {
+    const int64_t n = base + (threadIdx.x >> lay.log2_group);
+    const bool valid = n < n_tok;
+    const int64_t row_n = valid ? n : 0;
+    const T* p = probs + row_n * n_exp;
+    const T* l = logits + row_n * n_exp;
+    A xp[kLaneValues], xl[kLaneValues];
+    load_lane(xp, p, span, lay.vec);
+    load_lane(xl, l, span, lay.vec);
+    A s = 0;
+    for_lane(xp, p, span, [&](int i, int e, A v, bool cached) {
+      s += (cached ? g[i] : factor_scale * static_cast<A>(counts[e])) * v;
+    });
+    s = group_sum(s, group);
+    const A lse = group_logsumexp(xl, l, span, group);
+    if (valid && lane_g == 0) {
+      aux += static_cast<double>(s);
+      z += static_cast<double>(lse) * static_cast<double>(lse);
+    }
+  }
+  // Block partial, then the last block adds the partials in block order.
+  block_sum2(aux, z);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    scratch.partials[2 * blockIdx.x] = aux;
+    scratch.partials[2 * blockIdx.x + 1] = z;
+    __threadfence();
+    last = atomicAdd(&scratch.tickets[1], 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  aux = z = 0;
+  for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += kThreads) {
+    aux += __ldcg(&scratch.partials[2 * b]);
+    z += __ldcg(&scratch.partials[2 * b + 1]);
+  }
+  block_sum2(aux, z);
+  if (threadIdx.x == 0) {
+    losses[0] = store<T>(static_cast<A>(aux));
+    losses[1] = store<T>(static_cast<A>(z_coef * z / static_cast<double>(n_tok)));
+    scratch.tickets[1] = 0;
   }
 }
 
 template <class T>
-__global__ void aux_backward_kernel(T* __restrict__ dlogits, const T* __restrict__ logits,
-                                    const T* __restrict__ probs, const int32_t* __restrict__ counts,
-                                    int64_t n_tok, int n_exp, int k, double aux_coef, double z_coef,
-                                    double grad_scale) {
+__global__ void __launch_bounds__(kThreads)
+    aux_backward_kernel(T* __restrict__ dlogits, const T* __restrict__ logits,
+                        const T* __restrict__ probs, const int32_t* __restrict__ counts,
+                        int64_t n_tok, int n_exp, acc_t<T> factor_scale, acc_t<T> dz_scale,
+                        acc_t<T> grad_scale, RowLayout lay) {
   using A = acc_t<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  A* factors = reinterpret_cast<A*>(smem);
-  fill_aux_factors(factors, counts, n_tok, n_exp, k, aux_coef);
-  const int lane = threadIdx.x % kWarp;
-  const int64_t n = static_cast<int64_t>(blockIdx.x) * kTokensPerBlock + threadIdx.x / kWarp;
-  if (n >= n_tok) return;  // after the block barrier in fill_aux_factors
-  const T* pn = probs + n * n_exp;
-  // aux through the softmax: p_e (g_e - sum_j p_j g_j); z: z_coef * 2 lse / N * p_e.
-  A p_dot_g = 0;
-  for (int e = lane; e < n_exp; e += kWarp) p_dot_g += load(pn[e]) * factors[e];
-  p_dot_g = warp_sum(p_dot_g);
-  const A lse = warp_logsumexp(logits + n * n_exp, n_exp, lane);
-  const A dz_dlse = static_cast<A>(z_coef * 2.0 / static_cast<double>(n_tok)) * lse;
-  const A scale = static_cast<A>(grad_scale);
-  T* dl = dlogits + n * n_exp;
-  for (int e = lane; e < n_exp; e += kWarp) {
-    const A pe = load(pn[e]);
-    dl[e] = store<T>(load(dl[e]) + scale * (pe * (factors[e] - p_dot_g) + dz_dlse * pe));
+  const int group = lay.group, lane_g = threadIdx.x & (group - 1);
+  const LaneSpan span = lane_span(lay, n_exp, lane_g);
+  const int tokens = kThreads >> lay.log2_group;
+  A g[kLaneValues];
+  lane_factors(g, counts, span, factor_scale);
+  auto factor = [&](int i, int e, bool cached) {
+    return cached ? g[i] : factor_scale * static_cast<A>(counts[e]);
+  };
+  for (int64_t base = int64_t(blockIdx.x) * tokens; base < n_tok;
+       base += int64_t(gridDim.x) * tokens) {
+    const int64_t n = base + (threadIdx.x >> lay.log2_group);
+    const bool valid = n < n_tok;
+    const int64_t row_n = valid ? n : 0;
+    const T* p = probs + row_n * n_exp;
+    const T* l = logits + row_n * n_exp;
+    T* dl = dlogits + row_n * n_exp;
+    A xp[kLaneValues], xl[kLaneValues], xd[kLaneValues];
+    load_lane(xp, p, span, lay.vec);
+    load_lane(xl, l, span, lay.vec);
+    load_lane(xd, dl, span, lay.vec);
+    // aux through the softmax: p_e (g_e - sum_j p_j g_j); z: z_coef * 2 lse / N * p_e.
+    A p_dot_g = 0;
+    for_lane(xp, p, span,
+             [&](int i, int e, A v, bool cached) { p_dot_g += v * factor(i, e, cached); });
+    p_dot_g = group_sum(p_dot_g, group);
+    const A dz_dlse = dz_scale * group_logsumexp(xl, l, span, group);
+    if (valid)
+      store_lane(dl, span, lay.vec, [&](int i, int e, bool cached) {
+        const A pe = cached ? xp[i] : load(p[e]);
+        const A d0 = cached ? xd[i] : load(dl[e]);
+        return d0 + grad_scale * (pe * (factor(i, e, cached) - p_dot_g) + dz_dlse * pe);
+      });
   }
 }
 
@@ -295,25 +671,107 @@ __global__ void add_counts_kernel(A* __restrict__ acc, const int32_t* __restrict
 
 // ---- host side ----------------------------------------------------------------------------------
 
-unsigned token_blocks(int64_t n_tok) {
-  return blocks_for(n_tok, kTokensPerBlock);
+// The scratch of the current device, allocated (zeroed, on `stream`) on first use and again only
+// when a larger E arrives; kept for the life of the process, so steady-state calls allocate
+// nothing. Like sum_squares_scratch (elementwise.cu) its use is ordered by the op's stream: ops of
+// one device share one stream, and calls on different streams of one device are not supported.
+RouterScratch router_scratch(int64_t n_exp, cudaStream_t stream) {
+  static std::mutex mutex;
+  struct Slot {
+    char* base = nullptr;
+    int64_t n_exp = 0;
+  };
+  static std::vector<Slot> per_device;
+  constexpr size_t kHead = 16 + 2 * kMaxBlocks * sizeof(double);  // tickets, partials
+  int dev = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1);
+  Slot& s = per_device[dev];
+  if (s.n_exp < n_exp) {
+    // cudaMalloc / cudaDeviceSynchronize are illegal while `stream` is captured (global mode), and
+    // in relaxed mode the zeroing memset would only be recorded into the graph, leaving eager
+    // calls before its first replay with garbage tickets: allocate outside a capture only.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MOE_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    MOE_CHECK(
+        capture == cudaStreamCaptureStatusNone,
+        "router: the per-device scratch for E = " + std::to_string(n_exp) +
+            " must first be allocated outside a CUDA graph capture (run the op eagerly once)");
+    const int64_t cap = std::max<int64_t>(n_exp, 256);
+    const size_t bytes = kHead + static_cast<size_t>(cap) * sizeof(int32_t);
+    if (s.base) {  // kernels queued earlier may still use the old one
+      MOE_CUDA_CHECK(cudaDeviceSynchronize());
+      MOE_CUDA_CHECK(cudaFree(s.base));
+      s = Slot{};
+    }
+    MOE_CUDA_CHECK(cudaMalloc(&s.base, bytes));
+    MOE_CUDA_CHECK(cudaMemsetAsync(s.base, 0, bytes, stream));
+    s.n_exp = cap;
+  }
+  return {reinterpret_cast<int*>(s.base), reinterpret_cast<double*>(s.base + 16),
+          reinterpret_cast<int32_t*>(s.base + kHead)};
 }
+
+// The group and value layout of [N, E] rows of T (see RowLayout); `rows`: the row tensors'
+// pointers, which must all be 16-byte aligned for vector access.
+template <class T>
+RowLayout row_layout(int64_t n_exp, std::initializer_list<const void*> rows) {
+  int log2_group = 0;
+  while (log2_group < 5 && (kLaneValues << log2_group) < n_exp) ++log2_group;
+  const int group = 1 << log2_group;
+  const int64_t v = n_exp / group;
+  const bool contiguous = n_exp % group == 0 && v <= kLaneValues && v % kVec<T> == 0;
+  return {group, log2_group, contiguous, contiguous && aligned16(rows)};
+}
+
+// The grid depends only on N and E (through the group size): reductions are fixed per shape.
+unsigned row_grid(int64_t n_tok, const RowLayout& lay) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(blocks_for(n_tok, kThreads >> lay.log2_group), kMaxBlocks));
+}
+
+// aux_coef * E / (N * K * N): d aux / d p_ne = this * count_e.
+double aux_factor_scale(double aux_coef, int64_t n_exp, int64_t n_tok, int k) {
+  return aux_coef * static_cast<double>(n_exp) /
+         (static_cast<double>(n_tok) * k * static_cast<double>(n_tok));
+}
+
+// Per-block counts live in shared memory up to this (E <= 8192), within the 48 KiB a launch may
+// take without opting in; larger E count straight into the scratch accumulator.
+constexpr size_t kMaxHistBytes = 32 * 1024;
 
 void router_topk_forward(Ctx& ctx, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts,
                          Tensor logits, Tensor bias, bool norm_topk_prob) {
   check_router_topk_forward_args(probs, topk_idx, topk_w, counts, logits, bias);
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1), k = topk_idx.size(1);
   cudaStream_t stream = stream_of(ctx);
-  MOE_CUDA_CHECK(cudaMemsetAsync(counts.data, 0, counts.nbytes(), stream));
-  if (n_tok == 0) return;
+  if (n_tok == 0) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(counts.data, 0, counts.nbytes(), stream));
+    return;
+  }
+  const RouterScratch scratch = router_scratch(n_exp, stream);
+  const size_t hist_bytes = static_cast<size_t>(n_exp) * sizeof(int32_t);
+  const bool hist_in_smem = hist_bytes <= kMaxHistBytes;
   dispatch_storage(logits.dtype, "router_topk_forward", [&](auto zero) {
     using T = decltype(zero);
-    topk_forward_kernel<T><<<token_blocks(n_tok), kTokensPerBlock * kWarp, 0, stream>>>(
-        static_cast<T*>(probs.data), static_cast<int32_t*>(topk_idx.data),
-        static_cast<T*>(topk_w.data), static_cast<int32_t*>(counts.data),
-        static_cast<const T*>(logits.data), static_cast<const T*>(bias.data), n_tok,
-        static_cast<int>(n_exp), static_cast<int>(k), norm_topk_prob);
-    MOE_CUDA_LAUNCH_CHECK();
+    const RowLayout lay = row_layout<T>(n_exp, {logits.data, probs.data});
+    auto launch = [&](auto kernel) {
+      kernel<<<row_grid(n_tok, lay), kThreads, hist_in_smem ? hist_bytes : 0, stream>>>(
+          static_cast<T*>(probs.data), static_cast<int32_t*>(topk_idx.data),
+          static_cast<T*>(topk_w.data), static_cast<int32_t*>(counts.data),
+          static_cast<const T*>(logits.data), static_cast<const T*>(bias.data), n_tok,
+          static_cast<int>(n_exp), static_cast<int>(k), norm_topk_prob, lay, scratch, hist_in_smem);
+      MOE_CUDA_LAUNCH_CHECK();
+    };
+    if constexpr (std::is_same_v<T, double>) {
+      launch(topk_forward_kernel<T, false>);
+    } else {
+      if (bias.empty())
+        launch(topk_forward_kernel<T, true>);
+      else
+        launch(topk_forward_kernel<T, false>);
+    }
   });
 }
 
@@ -324,10 +782,11 @@ void router_topk_backward(Ctx& ctx, Tensor dlogits, Tensor dtopk_w, Tensor probs
   if (n_tok == 0) return;
   dispatch_storage(probs.dtype, "router_topk_backward", [&](auto zero) {
     using T = decltype(zero);
-    topk_backward_kernel<T><<<token_blocks(n_tok), kTokensPerBlock * kWarp, 0, stream_of(ctx)>>>(
+    const RowLayout lay = row_layout<T>(n_exp, {dlogits.data, probs.data});
+    topk_backward_kernel<T><<<row_grid(n_tok, lay), kThreads, 0, stream_of(ctx)>>>(
         static_cast<T*>(dlogits.data), static_cast<const T*>(dtopk_w.data),
         static_cast<const T*>(probs.data), static_cast<const int32_t*>(topk_idx.data), n_tok,
-        static_cast<int>(n_exp), static_cast<int>(k), norm_topk_prob);
+        static_cast<int>(n_exp), static_cast<int>(k), norm_topk_prob, lay);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -336,13 +795,21 @@ void router_aux_loss_forward(Ctx& ctx, Tensor losses, Tensor logits, Tensor prob
                              int k, double aux_coef, double z_coef) {
   check_router_aux_loss_forward_args(losses, logits, probs, counts, k);
   const int64_t n_tok = logits.size(0), n_exp = logits.size(1);
+  cudaStream_t stream = stream_of(ctx);
+  if (n_tok == 0) {  // both losses 0 (all-zero bits in every float dtype)
+    MOE_CUDA_CHECK(cudaMemsetAsync(losses.data, 0, losses.nbytes(), stream));
+    return;
+  }
+  const RouterScratch scratch = router_scratch(n_exp, stream);
   dispatch_storage(logits.dtype, "router_aux_loss_forward", [&](auto zero) {
     using T = decltype(zero);
-    const size_t smem = static_cast<size_t>(n_exp) * sizeof(acc_t<T>);
-    aux_forward_kernel<T><<<1, kAuxThreads, smem, stream_of(ctx)>>>(
+    using A = acc_t<T>;
+    const RowLayout lay = row_layout<T>(n_exp, {logits.data, probs.data});
+    aux_forward_kernel<T><<<row_grid(n_tok, lay), kThreads, 0, stream>>>(
         static_cast<T*>(losses.data), static_cast<const T*>(logits.data),
         static_cast<const T*>(probs.data), static_cast<const int32_t*>(counts.data), n_tok,
-        static_cast<int>(n_exp), k, aux_coef, z_coef);
+        static_cast<int>(n_exp), static_cast<A>(aux_factor_scale(aux_coef, n_exp, n_tok, k)),
+        z_coef, lay, scratch);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -354,11 +821,13 @@ void router_aux_loss_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor pr
   if (n_tok == 0) return;
   dispatch_storage(logits.dtype, "router_aux_loss_backward", [&](auto zero) {
     using T = decltype(zero);
-    const size_t smem = static_cast<size_t>(n_exp) * sizeof(acc_t<T>);
-    aux_backward_kernel<T><<<token_blocks(n_tok), kTokensPerBlock * kWarp, smem, stream_of(ctx)>>>(
+    using A = acc_t<T>;
+    const RowLayout lay = row_layout<T>(n_exp, {dlogits.data, logits.data, probs.data});
+    aux_backward_kernel<T><<<row_grid(n_tok, lay), kThreads, 0, stream_of(ctx)>>>(
         static_cast<T*>(dlogits.data), static_cast<const T*>(logits.data),
         static_cast<const T*>(probs.data), static_cast<const int32_t*>(counts.data), n_tok,
-        static_cast<int>(n_exp), k, aux_coef, z_coef, grad_scale);
+        static_cast<int>(n_exp), static_cast<A>(aux_factor_scale(aux_coef, n_exp, n_tok, k)),
+        static_cast<A>(z_coef * 2.0 / static_cast<double>(n_tok)), static_cast<A>(grad_scale), lay);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
