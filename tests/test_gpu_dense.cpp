@@ -758,6 +758,52 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   unsetenv("MOE_GROUPED_SM90");
 }
 
+TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  // {rows, in, features, offsets}: features not a multiple of the 128-feature tiles, an empty
+  // expert, tiles cut mid-expert, more tiles than SMs (the persistent kernel).
+  const GroupedCase cases[] = {{300, 64, 200, {0, 100, 100, 300}},
+                               {1001, 136, 704, {0, 129, 129, 600, 1001}},
+                               {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+  // The fused sm_90 kernel (256-column tiles; elsewhere, or with 128-column tiles, the op runs
+  // the three ops itself) against the three ops.
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, in = gc.in, f = gc.out;
+    const std::string tag =
+        " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
+    for (DType dt : kDtypes) {
+      const auto x = rounded_random_values(dt, r * in, 90),
+                 w1 = rounded_random_values(dt, e * f * in, 91),
+                 w3 = rounded_random_values(dt, e * f * in, 92);
+      DeviceTensor gx = on_device(dt, {r, in}, x), gw1 = on_device(dt, {e, f, in}, w1),
+                   gw3 = on_device(dt, {e, f, in}, w3), goff = ids_on_device(gc.offsets);
+      DeviceTensor gate = poisoned(dt, {r, f}), up = poisoned(dt, {r, f}), h = poisoned(dt, {r, f});
+      grouped_swiglu_forward(gpu, gate, up, h, gx, gw1, gw3, goff);
+      DeviceTensor gate2 = poisoned(dt, {r, f}), up2 = poisoned(dt, {r, f}),
+                   h2 = poisoned(dt, {r, f});
+      grouped_linear_forward(gpu, gate2, gx, gw1, goff);
+      grouped_linear_forward(gpu, up2, gx, gw3, goff);
+      swiglu_forward(gpu, h2, gate2, up2);
+      INFO(dtype_name(dt) << tag);
+      CHECK(bytes_of(gate) == bytes_of(gate2));
+      CHECK(bytes_of(up) == bytes_of(up2));
+      CHECK(bytes_of(h) == bytes_of(h2));
+      // and against the CPU op
+      Buf<double> hgate({r, f}), hup({r, f}), hh({r, f});
+      Buf<double> hx = host({r, in}, x), hw1 = host({e, f, in}, w1), hw3 = host({e, f, in}, w3);
+      Buf<int32_t> hoff = host_i32(gc.offsets);
+      cpu::grouped_swiglu_forward(cpu, hgate, hup, hh, hx, hw1, hw3, hoff);
+      check_close("grouped_swiglu_forward gate" + tag, dt, download(gate), hgate.v,
+                  sum_tol(dt, in));
+      check_close("grouped_swiglu_forward up" + tag, dt, download(up), hup.v, sum_tol(dt, in));
+    }
+  }
+  unsetenv("MOE_GROUPED_SM90");
+}
+
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   Ctx gpu = gpu_ctx();
   DeviceTensor x(DType::f32, {10, 8}), w(DType::f32, {2, 6, 8}), y(DType::f32, {10, 6});

@@ -557,6 +557,36 @@ TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {
   CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
 }
 
+TEST_CASE("grouped_swiglu_forward is the two projections and SwiGLU, checks its shapes",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> w3 = random_buf({c.kExperts, c.kOut, c.kIn}, 78);
+  Buf<double> gate = random_buf({c.kRows, c.kOut}, 79), up = random_buf({c.kRows, c.kOut}, 80),
+              h = random_buf({c.kRows, c.kOut}, 81);  // garbage: every element is written
+  grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3, c.offsets);
+  Buf<double> want_gate({c.kRows, c.kOut}), want_up({c.kRows, c.kOut}), want_h({c.kRows, c.kOut});
+  grouped_linear_forward(ctx, want_gate, c.x, c.w, c.offsets);
+  grouped_linear_forward(ctx, want_up, c.x, w3, c.offsets);
+  swiglu_forward(ctx, want_h, want_gate, want_up);
+  CHECK(gate.v == want_gate.v);
+  CHECK(up.v == want_up.v);
+  CHECK(h.v == want_h.v);
+  for (size_t i = 0; i < h.v.size(); ++i) {  // and h is silu(gate) * up
+    const double g = gate.v[i];
+    CHECK(h.v[i] == Approx(g / (1 + std::exp(-g)) * up.v[i]).epsilon(1e-12));
+  }
+  Buf<double> w3_bad = random_buf({c.kExperts, c.kOut + 1, c.kIn}, 82);
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3_bad, c.offsets),
+                  InternalError);
+  Buf<double> h_bad({c.kRows, c.kOut + 1});
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h_bad, c.x, c.w, w3, c.offsets),
+                  InternalError);
+  Buf<float> up_f32({c.kRows, c.kOut});
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up_f32, h, c.x, c.w, w3, c.offsets),
+                  InternalError);
+}
+
 // ---- gemm: the blocked matmul under every linear op ---------------------------------------------
 
 namespace {

@@ -73,6 +73,22 @@ inline void check_grouped_linear_forward_args(const GroupedDims& s, const Tensor
   check_same_dtype(y, x, "grouped_linear_forward: y, x");
 }
 
+// gate, up, h: [R, F] of x's dtype; w3 the shape and dtype of w1 ([E, F, in]).
+inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor& gate,
+                                              const Tensor& up, const Tensor& h, const Tensor& x,
+                                              const Tensor& w1, const Tensor& w3) {
+  check_grouped_linear_forward_args(s, gate, x, w1);
+  MOE_CHECK(w3.ndim == 3 && w3.size(0) == w1.size(0) && w3.size(1) == w1.size(1) &&
+                w3.size(2) == w1.size(2),
+            "grouped_swiglu_forward: w3 must have w1's shape " + w1.shape_str() + ", got " +
+                w3.shape_str());
+  check_same_dtype(w3, w1, "grouped_swiglu_forward: w3, w1");
+  check_shape(up, {s.rows, s.out}, "grouped_swiglu_forward: up");
+  check_shape(h, {s.rows, s.out}, "grouped_swiglu_forward: h");
+  check_same_dtype(up, x, "grouped_swiglu_forward: up, x");
+  check_same_dtype(h, x, "grouped_swiglu_forward: h, x");
+}
+
 // dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
 inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tensor& dx,
                                                const Tensor& dw, const Tensor& dy, const Tensor& x,

@@ -8,6 +8,7 @@
 #include "common/linear_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/linear.hpp"
+#include "moe/ops/swiglu.hpp"
 
 namespace moe::cpu {
 namespace {
@@ -95,6 +96,16 @@ void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x
            dw.ptr<T>() + e * s.out * s.in, s.in);
     }
   });
+}
+
+// The three ops in turn (the CPU has nothing to gain from fusing them).
+void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1,
+                            Tensor w3, Tensor offsets) {
+  const GroupedDims s = linear_grouped_dims(x, w1, "grouped_swiglu_forward");
+  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3);
+  cpu::grouped_linear_forward(ctx, gate, x, w1, offsets);
+  cpu::grouped_linear_forward(ctx, up, x, w3, offsets);
+  cpu::swiglu_forward(ctx, h, gate, up);
 }
 
 }  // namespace moe::cpu

@@ -44,6 +44,7 @@
 #include "cuda/grouped_tiles.cuh"
 #include "cuda/mma_common.cuh"
 #include "cuda/mma_sm80.cuh"
+#include "cuda/silu.cuh"
 #include "cuda/tma_sm90.cuh"
 #include "cuda/wgmma_sm90.cuh"
 
@@ -200,45 +201,79 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
   }
 }
 
-// Stores math warpgroup g's 64 x kBN piece of the tile (rows [r0, r1) of it are real) into c
-// [*, n_total] at column n0, 128 columns at a time through its staging buffer: the accumulator
-// pairs (4 bytes per thread, 8 rows per warp instruction) go to shared memory, then each warp
-// stores whole 256-byte row pieces with 16-byte stores. Storing the pairs straight to global
-// memory touched 8 lines per warp instruction and took ~2 us of every ~11 us tile at K = 1024.
-template <class C, class T>
-__device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
-                                           T* c, int64_t r0, int64_t r1, int64_t n0,
-                                           int64_t n_total) {
+// Stores a 64 x 128 piece of math warpgroup g's output (rows [r0, r1) of it are real) into dst
+// [*, n_total] at column n0 through the warpgroup's staging buffer: pair(jj, hr) gives the
+// thread's packed pair of columns 8 jj + 2 (t % 4) (+1) of the piece at its row + 8 hr (the
+// wgmma accumulator layout); the pairs (4 bytes per thread, 8 rows per warp instruction) go to
+// shared memory, then each warp stores whole 256-byte row pieces with 16-byte stores. Storing the
+// pairs straight to global memory touched 8 lines per warp instruction and took ~2 us of every
+// ~11 us tile at K = 1024.
+template <class T, class Pair>
+__device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int64_t r0, int64_t r1,
+                                            int64_t n0, int64_t n_total, Pair&& pair) {
   const int t = static_cast<int>(threadIdx.x) % 128;
-  const int row0 = (t / 32) * 16 + (t % 32) / 4, pair = t % 4;
+  const int row0 = (t / 32) * 16 + (t % 32) / 4, col = 4 * (t % 4);
+  named_barrier_sync(1 + g, 128);  // every thread is done reading the previous piece
 #pragma unroll
-  for (int h = 0; h < C::kBN / 128; ++h) {
-    named_barrier_sync(1 + g, 128);  // every thread is done reading the previous piece
+  for (int jj = 0; jj < 16; ++jj) {
 #pragma unroll
-    for (int jj = 0; jj < 16; ++jj) {
-      const int j = 16 * h + jj;  // columns 8 j + 2 pair (+1) of the tile: chunk jj of the piece
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const int row = row0 + 8 * hr;
-        const uint32_t at = staging + row * kStagingRowBytes + ((jj ^ (row & 7)) << 4) + 4 * pair;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
-                     "r"(pack2<T>(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]))
-                     : "memory");
-      }
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + 8 * hr;
+      const uint32_t at = staging + row * kStagingRowBytes + ((jj ^ (row & 7)) << 4) + col;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pair(jj, hr)) : "memory");
     }
-    named_barrier_sync(1 + g, 128);
+  }
+  named_barrier_sync(1 + g, 128);
 #pragma unroll
-    for (int i = 0; i < 64 * 16 / 128; ++i) {
-      const int idx = i * 128 + t, row = idx / 16, chunk = idx % 16;
-      uint4 v;
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(staging + row * kStagingRowBytes + ((chunk ^ (row & 7)) << 4))
-                   : "memory");
-      const int64_t r = r0 + row, n = n0 + h * 128 + chunk * 8;
-      // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
-      if (r < r1 && n < n_total) *reinterpret_cast<uint4*>(c + r * n_total + n) = v;
-    }
+  for (int i = 0; i < 64 * 16 / 128; ++i) {
+    const int idx = i * 128 + t, row = idx / 16, chunk = idx % 16;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(staging + row * kStagingRowBytes + ((chunk ^ (row & 7)) << 4))
+                 : "memory");
+    const int64_t r = r0 + row, n = n0 + chunk * 8;
+    // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
+    if (r < r1 && n < n_total) *reinterpret_cast<uint4*>(dst + r * n_total + n) = v;
+  }
+}
+
+// h = silu(gate) * up for a pair, from gate and up rounded to T first: the arithmetic of
+// swiglu_forward on the stored gate and up (silu.cuh), so the fused epilogue gives its bits.
+template <class T>
+__device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, float u1) {
+  const uint32_t gp = pack2<T>(g0, g1), up = pack2<T>(u0, u1);
+  const T* gv = reinterpret_cast<const T*>(&gp);
+  const T* uv = reinterpret_cast<const T*>(&up);
+  return pack2<T>(silu(load(gv[0])) * load(uv[0]), silu(load(gv[1])) * load(uv[1]));
+}
+
+// The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
+// columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
+// 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = silu(gate) * up go to c,
+// c_up and c_h.
+template <class C, class T, bool kSwiglu>
+__device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
+                                           T* c, T* c_up, T* c_h, int64_t r0, int64_t r1,
+                                           int64_t n0, int64_t n_total) {
+  auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
+    return [&, j0](int jj, int hr) {
+      const int j = j0 + jj;
+      return pack2<T>(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+    };
+  };
+  if constexpr (kSwiglu) {
+    store_piece(g, staging, c, r0, r1, n0, n_total, columns(0));
+    store_piece(g, staging, c_up, r0, r1, n0, n_total, columns(16));
+    store_piece(g, staging, c_h, r0, r1, n0, n_total, [&](int jj, int hr) {
+      const int jg = jj, ju = 16 + jj;
+      return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1], acc[4 * ju + 2 * hr],
+                            acc[4 * ju + 2 * hr + 1]);
+    });
+  } else {
+#pragma unroll
+    for (int h = 0; h < C::kBN / 128; ++h)
+      store_piece(g, staging, c, r0, r1, n0 + 128 * h, n_total, columns(16 * h));
   }
 }
 
@@ -248,12 +283,19 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
 // expert belong to the next one and only feed output rows that are not stored). B: over w as
 // [E, n_total, k_total] (kBKFast, box 64 x kBN x 1) or [E, k_total, n_total] (box 64 x 64 x 1,
 // kBN / 64 of them per slice), so each expert's bounds zero-fill on their own.
-template <class C, class T, bool kBKFast>
+// kSwiglu (forward, kBN = 256): a tile is 128 features, w1's rows (map_b, box 64 x 128 x 1) in
+// the B tile's first 128 rows and w3's (map_b2) in the next 128; the epilogue stores gate, up
+// and h = silu(gate) * up (store_tile).
+template <class C, class T, bool kBKFast, bool kSwiglu>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_b, T* c, const int32_t* offsets,
-                            int experts, int64_t rows, int64_t n_total, int64_t k_total,
-                            int n_tiles, int64_t tiles) {
+                            const __grid_constant__ CUtensorMap map_b,
+                            const __grid_constant__ CUtensorMap map_b2, T* c, T* c_up, T* c_h,
+                            const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
+                            int64_t k_total, int n_tiles, int64_t tiles) {
+  static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
+                "SwiGLU follows the forward product, gate and up 128 columns each");
+  constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -276,13 +318,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
-        const int n0 = static_cast<int>(tile % n_tiles) * C::kBN;
+        const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
         if (threadIdx.x == 0) {
           for (int t = 0; t < slices; ++t, ++it) {
             ring.acquire(it);
             const uint32_t stage = ring.stage(it), bar = ring.full(it);
             tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
-            if constexpr (kBKFast) {
+            if constexpr (kSwiglu) {
+              tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
+              tma_load_3d(stage + C::kABytes + kTileN * Sw128::kRowBytes, &map_b2, bar, t * kBK, n0,
+                          e);
+            } else if constexpr (kBKFast) {
               tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
             } else {
 #pragma unroll
@@ -302,10 +348,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
-        const int64_t n0 = (tile % n_tiles) * C::kBN;
+        const int64_t n0 = (tile % n_tiles) * kTileN;
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
-        store_tile<C>(acc, g, staging, c, r0 + 64 * g, r1, n0, n_total);
+        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, r0 + 64 * g, r1, n0, n_total);
       }
     }
   }
@@ -420,13 +466,22 @@ int sm_count() {
   return n;
 }
 
-template <class C, class T, bool kBKFast>
-void launch_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w, const int32_t* offsets,
-                 int experts, int64_t rows, int64_t n_total, int64_t k_total,
-                 int64_t expert_stride) {
-  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast>;
+// The outputs of a rows launch: c, and with SwiGLU also up and h, all [rows, n_total].
+struct RowsOut {
+  void* c;
+  void* up = nullptr;
+  void* h = nullptr;
+};
+
+// w2: w3 for SwiGLU (kSwiglu), unused otherwise.
+template <class C, class T, bool kBKFast, bool kSwiglu = false>
+void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, const void* w2,
+                 const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
+                 int64_t k_total, int64_t expert_stride) {
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, kRowsSmemBytes<C>); });
+  constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;
   const uint64_t a_dims[2] = {uint64_t(k_total), uint64_t(rows)};
   const uint64_t a_strides[1] = {uint64_t(k_total)};
   const uint32_t a_box[2] = {kBK, kBM};
@@ -435,13 +490,15 @@ void launch_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w, const
   const uint64_t b_dims[3] = {uint64_t(kBKFast ? k_total : n_total),
                               uint64_t(kBKFast ? n_total : k_total), uint64_t(experts)};
   const uint64_t b_strides[2] = {b_dims[0], uint64_t(expert_stride)};
-  const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(C::kBN) : 64u, 1};
+  const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(kTileN) : 64u, 1};
   const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
-  const int n_tiles = static_cast<int>(blocks_for(n_total, C::kBN));
+  const CUtensorMap map_b2 = kSwiglu ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
+  const int n_tiles = static_cast<int>(blocks_for(n_total, kTileN));
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
-      map_a, map_b, static_cast<T*>(c), offsets, experts, rows, n_total, k_total, n_tiles, tiles);
+      map_a, map_b, map_b2, static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h),
+      offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -467,8 +524,9 @@ template <class C, class T>
 bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false>)) &&
+  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) &&
          is90(compiled_arch(grouped_tma_dw_kernel<C, T>));
 #else
   return false;
@@ -531,12 +589,33 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     using C = decltype(cfg);
     using T = decltype(zero);
     if (b_k_fast)
-      launch_rows<C, T, true>(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total,
+      launch_rows<C, T, true>(ctx, t, {c}, a, w, nullptr, offsets, experts, rows, n_total, k_total,
                               expert_stride);
     else
-      launch_rows<C, T, false>(ctx, t, c, a, w, offsets, experts, rows, n_total, k_total,
+      launch_rows<C, T, false>(ctx, t, {c}, a, w, nullptr, offsets, experts, rows, n_total, k_total,
                                expert_stride);
   });
+  return true;
+}
+
+bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const void* x,
+                         const void* w1, const void* w3, const int32_t* offsets, int experts,
+                         int64_t rows, int64_t features, int64_t in) {
+  const Mode m = mode();
+  const int64_t stride = features * in;
+  if (m != Mode::wide || !sm90_available(t) ||
+      !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
+      !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
+      !aligned16_rows(h, features))
+    return false;
+  if (rows == 0) return true;  // nothing to write
+  const RowsOut out{gate, up, h};
+  if (t == DType::f16)
+    launch_rows<Wide, __half, true, true>(ctx, t, out, x, w1, w3, offsets, experts, rows, features,
+                                          in, stride);
+  else
+    launch_rows<Wide, __nv_bfloat16, true, true>(ctx, t, out, x, w1, w3, offsets, experts, rows,
+                                                 features, in, stride);
   return true;
 }
 

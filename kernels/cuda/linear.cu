@@ -38,6 +38,7 @@
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
 #include "moe/ops/linear.hpp"
+#include "moe/ops/swiglu.hpp"
 
 namespace moe::cuda_detail {
 namespace {
@@ -333,6 +334,22 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
   });
 }
 
+// gate, up, h: [R, F]; x: [R, in]; w1, w3: [E, F, in]. Fused on sm_90 (the tile's epilogue
+// applies SwiGLU: gate and up are stored and read back once less); elsewhere the three ops.
+void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1,
+                                 Tensor w3, Tensor offsets) {
+  const GroupedDims s = grouped_dims(x, w1, offsets, "grouped_swiglu_forward");
+  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3);
+  if (s.rows == 0 || s.out == 0) return;
+  if (s.experts > 0 && grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data,
+                                           w1.data, w3.data, data_of<int32_t>(offsets),
+                                           static_cast<int>(s.experts), s.rows, s.out, s.in))
+    return;
+  grouped_linear_forward_cuda(ctx, gate, x, w1, offsets);
+  grouped_linear_forward_cuda(ctx, up, x, w3, offsets);
+  cuda::swiglu_forward(ctx, h, gate, up);
+}
+
 }  // namespace
 }  // namespace moe::cuda_detail
 
@@ -341,4 +358,5 @@ MOE_REGISTER_CUDA_OP(linear_forward, &cuda_detail::linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forward_cuda);
 }  // namespace moe

@@ -1,13 +1,13 @@
 // SwiGLU and SiLU on the GPU: h = silu(gate) * up, silu(a) = a * sigmoid(a),
-// silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a))). Elementwise grid-stride loops in fp32
-// (double for f64), one rounding on store. sigmoid(a) = 1 / (1 + exp(-a)) saturates cleanly at
-// both ends (exp overflow gives 1/inf = 0). Each thread reads all inputs of an element before
+// silu'(a) = sigmoid(a) * (1 + a * (1 - sigmoid(a))) (silu.cuh). Elementwise grid-stride loops in
+// fp32 (double for f64), one rounding on store. Each thread reads all inputs of an element before
 // writing its outputs, so outputs may alias inputs elementwise (e.g. dgate over dh), as on the CPU.
 #include <algorithm>
 #include <string>
 
 #include "common/swiglu_checks.hpp"
 #include "cuda/cuda_common.cuh"
+#include "cuda/silu.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/swiglu.hpp"
 
@@ -18,23 +18,6 @@ constexpr int kThreads = 256;
 constexpr int kMaxBlocks = 1 << 16;  // grid cap (grid-stride loops)
 
 // ---- kernels ------------------------------------------------------------------------------------
-
-__device__ __forceinline__ float sigmoid(float a) {
-  return 1.0f / (1.0f + expf(-a));
-}
-__device__ __forceinline__ double sigmoid(double a) {
-  return 1.0 / (1.0 + exp(-a));
-}
-
-template <class A>
-__device__ __forceinline__ A silu(A a) {
-  return a * sigmoid(a);
-}
-template <class A>
-__device__ __forceinline__ A silu_grad(A a) {
-  const A s = sigmoid(a);
-  return s * (A(1) + a * (A(1) - s));
-}
 
 // 16-byte accesses when every pointer allows them (vec16.cuh), scalar otherwise and for the tail.
 template <class T>

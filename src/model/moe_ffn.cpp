@@ -71,9 +71,7 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   moe_permute_plan(ctx, offsets_, row_token_, slot_row_, topk_idx_);
   permute_forward(ctx, xp_, x, row_token_);
   // experts
-  grouped_linear_forward(ctx, hgate_, xp_, w1_.w, offsets_);
-  grouped_linear_forward(ctx, hup_, xp_, w3_.w, offsets_);
-  swiglu_forward(ctx, hact_, hgate_, hup_);
+  grouped_swiglu_forward(ctx, hgate_, hup_, hact_, xp_, w1_.w, w3_.w, offsets_);
   grouped_linear_forward(ctx, yp_, hact_, w2_.w, offsets_);
   // combine
   combine_forward(ctx, y, yp_, topk_w_, slot_row_);

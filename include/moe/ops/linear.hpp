@@ -23,5 +23,13 @@ MOE_OP(grouped_linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor 
 MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets),
        (ctx, dx, dw, dy, x, w, offsets))
+// The experts' gate and up projections and SwiGLU in one call: gate = x w1[e]^T, up = x w3[e]^T
+// per group, h = silu(gate) * up of the rounded gate and up (bitwise grouped_linear_forward twice
+// and swiglu_forward; the CUDA backend fuses them on sm_90). gate, up, h: [R, F]; x: [R, in];
+// w1, w3: [E, F, in]; offsets as above. All overwritten.
+MOE_OP(grouped_swiglu_forward,
+       (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1, Tensor w3,
+        Tensor offsets),
+       (ctx, gate, up, h, x, w1, w3, offsets))
 
 }  // namespace moe
