@@ -528,7 +528,11 @@ struct Dkdv {
   static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
   // Full barrier arrivals: the TMA thread and the 64 threads (warps 2-3) that write lse and D.
   static constexpr int kHelpers = 64;
+  // The register split (per thread; 2 x 128 x math + 128 x producer <= 64 Ki): the lse / D
+  // threads keep a step's 16 chunks of dO and O in flight; the math needs <= 168 (ptxas).
+  static constexpr int kProducerRegs = 120, kMathRegs = 192;
 };
+static_assert(2 * 128 * Dkdv::kMathRegs + 128 * Dkdv::kProducerRegs <= 65536, "register file");
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -566,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int steps = group * per_head;  // (query head, query tile) pairs, head-major
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
-      release_registers<40>();
+      release_registers<C::kProducerRegs>();
       if (threadIdx.x == 0) {
         mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
         tma_load_3d(base, &map_k, kv_full, kvh * kD, static_cast<int32_t>(k0), b);
@@ -582,35 +586,47 @@ __global__ void __launch_bounds__(kThreads, 1)
           tma_load_3d(stage + C::kTileBytes, &map_do, full + 8 * s, h * kD, i0, b);
         }
       } else if (threadIdx.x >= 64) {
-        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of the step's 64 queries:
-        // 8 lanes per row (one 16-byte chunk each), 8 rows per pass of the two warps.
+        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries:
+        // 8 lanes per row (one 16-byte chunk each), 8 rows per pass of the two warps. All of a
+        // step's loads are issued before waiting for its stage to be free, so one memory latency
+        // per step overlaps the math of the steps in the ring (hence the producer's registers).
         const int ht = static_cast<int>(threadIdx.x) - 64, sub = ht % 8;
         const int64_t q_stride = int64_t(heads) * kD;
+        constexpr int kPasses = C::kBM / 8;
         for (int it = 0; it < steps; ++it) {
           const int s = it % kS;
-          if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
           const int h = kvh * group + it / per_head;
           const int64_t i0 = (first_tile + it % per_head) * C::kBM;
           const int64_t q_off = (int64_t(b) * seq * heads + h) * kD;
+          uint4 a[kPasses], c[kPasses];
+          float row_lse[kPasses];
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            const int64_t i = i0 + pass * 8 + ht / 8;
+            a[pass] = c[pass] = make_uint4(0, 0, 0, 0);
+            row_lse[pass] = INFINITY;
+            if (i < seq) {
+              const int64_t at = q_off + i * q_stride + sub * 8;
+              a[pass] = *reinterpret_cast<const uint4*>(dout + at);
+              c[pass] = *reinterpret_cast<const uint4*>(out + at);
+              if (sub == 0) row_lse[pass] = lse[(int64_t(b) * heads + h) * seq + i] * kLog2e;
+            }
+          }
+          if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
           float* lse2 =
               reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kLse);
           float* dsum =
               reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kDsum);
-          for (int pass = 0; pass < C::kBM / 8; ++pass) {
-            const int r = pass * 8 + ht / 8;
-            const int64_t i = i0 + r;
-            float part = 0.0f;
-            if (i < seq) {
-              const int64_t at = q_off + i * q_stride + sub * 8;
-              part = dot8<T>(*reinterpret_cast<const uint4*>(dout + at),
-                             *reinterpret_cast<const uint4*>(out + at));
-            }
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            float part = dot8<T>(a[pass], c[pass]);
             part += __shfl_xor_sync(0xffffffffu, part, 1);
             part += __shfl_xor_sync(0xffffffffu, part, 2);
             part += __shfl_xor_sync(0xffffffffu, part, 4);
             if (sub == 0) {
+              const int r = pass * 8 + ht / 8;
               dsum[r] = part;
-              lse2[r] = i < seq ? lse[(int64_t(b) * heads + h) * seq + i] * kLog2e : INFINITY;
+              lse2[r] = row_lse[pass];
             }
           }
           mbar_arrive(full + 8 * s);  // each thread's arrive releases its own writes
@@ -618,7 +634,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    claim_registers<232>();
+    claim_registers<C::kMathRegs>();
     const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32, t4 = lane & 3;
     const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
     const int64_t wg_key = k0 + g * kWgRows;            // the warpgroup's first key
