@@ -78,8 +78,7 @@ constexpr int kMathWarps = 8;                  // arrivals on an empty barrier: 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.69314718055994531f;
 
-// ---- device helpers
-// -------------------------------------------------------------------------------
+// ---- device helpers ----------------------------------------------------------------------------
 
 [[maybe_unused]] __device__ __forceinline__ uint32_t align1024(uint32_t addr) {
   return (addr + 1023u) & ~1023u;
@@ -187,8 +186,7 @@ __device__ __forceinline__ void store_tile(const float (&c)[32], const float (&s
   }
 }
 
-// ---- forward
-// --------------------------------------------------------------------------------------
+// ---- forward -----------------------------------------------------------------------------------
 
 struct Fwd {
   static constexpr int kBM = 128;  // query rows per block
@@ -375,8 +373,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ---- backward: dq
-// ---------------------------------------------------------------------------------
+// ---- backward: dq ------------------------------------------------------------------------------
 
 struct Dq {
   static constexpr int kBM = 128;  // query rows per block
@@ -512,8 +509,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ---- backward: dk, dv
-// -----------------------------------------------------------------------------
+// ---- backward: dk, dv --------------------------------------------------------------------------
 
 struct Dkdv {
   static constexpr int kBN = 128;  // keys per block
@@ -702,8 +698,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// ---- host side
-// ------------------------------------------------------------------------------------
+// ---- host side ---------------------------------------------------------------------------------
 
 // cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
