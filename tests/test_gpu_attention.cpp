@@ -1,7 +1,9 @@
 // CUDA attention against the CPU reference: causal GQA forward (out, lse) and backward (dq, dk, dv)
 // for B = 2, T = 37 (a multiple of nothing the kernels tile by), nh = 4, nkv = 2 (two query heads
 // per kv head), hd = 32 and 64, in f32, f64, f16 and bf16; and decode attention over a cache whose
-// unused entries hold NaN (so reading past lengths[b] would show).
+// unused entries hold NaN (so reading past lengths[b] would show). The tensor-core kernels get
+// their tile edges, longer sequences, MHA and both the sm_90 and sm_80 paths in a case of their
+// own.
 //
 // Inputs are random (never zero), rounded to the storage dtype, and the CPU op runs in f64 on the
 // same rounded values; the backward's out and lse inputs are the CPU forward's, rounded to the
@@ -13,7 +15,9 @@
 // 16-bit inputs gets the f32 bound.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -31,9 +35,10 @@ const char* name_of(DType dt) {
   return dtype_name(dt);
 }
 
-void check_attention(DType dt, int64_t hd, int64_t T = 37) {
-  const int64_t B = 2, nh = 4, nkv = 2;
-  INFO("dtype " << name_of(dt) << ", hd " << hd << ", T " << T);
+void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64_t nkv = 2,
+                     int64_t B = 2) {
+  INFO("dtype " << name_of(dt) << ", hd " << hd << ", T " << T << ", B " << B << ", nh " << nh
+                << ", nkv " << nkv);
   const double rtol = rtol_for(dt);
   const DType acc = acc_dtype(dt);
   const size_t nq = static_cast<size_t>(B * T * nh * hd),
@@ -143,6 +148,26 @@ TEST_CASE("gpu attention over several tiles matches the CPU reference", "[gpu][a
   for (DType dt : {DType::f16, DType::bf16, DType::f32}) check_attention(dt, 64, 150);
   // the sm_80+ kernels' two-stage rings over five 64-row tiles and three 128-row query tiles
   check_attention(DType::bf16, 64, 300);
+}
+
+// The sm_90 wgmma kernels (attention_sm90.cu) and the sm_80 mma.sync ones in one process:
+// MOE_ATTENTION_SM90=0 declines the first (on a device or build without sm_90a both settings run
+// the sm_80 kernels). One row (T = 1), the edges of the 64-row tiles (63, 64, 65) and of the
+// 128-row blocks (127, 128, 129), several tiles with a ragged end (200), a long sequence (1024);
+// GQA (2 and 4 query heads per kv head) and MHA.
+TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the CPU reference",
+          "[gpu][attention]") {
+  const std::string kernel = GENERATE(as<std::string>{}, "sm90", "sm80");
+  setenv("MOE_ATTENTION_SM90", kernel == "sm90" ? "1" : "0", 1);
+  INFO("kernels " << kernel);
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (int64_t T : {1, 63, 64, 65, 127, 128, 129, 200}) {
+      check_attention(dt, 64, T, 4, 2);
+      check_attention(dt, 64, T, 2, 2);
+    }
+    check_attention(dt, 64, 1024, 4, 1, 1);
+  }
+  unsetenv("MOE_ATTENTION_SM90");
 }
 
 TEST_CASE("gpu attention handles a head_dim that is not a multiple of 32", "[gpu][attention]") {

@@ -1,6 +1,7 @@
 // Flash-style causal GQA attention with WMMA (16x16x16, f16 / bf16 in, fp32 accumulate), head_dim
 // 64: the sm_70 / sm_75 path (the T4) and the fallback for unaligned tensors; on sm_80+ the
-// mma.sync kernels of attention_sm80.cu / attention_sm80_backward.cu run first. No T x T matrix
+// mma.sync kernels of attention_sm80.cu / attention_sm80_backward.cu run first, and on sm_90 the
+// wgmma kernels of attention_sm90.cu before those. No T x T matrix
 // exists anywhere: scores live one 16 x 32 tile per warp in shared memory.
 //
 // Forward: a block (4 warps) owns 64 query rows of one (b, h), 16 per warp, its Q rows held as
@@ -491,7 +492,9 @@ bool attention_mma_available(DType t, int64_t hd) {
 
 void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                            const void* v, const AttentionShape& s) {
-  if (attention_sm80_forward(ctx, t, out, lse, q, k, v, s)) return;
+  if (attention_sm90_forward(ctx, t, out, lse, q, k, v, s) ||
+      attention_sm80_forward(ctx, t, out, lse, q, k, v, s))
+    return;
   if (t == DType::f16)
     forward<__half>(ctx, out, lse, q, k, v, s);
   else if (t == DType::bf16)
@@ -503,7 +506,9 @@ void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void*
 void attention_mma_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                             const void* q, const void* k, const void* v, const void* out,
                             const float* lse, const AttentionShape& s) {
-  if (attention_sm80_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s)) return;
+  if (attention_sm90_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s) ||
+      attention_sm80_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s))
+    return;
   if (t == DType::f16)
     backward<__half>(ctx, dq, dk, dv, dout, q, k, v, out, lse, s);
   else if (t == DType::bf16)

@@ -19,6 +19,17 @@ struct AttentionShape {
 void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                            const void* v, const AttentionShape& s);
 
+// The wgmma / TMA forward for sm_90 (attention_sm90.cu), ahead of the sm_80 one: false, launching
+// nothing, when the device is not sm_90, the binary has no sm_90a code for t, a tensor is not
+// 16-byte aligned, or MOE_ATTENTION_SM90=0.
+bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
+                            const void* v, const AttentionShape& s);
+
+// The wgmma / TMA backward for sm_90 (attention_sm90.cu), under the same conditions.
+bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
+                             const void* q, const void* k, const void* v, const void* out,
+                             const float* lse, const AttentionShape& s);
+
 // The mma.sync forward for sm_80+ (attention_sm80.cu) behind attention_mma_forward: false,
 // launching nothing, when the binary has no sm_80 code for t on this device or a tensor is not
 // 16-byte aligned.

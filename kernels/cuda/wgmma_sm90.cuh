@@ -147,4 +147,84 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], uint64_t desc_a, 
 #endif
 }
 
+// The flash attention kernels (attention_sm90.cu) use two more shapes, with a scale-d operand
+// (0: d = A B, the accumulators' old values ignored; 1: d += A B) so a product starts without
+// zeroing its accumulators:
+//   m64n64k16 and m64n128k16 with A and B from shared memory (S = Q K^T and friends), and
+//   m64n64k16 with A from registers (O += P V): a[0..3] hold, for the warp's 16 rows of A, the
+//   16-bit pairs (row r, k 2c..2c+1), (r + 8, 2c..), (r, 2c + 8..), (r + 8, 2c + 8..) with
+//   r = (t % 32) / 4 and c = t % 4: the mma.m16n8k16 A fragment of each warp, so an accumulator
+//   of two adjacent n8 blocks packs into it in place (attention_sm90.cu says how).
+#define MOE_WGMMA_ACC32 MOE_WGMMA_ACC8(0), MOE_WGMMA_ACC8(8), MOE_WGMMA_ACC8(16), MOE_WGMMA_ACC8(24)
+#define MOE_WGMMA_REGS32                                                   \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define MOE_WGMMA_SS_OPERANDS "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(kTransA), "n"(kTransB)
+
+#define MOE_WGMMA_M64N64_SS(TYPE)                                                       \
+  asm volatile(                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                      \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" MOE_WGMMA_REGS32 \
+      "}, %32, %33, p, 1, 1, %35, %36;\n}\n"                                            \
+      : MOE_WGMMA_ACC32                                                                 \
+      : MOE_WGMMA_SS_OPERANDS)
+#define MOE_WGMMA_M64N128_SS(TYPE)                                                       \
+  asm volatile(                                                                          \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                       \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" MOE_WGMMA_REGS64 \
+      "}, %64, %65, p, 1, 1, %67, %68;\n}\n"                                             \
+      : MOE_WGMMA_ACC64                                                                  \
+      : MOE_WGMMA_SS_OPERANDS)
+// A from registers: operands 32-35, then the B descriptor, scale-d and B's transpose immediate.
+#define MOE_WGMMA_M64N64_RS(TYPE)                                                       \
+  asm volatile(                                                                         \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                      \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" MOE_WGMMA_REGS32 \
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                \
+      : MOE_WGMMA_ACC32                                                                 \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
+
+template <class T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+#if MOE_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    MOE_WGMMA_M64N64_SS("bf16");
+  else
+    MOE_WGMMA_M64N64_SS("f16");
+#endif
+}
+
+template <class T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n128(float (&d)[64], uint64_t desc_a, uint64_t desc_b,
+                                              int scale_d) {
+#if MOE_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    MOE_WGMMA_M64N128_SS("bf16");
+  else
+    MOE_WGMMA_M64N128_SS("f16");
+#endif
+}
+
+template <class T, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64_rs(float (&d)[32], const uint32_t (&a)[4],
+                                                uint64_t desc_b, int scale_d) {
+#if MOE_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    MOE_WGMMA_M64N64_RS("bf16");
+  else
+    MOE_WGMMA_M64N64_RS("f16");
+#endif
+}
+
+// Like fence_accumulators, for A fragments that a wgmma reads asynchronously: keeps them (and
+// their registers) alive and unchanged up to this point, after the wgmma_wait that retires it.
+template <int kS>
+__device__ __forceinline__ void fence_fragments(uint32_t (&a)[kS][4]) {
+#pragma unroll
+  for (int s = 0; s < kS; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
+}
+
 }  // namespace moe::cuda_detail

@@ -1,0 +1,866 @@
+// Hopper (sm_90a) flash attention with wgmma and TMA, head_dim 64, f16 / bf16: the first path of
+// attention_mma_forward / attention_mma_backward (attention_mma.cuh) on an sm_90 device, ahead of
+// the mma.sync kernels of attention_sm80.cu / attention_sm80_backward.cu, which stay for sm_80 /
+// sm_89 and for every case this file declines. Same op contract and rounding points as those:
+// q, out, dout, dq [B, T, H, 64], k, v, dk, dv [B, T, KVH, 64] (GQA: kv head = h / (H / KVH)),
+// lse [B, H, T] fp32 in natural-log units, causal; P and dS are rounded to 16 bits before their
+// products, as FlashAttention does.
+//
+// Why it is fast (FlashAttention-3 style, simplified): a warpgroup issues asynchronous m64nNk16
+// MMAs that read Q / K / V tiles straight from shared memory, the tiles get there by TMA (whole
+// boxes per instruction, zero-filled past T, written in the 128-byte swizzle wgmma reads), and
+// the second product of each step (O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q) takes its A
+// operand from the registers that hold the first product's accumulator, rounded in place.
+//
+// A block: 3 warpgroups (384 threads). Warpgroup 0 produces (one thread issues the TMA loads into
+// mbarrier full / empty rings, tma_sm90.cuh; the dk/dv kernel's warps 2-3 also compute lse and D
+// per query). Warpgroups 1 and 2 compute, 64 rows each (m64 wgmma), and only wait and issue.
+// - forward: 128 query rows of one (b, h), key tiles of 128 (K and V rings of their own, so
+//   S = Q K^T of a tile starts before its V lands), up to the block's last row (causal), longest
+//   query tiles first over the whole grid. Online softmax in registers in the log2 domain (exp2f,
+//   scale folded with log2 e); while the softmax of tile j runs, the wgmma of O += P V for tile
+//   j - 1 already does (issued right behind S_j), so the tensor cores do not idle over the
+//   softmax. lse = (m + log2 l) ln 2.
+// - dq kernel: 128 query rows of one (b, h), Q and dO loaded once; key tiles of 64 (K and V in one
+//   stage): S = Q K^T, dP = dO V^T, P = exp2(S scale log2e - lse log2e), dS = P (dP - D) with
+//   D_i = <dO_i, O_i>, dQ += dS K; dQ = scale dQ.
+// - dk/dv kernel: 128 keys of one (b, kv head), K and V loaded once; for each query head of the
+//   group and each query tile of 64 that sees the keys: S^T = K Q^T, dP^T = V dO^T, P^T, dS^T as
+//   above, dV += P^T dO, dK += dS^T Q; dK = scale dK.
+// Every output element is written by one thread of one block: deterministic, no atomics. Rows
+// past T are zero-filled on load, computed and not stored; keys past T and causal-future keys are
+// masked (-inf before the softmax, P = 0 in the backward).
+//
+// The accumulator -> A-fragment mapping (PTX ISA, "Register fragments" of wgmma .m64nNk16): thread
+// t of a warpgroup holds accumulator elements d[4j + e] at row 16 (t / 32) + (t % 32) / 4 + 8 (e /
+// 2) and column 8 j + 2 (t % 4) + e % 2 (j = 0 .. N/8 - 1), and the A fragment of k16 step s is 4
+// registers of 16-bit pairs: (row r, k 2c..2c+1), (r + 8, 2c..), (r, 2c + 8..), (r + 8, 2c + 8..)
+// with r = 16 (t / 32) + (t % 32) / 4 and c = t % 4. Columns 16 s .. 16 s + 15 of the accumulator
+// are its n8 blocks 2s and 2s + 1, so a[s] = {pack(d[8s], d[8s+1]), pack(d[8s+2], d[8s+3]),
+// pack(d[8s+4], d[8s+5]), pack(d[8s+6], d[8s+7])} (pack_a): the same trick as the mma.sync
+// kernels' cb() in attention_sm80.cuh.
+//
+// Operand tiles: every tile is [rows][64] 16-bit elements, 128-byte rows in the swizzle, as TMA
+// writes it from [B, T, heads * 64] with a box of 64 x rows x 1. A tile is K-major when its rows
+// are the M or N index and head_dim is k (Q, K, V, dO in S = Q K^T, dP = dO V^T, S^T = K Q^T,
+// dP^T = V dO^T: k16 step s is 32 bytes to the right), MN-major when its rows are k (V in P V, K
+// in dS K, dO in P^T dO, Q in dS^T Q: transpose bit set, N = 64 = one 128-byte row, k16 step s is
+// 16 rows = 2048 bytes down); wgmma_sm90.cuh's descriptors, as in grouped_wgmma_sm90.cu.
+//
+// Which code runs: as grouped_wgmma_sm90.cu (the bodies exist only in sm_90a code, kHasWgmma; the
+// host launches them only on an sm_90 device whose code for these kernels is version 9.0 under
+// MOE_WITH_SM90A). MOE_ATTENTION_SM90=0 (read at every call) declines, so the tests compare both
+// paths in one process.
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "cuda/attention_mma.cuh"
+#include "cuda/cuda_common.cuh"
+#include "cuda/mma_common.cuh"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/tma_sm90.cuh"
+#include "cuda/vec16.cuh"
+#include "cuda/wgmma_sm90.cuh"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kD = 64;          // head_dim
+constexpr int kRowBytes = 128;  // a row of 64 16-bit elements: one 128-byte swizzle row
+constexpr int kThreads = 384;   // a producer warpgroup and two math warpgroups
+constexpr int kWgRows = 64;     // rows of a math warpgroup's m64 tile
+constexpr int kWgBytes = kWgRows * kRowBytes;  // 8 KiB: a math warpgroup's rows of a tile
+constexpr int kMathWarps = 8;                  // arrivals on an empty barrier: one per math warp
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.69314718055994531f;
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+[[maybe_unused]] __device__ __forceinline__ uint32_t align1024(uint32_t addr) {
+  return (addr + 1023u) & ~1023u;
+}
+
+// Descriptors of a swizzled [rows][64] tile at shared address `tile` (1024-byte aligned) used
+// K-major (rows are M / N; 8-row groups 1024 bytes apart) or MN-major (rows are k; one 64-wide
+// m/n block, so the block stride is never used).
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile) {
+  return smem_desc_sw128(tile, 16, 1024);
+}
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile) {
+  return smem_desc_sw128(tile, kWgBytes, 1024);
+}
+// The descriptor `bytes` further on: the start address is bits 0-13 in 16-byte units, and shared
+// addresses stay below 256 KiB, so the add never carries out of the field.
+[[maybe_unused]] __device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
+// c (64 x kN) = A B^T over head_dim: A the K-major tile of desc_a (64 rows), B the K-major tile
+// of desc_b (kN rows). Issued, not waited for.
+template <class T, int kN>
+__device__ __forceinline__ void product_abt(float (&c)[kN / 2], uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int s = 0; s < kD / 16; ++s) {
+    if constexpr (kN == 128)
+      wgmma_m64n128<T, 0, 0>(c, desc_at(desc_a, 32 * s), desc_at(desc_b, 32 * s), s > 0);
+    else
+      wgmma_m64n64<T, 0, 0>(c, desc_at(desc_a, 32 * s), desc_at(desc_b, 32 * s), s > 0);
+  }
+}
+
+// acc (64 x 64) += C B: C (64 x kK) in A fragments (pack_a), B the MN-major tile of desc_b (kK
+// rows of 64). Issued, not waited for.
+template <class T, int kK>
+__device__ __forceinline__ void product_cb(float (&acc)[32], const uint32_t (&c)[kK / 16][4],
+                                           uint64_t desc_b) {
+#pragma unroll
+  for (int s = 0; s < kK / 16; ++s) wgmma_m64n64_rs<T, 1>(acc, c[s], desc_at(desc_b, 2048 * s), 1);
+}
+
+// An accumulator of kN columns rounded to T as the A fragments of kN / 16 k16 steps (the mapping
+// in the top comment).
+template <class T, int kN>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[kN / 16][4], const float (&c)[kN / 2]) {
+#pragma unroll
+  for (int s = 0; s < kN / 16; ++s) {
+    a[s][0] = pack2<T>(c[8 * s], c[8 * s + 1]);
+    a[s][1] = pack2<T>(c[8 * s + 2], c[8 * s + 3]);
+    a[s][2] = pack2<T>(c[8 * s + 4], c[8 * s + 5]);
+    a[s][3] = pack2<T>(c[8 * s + 6], c[8 * s + 7]);
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&c)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) c[i] = 0.0f;
+}
+
+// <a, b> over the 8 16-bit elements of two 16-byte chunks, in fp32.
+template <class T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const T* ea = reinterpret_cast<const T*>(&a);
+  const T* eb = reinterpret_cast<const T*>(&b);
+  float s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s += load(ea[j]) * load(eb[j]);
+  return s;
+}
+
+// Stores a math warpgroup's 64 x 64 accumulator, row half hr (rows r and r + 8 of each thread)
+// times scale[hr], to dst rows 0 .. rows_left - 1 (row i at dst + i * stride): the accumulator
+// pairs go to `staging` (the warpgroup's 8 KiB of a tile no wgmma reads any more) with their
+// 16-byte chunks swizzled (chunk ^ row % 8: the 8 rows of a warp store hit 32 banks), then each
+// row leaves as 8 16-byte stores, 8 threads per 128-byte row.
+template <class T>
+__device__ __forceinline__ void store_tile(const float (&c)[32], const float (&scale)[2],
+                                           uint32_t staging, T* dst, int64_t stride,
+                                           int64_t rows_left, int g) {
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const int row0 = (t / 32) * 16 + (t % 32) / 4, pair = t % 4;
+  named_barrier_sync(1 + g, 128);  // every wgmma of the warpgroup has retired
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + 8 * hr;
+      const uint32_t at = staging + row * kRowBytes + ((j ^ (row & 7)) << 4) + 4 * pair;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                   "r"(pack2<T>(c[4 * j + 2 * hr] * scale[hr], c[4 * j + 2 * hr + 1] * scale[hr]))
+                   : "memory");
+    }
+  named_barrier_sync(1 + g, 128);
+#pragma unroll
+  for (int i = 0; i < kWgRows * 8 / 128; ++i) {
+    const int idx = i * 128 + t, row = idx / 8, chunk = idx % 8;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(staging + row * kRowBytes + ((chunk ^ (row & 7)) << 4))
+                 : "memory");
+    if (row < rows_left) *reinterpret_cast<uint4*>(dst + row * stride + chunk * 8) = v;
+  }
+}
+
+// ---- forward -----------------------------------------------------------------------------------
+
+struct Fwd {
+  static constexpr int kBM = 128;  // query rows per block
+  static constexpr int kBN = 128;  // keys per tile
+  static constexpr int kStages = 2;
+  static constexpr int kQBytes = kBM * kRowBytes;
+  static constexpr int kTileBytes = kBN * kRowBytes;  // a K or V tile
+  static constexpr int kK0 = kQBytes;                 // the K ring, then the V ring
+  static constexpr int kV0 = kK0 + kStages * kTileBytes;
+  // +1024: the tiles start at the first 1024-byte boundary of the dynamic shared memory.
+  static constexpr size_t kSmem = 1024 + kV0 + kStages * kTileBytes;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_forward_sm90_kernel(const __grid_constant__ CUtensorMap map_q,
+                              const __grid_constant__ CUtensorMap map_k,
+                              const __grid_constant__ CUtensorMap map_v, T* out, float* lse,
+                              int64_t seq, int batch, int heads, int kv_heads, int q_tiles,
+                              float scale_log2) {
+  if constexpr (kHasWgmma) {
+    using C = Fwd;
+    constexpr int kS = C::kStages;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    // q_full, then per stage k_full, k_empty, v_full, v_empty
+    __shared__ __align__(8) uint64_t bars[1 + 4 * kS];
+    const uint32_t base = align1024(shared_addr(smem));
+    const uint32_t q_full = shared_addr(bars), k_full = q_full + 8, k_empty = k_full + 8 * kS,
+                   v_full = k_empty + 8 * kS, v_empty = v_full + 8 * kS;
+    if (threadIdx.x == 0) {
+      mbar_init(q_full, 1);
+      for (int s = 0; s < kS; ++s) {
+        mbar_init(k_full + 8 * s, 1);
+        mbar_init(v_full + 8 * s, 1);
+        mbar_init(k_empty + 8 * s, kMathWarps);
+        mbar_init(v_empty + 8 * s, kMathWarps);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    // Longest first over the whole grid: the query tile is the slowest index, largest first.
+    const int bh_count = batch * heads;
+    const int tile_rank = static_cast<int>(blockIdx.x / bh_count);
+    const int bh = static_cast<int>(blockIdx.x % bh_count);
+    const int b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
+    const int64_t q0 = int64_t(q_tiles - 1 - tile_rank) * C::kBM;
+    const int64_t kv_end = seq < q0 + C::kBM ? seq : q0 + C::kBM;
+    const int n_tiles = static_cast<int>((kv_end + C::kBN - 1) / C::kBN);
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    if (wg == 0) {
+      release_registers<40>();
+      if (threadIdx.x != 0) return;
+      mbar_arrive_expect_tx(q_full, C::kQBytes);
+      tma_load_3d(base, &map_q, q_full, h * kD, static_cast<int32_t>(q0), b);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int s = j % kS;
+        const uint32_t free_parity = ((j / kS) & 1) ^ 1u;
+        if (j >= kS) mbar_wait(k_empty + 8 * s, free_parity);
+        mbar_arrive_expect_tx(k_full + 8 * s, C::kTileBytes);
+        tma_load_3d(base + C::kK0 + s * C::kTileBytes, &map_k, k_full + 8 * s, kvh * kD, j * C::kBN,
+                    b);
+        if (j >= kS) mbar_wait(v_empty + 8 * s, free_parity);
+        mbar_arrive_expect_tx(v_full + 8 * s, C::kTileBytes);
+        tma_load_3d(base + C::kV0 + s * C::kTileBytes, &map_v, v_full + 8 * s, kvh * kD, j * C::kBN,
+                    b);
+      }
+      return;
+    }
+    claim_registers<232>();
+    const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32;
+    const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
+    const int64_t warp_first = q0 + g * kWgRows + warp * 16;  // rows row and row + 8: this thread's
+    const int64_t row = warp_first + lane / 4;
+    const bool signals = lane == 0;
+    const uint32_t q_tile = base + g * kWgBytes;
+    const uint64_t q_desc = kmajor_desc(q_tile);
+
+    float o[32];
+    zero(o);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // log2 domain
+    float s[C::kBN / 2];
+    uint32_t p[C::kBN / 16][4];  // P of the previous tile, rounded: O += P V's A operand
+
+    // Tile j's S (landed in s): mask, scale to the log2 domain, the running row maxima, then
+    // P = exp2(S - m) in place; alpha = how much the old O and l shrink.
+    auto softmax = [&](int j, float(&alpha)[2]) {
+      const int64_t j0 = int64_t(j) * C::kBN;
+      const bool edge = j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq;
+      float mx[2] = {m[0], m[1]};
+#pragma unroll
+      for (int jj = 0; jj < C::kBN / 8; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int hr = e >> 1;
+          const int64_t key = j0 + 8 * jj + 2 * (lane & 3) + (e & 1);
+          float& x = s[4 * jj + e];
+          x *= scale_log2;
+          if (edge && (key > row + 8 * hr || key >= seq)) x = -INFINITY;
+          mx[hr] = fmaxf(mx[hr], x);
+        }
+      float base_m[2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
+        mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
+        // A row with no visible key yet keeps m = -inf: subtract 0 so nothing becomes NaN.
+        base_m[hr] = mx[hr] == -INFINITY ? 0.0f : mx[hr];
+        alpha[hr] = exp2f(m[hr] - base_m[hr]);
+        m[hr] = mx[hr];
+        l[hr] *= alpha[hr];
+      }
+      // l sums P in fp32 before pack_a rounds it to T, as FlashAttention does
+#pragma unroll
+      for (int i = 0; i < C::kBN / 2; ++i) {
+        const int hr = (i >> 1) & 1;
+        s[i] = exp2f(s[i] - base_m[hr]);
+        l[hr] += s[i];
+      }
+    };
+
+    mbar_wait(q_full, 0);
+    {  // tile 0: S, softmax (o is still 0: nothing to rescale)
+      mbar_wait(k_full, 0);
+      wgmma_fence();
+      product_abt<T, C::kBN>(s, q_desc, kmajor_desc(base + C::kK0));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(s);
+      if (signals) mbar_arrive(k_empty);
+      float alpha[2];
+      softmax(0, alpha);
+      pack_a<T, C::kBN>(p, s);
+    }
+    // Tile j: S_j = Q K_j^T, then O += P_{j-1} V_{j-1} right behind it, which runs while the
+    // softmax of S_j does. One shape of loop body, no branch on j: with one, ptxas could not
+    // tell that S has retired at wait<1> and serialised the wgmma (C7514).
+    for (int j = 1; j < n_tiles; ++j) {
+      const int st = j % kS, prev = (j - 1) % kS;
+      mbar_wait(k_full + 8 * st, (j / kS) & 1);
+      mbar_wait(v_full + 8 * prev, ((j - 1) / kS) & 1);
+      wgmma_fence();  // o, p were written by ordinary instructions since the last wgmma
+      product_abt<T, C::kBN>(s, q_desc, kmajor_desc(base + C::kK0 + st * C::kTileBytes));
+      wgmma_commit();
+      product_cb<T, C::kBN>(o, p, mnmajor_desc(base + C::kV0 + prev * C::kTileBytes));
+      wgmma_commit();
+      wgmma_wait<1>();  // S has retired (groups retire in order), P V may still run
+      fence_accumulators(s);
+      if (signals) mbar_arrive(k_empty + 8 * st);
+      float alpha[2];
+      softmax(j, alpha);
+      wgmma_wait<0>();  // the previous tile's P V has retired: o is final, p and V free
+      fence_accumulators(o);
+      fence_fragments(p);
+      if (signals) mbar_arrive(v_empty + 8 * prev);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) o[i] *= alpha[(i >> 1) & 1];
+      pack_a<T, C::kBN>(p, s);
+    }
+    {  // the last tile's O += P V
+      const int last = (n_tiles - 1) % kS;
+      mbar_wait(v_full + 8 * last, ((n_tiles - 1) / kS) & 1);
+      wgmma_fence();
+      product_cb<T, C::kBN>(o, p, mnmajor_desc(base + C::kV0 + last * C::kTileBytes));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(o);
+      fence_fragments(p);
+      if (signals) mbar_arrive(v_empty + 8 * last);
+    }
+    // finish: l over the quad, O / l, lse = (m + log2 l) ln 2
+    float inv[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+      l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+      inv[hr] = 1.0f / l[hr];
+      const int64_t r = row + 8 * hr;
+      if ((lane & 3) == 0 && r < seq)
+        lse[(int64_t(b) * heads + h) * seq + r] = (m[hr] + log2f(l[hr])) * kLn2;
+    }
+    const int64_t first = q0 + g * kWgRows;
+    store_tile<T>(o, inv, q_tile, out + ((int64_t(b) * seq + first) * heads + h) * kD,
+                  int64_t(heads) * kD, seq - first, g);
+  }
+}
+
+// ---- backward: dq ------------------------------------------------------------------------------
+
+struct Dq {
+  static constexpr int kBM = 128;  // query rows per block
+  static constexpr int kBN = 64;   // keys per tile
+  static constexpr int kStages = 3;
+  static constexpr int kQBytes = kBM * kRowBytes;     // Q, then dO
+  static constexpr int kTileBytes = kBN * kRowBytes;  // a K or V tile; a stage holds K then V
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  static constexpr int kRing0 = 2 * kQBytes;
+  static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
+};
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_dq_sm90_kernel(const __grid_constant__ CUtensorMap map_q,
+                         const __grid_constant__ CUtensorMap map_do,
+                         const __grid_constant__ CUtensorMap map_k,
+                         const __grid_constant__ CUtensorMap map_v, T* dq, const T* dout,
+                         const T* out, const float* lse, int64_t seq, int batch, int heads,
+                         int kv_heads, int q_tiles, float scale, float scale_log2) {
+  if constexpr (kHasWgmma) {
+    using C = Dq;
+    constexpr int kS = C::kStages;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) uint64_t bars[1 + 2 * kS];  // qd_full, then full[], empty[]
+    const uint32_t base = align1024(shared_addr(smem));
+    const uint32_t qd_full = shared_addr(bars), full = qd_full + 8, empty = full + 8 * kS;
+    if (threadIdx.x == 0) {
+      mbar_init(qd_full, 1);
+      for (int s = 0; s < kS; ++s) {
+        mbar_init(full + 8 * s, 1);
+        mbar_init(empty + 8 * s, kMathWarps);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    const int bh_count = batch * heads;
+    const int tile_rank = static_cast<int>(blockIdx.x / bh_count);
+    const int bh = static_cast<int>(blockIdx.x % bh_count);
+    const int b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
+    const int64_t q0 = int64_t(q_tiles - 1 - tile_rank) * C::kBM;  // longest first
+    const int64_t kv_end = seq < q0 + C::kBM ? seq : q0 + C::kBM;
+    const int n_tiles = static_cast<int>((kv_end + C::kBN - 1) / C::kBN);
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    if (wg == 0) {
+      release_registers<40>();
+      if (threadIdx.x != 0) return;
+      mbar_arrive_expect_tx(qd_full, 2 * C::kQBytes);
+      tma_load_3d(base, &map_q, qd_full, h * kD, static_cast<int32_t>(q0), b);
+      tma_load_3d(base + C::kQBytes, &map_do, qd_full, h * kD, static_cast<int32_t>(q0), b);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int s = j % kS;
+        if (j >= kS) mbar_wait(empty + 8 * s, ((j / kS) & 1) ^ 1u);
+        mbar_arrive_expect_tx(full + 8 * s, C::kStageBytes);
+        const uint32_t stage = base + C::kRing0 + s * C::kStageBytes;
+        tma_load_3d(stage, &map_k, full + 8 * s, kvh * kD, j * C::kBN, b);
+        tma_load_3d(stage + C::kTileBytes, &map_v, full + 8 * s, kvh * kD, j * C::kBN, b);
+      }
+      return;
+    }
+    claim_registers<232>();
+    const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32, t4 = lane & 3;
+    const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
+    const int64_t wg_first = q0 + g * kWgRows, wg_last = wg_first + kWgRows - 1;
+    const int64_t warp_first = wg_first + warp * 16, row = warp_first + lane / 4;
+    const bool signals = lane == 0;
+    const int64_t q_stride = int64_t(heads) * kD;
+    const int64_t q_off = (int64_t(b) * seq * heads + h) * kD;
+
+    // D and lse (log2 domain) of rows `row` and row + 8, while the tiles land: the quad's 4 lanes
+    // take 16 columns each. Rows past T get lse = +inf, so their P is 0.
+    float d_row[2], lse2[2];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int64_t r = row + 8 * hr;
+      const bool in = r < seq;
+      float part = 0.0f;
+      if (in) {
+        const uint4* a = reinterpret_cast<const uint4*>(dout + q_off + r * q_stride + 16 * t4);
+        const uint4* c = reinterpret_cast<const uint4*>(out + q_off + r * q_stride + 16 * t4);
+        part = dot8<T>(a[0], c[0]) + dot8<T>(a[1], c[1]);
+      }
+      part += __shfl_xor_sync(0xffffffffu, part, 1);
+      part += __shfl_xor_sync(0xffffffffu, part, 2);
+      d_row[hr] = part;
+      lse2[hr] = in ? lse[(int64_t(b) * heads + h) * seq + r] * kLog2e : INFINITY;
+    }
+
+    const uint32_t q_tile = base + g * kWgBytes;
+    const uint64_t q_desc = kmajor_desc(q_tile), do_desc = kmajor_desc(q_tile + C::kQBytes);
+    float dqa[32], s[32], dp[32];
+    zero(dqa);
+    uint32_t ds[C::kBN / 16][4];
+    mbar_wait(qd_full, 0);
+    for (int j = 0; j < n_tiles; ++j) {
+      const int st = j % kS;
+      mbar_wait(full + 8 * st, (j / kS) & 1);
+      const int64_t j0 = int64_t(j) * C::kBN;
+      // Some key of the tile is visible to a row of the warpgroup before T (uniform).
+      if (j0 <= wg_last && wg_first < seq) {
+        const uint32_t k_tile = base + C::kRing0 + st * C::kStageBytes;
+        wgmma_fence();
+        product_abt<T, C::kBN>(s, q_desc, kmajor_desc(k_tile));                    // S = Q K^T
+        product_abt<T, C::kBN>(dp, do_desc, kmajor_desc(k_tile + C::kTileBytes));  // dP = dO V^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        fence_accumulators(dp);
+        const bool edge = j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq;
+#pragma unroll
+        for (int jj = 0; jj < C::kBN / 8; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int hr = e >> 1, i = 4 * jj + e;
+            const int64_t key = j0 + 8 * jj + 2 * t4 + (e & 1);
+            const float pr = edge && (key > row + 8 * hr || key >= seq)
+                                 ? 0.0f
+                                 : exp2f(s[i] * scale_log2 - lse2[hr]);
+            s[i] = pr * (dp[i] - d_row[hr]);  // dS
+          }
+        pack_a<T, C::kBN>(ds, s);
+        wgmma_fence();
+        product_cb<T, C::kBN>(dqa, ds, mnmajor_desc(k_tile));  // dQ += dS K
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(dqa);
+        fence_fragments(ds);
+      }
+      if (signals) mbar_arrive(empty + 8 * st);
+    }
+    const float sc[2] = {scale, scale};
+    store_tile<T>(dqa, sc, q_tile, dq + q_off + wg_first * q_stride, q_stride, seq - wg_first, g);
+  }
+}
+
+// ---- backward: dk, dv --------------------------------------------------------------------------
+
+struct Dkdv {
+  static constexpr int kBN = 128;  // keys per block
+  static constexpr int kBM = 64;   // queries per step
+  static constexpr int kStages = 3;
+  static constexpr int kKVBytes = kBN * kRowBytes;    // K, then V
+  static constexpr int kTileBytes = kBM * kRowBytes;  // a Q or dO tile
+  // A stage: Q, dO, then lse (log2 domain) and D of the 64 queries; 1024-byte aligned stages.
+  static constexpr int kLse = 2 * kTileBytes, kDsum = kLse + kBM * 4;
+  static constexpr int kStageBytes = 2 * kTileBytes + 1024;
+  static constexpr int kRing0 = 2 * kKVBytes;
+  static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
+  // Full barrier arrivals: the TMA thread and the 64 threads (warps 2-3) that write lse and D.
+  static constexpr int kHelpers = 64;
+  // The register split (per thread; 2 x 128 x math + 128 x producer <= 64 Ki): the lse / D
+  // threads keep a step's 16 chunks of dO and O in flight; the math needs <= 168 (ptxas).
+  static constexpr int kProducerRegs = 120, kMathRegs = 192;
+};
+static_assert(2 * 128 * Dkdv::kMathRegs + 128 * Dkdv::kProducerRegs <= 65536, "register file");
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1)
+    flash_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap map_q,
+                           const __grid_constant__ CUtensorMap map_do,
+                           const __grid_constant__ CUtensorMap map_k,
+                           const __grid_constant__ CUtensorMap map_v, T* dk, T* dv, const T* dout,
+                           const T* out, const float* lse, int64_t seq, int batch, int heads,
+                           int kv_heads, float scale, float scale_log2) {
+  if constexpr (kHasWgmma) {
+    using C = Dkdv;
+    constexpr int kS = C::kStages;
+    extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) uint64_t bars[1 + 2 * kS];  // kv_full, then full[], empty[]
+    const uint32_t base = align1024(shared_addr(smem));
+    unsigned char* base_ptr = smem + (base - shared_addr(smem));
+    const uint32_t kv_full = shared_addr(bars), full = kv_full + 8, empty = full + 8 * kS;
+    if (threadIdx.x == 0) {
+      mbar_init(kv_full, 1);
+      for (int s = 0; s < kS; ++s) {
+        mbar_init(full + 8 * s, 1 + C::kHelpers);
+        mbar_init(empty + 8 * s, kMathWarps);
+      }
+      mbar_init_fence();
+    }
+    __syncthreads();
+    // The first key tiles see the most queries: the key tile is the slowest index, first first.
+    const int bkv_count = batch * kv_heads;
+    const int k_tile = static_cast<int>(blockIdx.x / bkv_count);
+    const int bkv = static_cast<int>(blockIdx.x % bkv_count);
+    const int b = bkv / kv_heads, kvh = bkv % kv_heads, group = heads / kv_heads;
+    const int64_t k0 = int64_t(k_tile) * C::kBN;
+    const int64_t q_tiles = (seq + C::kBM - 1) / C::kBM, first_tile = k0 / C::kBM;
+    const int per_head = static_cast<int>(q_tiles - first_tile);
+    const int steps = group * per_head;  // (query head, query tile) pairs, head-major
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    if (wg == 0) {
+      release_registers<C::kProducerRegs>();
+      if (threadIdx.x == 0) {
+        mbar_arrive_expect_tx(kv_full, 2 * C::kKVBytes);
+        tma_load_3d(base, &map_k, kv_full, kvh * kD, static_cast<int32_t>(k0), b);
+        tma_load_3d(base + C::kKVBytes, &map_v, kv_full, kvh * kD, static_cast<int32_t>(k0), b);
+        for (int it = 0; it < steps; ++it) {
+          const int s = it % kS;
+          if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
+          mbar_arrive_expect_tx(full + 8 * s, 2 * C::kTileBytes);
+          const int h = kvh * group + it / per_head;
+          const int32_t i0 = static_cast<int32_t>((first_tile + it % per_head) * C::kBM);
+          const uint32_t stage = base + C::kRing0 + s * C::kStageBytes;
+          tma_load_3d(stage, &map_q, full + 8 * s, h * kD, i0, b);
+          tma_load_3d(stage + C::kTileBytes, &map_do, full + 8 * s, h * kD, i0, b);
+        }
+      } else if (threadIdx.x >= 64) {
+        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries:
+        // 8 lanes per row (one 16-byte chunk each), 8 rows per pass of the two warps. All of a
+        // step's loads are issued before waiting for its stage to be free, so one memory latency
+        // per step overlaps the math of the steps in the ring (hence the producer's registers).
+        const int ht = static_cast<int>(threadIdx.x) - 64, sub = ht % 8;
+        const int64_t q_stride = int64_t(heads) * kD;
+        constexpr int kPasses = C::kBM / 8;
+        for (int it = 0; it < steps; ++it) {
+          const int s = it % kS;
+          const int h = kvh * group + it / per_head;
+          const int64_t i0 = (first_tile + it % per_head) * C::kBM;
+          const int64_t q_off = (int64_t(b) * seq * heads + h) * kD;
+          uint4 a[kPasses], c[kPasses];
+          float row_lse[kPasses];
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            const int64_t i = i0 + pass * 8 + ht / 8;
+            a[pass] = c[pass] = make_uint4(0, 0, 0, 0);
+            row_lse[pass] = INFINITY;
+            if (i < seq) {
+              const int64_t at = q_off + i * q_stride + sub * 8;
+              a[pass] = *reinterpret_cast<const uint4*>(dout + at);
+              c[pass] = *reinterpret_cast<const uint4*>(out + at);
+              if (sub == 0) row_lse[pass] = lse[(int64_t(b) * heads + h) * seq + i] * kLog2e;
+            }
+          }
+          if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
+          float* lse2 =
+              reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kLse);
+          float* dsum =
+              reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kDsum);
+#pragma unroll
+          for (int pass = 0; pass < kPasses; ++pass) {
+            float part = dot8<T>(a[pass], c[pass]);
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            part += __shfl_xor_sync(0xffffffffu, part, 4);
+            if (sub == 0) {
+              const int r = pass * 8 + ht / 8;
+              dsum[r] = part;
+              lse2[r] = row_lse[pass];
+            }
+          }
+          mbar_arrive(full + 8 * s);  // each thread's arrive releases its own writes
+        }
+      }
+      return;
+    }
+    claim_registers<C::kMathRegs>();
+    const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32, t4 = lane & 3;
+    const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
+    const int64_t wg_key = k0 + g * kWgRows;            // the warpgroup's first key
+    const int64_t key = wg_key + warp * 16 + lane / 4;  // this thread's keys: key and key + 8
+    const bool signals = lane == 0;
+    const bool active = wg_key < seq;  // keys past T are never stored: skip their math
+    const uint32_t k_rows = base + g * kWgBytes, v_rows = base + C::kKVBytes + g * kWgBytes;
+    const uint64_t k_desc = kmajor_desc(k_rows), v_desc = kmajor_desc(v_rows);
+    float dka[32], dva[32], s[32], dp[32];
+    zero(dka);
+    zero(dva);
+    uint32_t pa[C::kBM / 16][4], dsa[C::kBM / 16][4];
+    mbar_wait(kv_full, 0);
+    for (int it = 0; it < steps; ++it) {
+      const int st = it % kS;
+      mbar_wait(full + 8 * st, (it / kS) & 1);
+      const int64_t i0 = (first_tile + it % per_head) * C::kBM;
+      // Some query of the tile sees some key of the warpgroup (uniform over the warpgroup).
+      if (active && i0 + C::kBM - 1 >= wg_key) {
+        const uint32_t q_tile = base + C::kRing0 + st * C::kStageBytes;
+        const uint32_t do_tile = q_tile + C::kTileBytes;
+        const float* lse2 =
+            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kLse);
+        const float* dsum =
+            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kDsum);
+        wgmma_fence();
+        product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile));    // S^T = K Q^T
+        product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(do_tile));  // dP^T = V dO^T
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(s);
+        fence_accumulators(dp);
+        const bool edge = i0 < wg_key + kWgRows || i0 + C::kBM > seq;
+#pragma unroll
+        for (int jj = 0; jj < C::kBM / 8; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
+            const int64_t query = i0 + c;
+            const float pr = edge && (query < key + 8 * (e >> 1) || query >= seq)
+                                 ? 0.0f
+                                 : exp2f(s[i] * scale_log2 - lse2[c]);
+            s[i] = pr;                       // P^T
+            dp[i] = pr * (dp[i] - dsum[c]);  // dS^T
+          }
+        pack_a<T, C::kBM>(pa, s);
+        pack_a<T, C::kBM>(dsa, dp);
+        wgmma_fence();
+        product_cb<T, C::kBM>(dva, pa, mnmajor_desc(do_tile));  // dV += P^T dO
+        product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(q_tile));  // dK += dS^T Q
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_accumulators(dka);
+        fence_accumulators(dva);
+        fence_fragments(pa);
+        fence_fragments(dsa);
+      }
+      if (signals) mbar_arrive(empty + 8 * st);
+    }
+    const int64_t kv_stride = int64_t(kv_heads) * kD;
+    const int64_t kv_off = ((int64_t(b) * seq + wg_key) * kv_heads + kvh) * kD;
+    const float sk[2] = {scale, scale}, sv[2] = {1.0f, 1.0f};
+    store_tile<T>(dka, sk, k_rows, dk + kv_off, kv_stride, seq - wg_key, g);
+    store_tile<T>(dva, sv, v_rows, dv + kv_off, kv_stride, seq - wg_key, g);
+  }
+}
+
+// ---- host side ---------------------------------------------------------------------------------
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                    cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      throw InternalError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// A tensor map over a [B, T, n_heads, 64] 16-bit tensor seen as [B][T][n_heads * 64] (innermost
+// first: n_heads * 64, T, B): boxes of one head's 64 elements x `rows` positions x 1 sequence,
+// stored in the 128-byte swizzle; positions past T are zero-filled, never the next sequence's.
+CUtensorMap head_rows_map(DType t, const void* p, const AttentionShape& s, int64_t n_heads,
+                          uint32_t rows) {
+  CUtensorMap map{};
+  const uint64_t dims[3] = {uint64_t(n_heads * kD), uint64_t(s.seq), uint64_t(s.batch)};
+  const uint64_t strides[2] = {uint64_t(n_heads * kD * 2), uint64_t(s.seq * n_heads * kD * 2)};
+  const uint32_t box[3] = {uint32_t(kD), rows, 1};
+  const uint32_t ones[3] = {1, 1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, t == DType::bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+      3, const_cast<void*>(p), dims, strides, box, ones, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    throw InternalError("cuTensorMapEncodeTiled failed (error " + std::to_string(int(r)) +
+                        ") for an attention operand");
+  return map;
+}
+
+constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
+
+template <class T>
+void launch_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
+                    const void* v, const AttentionShape& s) {
+  using C = Fwd;
+  auto kernel = flash_forward_sm90_kernel<T>;
+  static std::once_flag once;
+  std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmem); });
+  const CUtensorMap mq = head_rows_map(t, q, s, s.heads, C::kBM);
+  const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, C::kBN);
+  const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, C::kBN);
+  const int q_tiles = static_cast<int>(blocks_for(s.seq, C::kBM));
+  const unsigned grid = static_cast<unsigned>(int64_t(q_tiles) * s.batch * s.heads);
+  kernel<<<grid, kThreads, C::kSmem, stream_of(ctx)>>>(
+      mq, mk, mv, static_cast<T*>(out), lse, s.seq, static_cast<int>(s.batch),
+      static_cast<int>(s.heads), static_cast<int>(s.kv_heads), q_tiles,
+      static_cast<float>(kScale * 1.4426950408889634));
+  MOE_CUDA_LAUNCH_CHECK();
+}
+
+template <class T>
+void launch_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
+                     const void* q, const void* k, const void* v, const void* out, const float* lse,
+                     const AttentionShape& s) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    allow_dynamic_smem(flash_dq_sm90_kernel<T>, Dq::kSmem);
+    allow_dynamic_smem(flash_dkdv_sm90_kernel<T>, Dkdv::kSmem);
+  });
+  const auto scale = static_cast<float>(kScale);
+  const auto scale_log2 = static_cast<float>(kScale * 1.4426950408889634);
+  {
+    const CUtensorMap mq = head_rows_map(t, q, s, s.heads, Dq::kBM);
+    const CUtensorMap mdo = head_rows_map(t, dout, s, s.heads, Dq::kBM);
+    const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, Dq::kBN);
+    const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, Dq::kBN);
+    const int q_tiles = static_cast<int>(blocks_for(s.seq, Dq::kBM));
+    const unsigned grid = static_cast<unsigned>(int64_t(q_tiles) * s.batch * s.heads);
+    flash_dq_sm90_kernel<T><<<grid, kThreads, Dq::kSmem, stream_of(ctx)>>>(
+        mq, mdo, mk, mv, static_cast<T*>(dq), static_cast<const T*>(dout),
+        static_cast<const T*>(out), lse, s.seq, static_cast<int>(s.batch),
+        static_cast<int>(s.heads), static_cast<int>(s.kv_heads), q_tiles, scale, scale_log2);
+    MOE_CUDA_LAUNCH_CHECK();
+  }
+  {
+    const CUtensorMap mq = head_rows_map(t, q, s, s.heads, Dkdv::kBM);
+    const CUtensorMap mdo = head_rows_map(t, dout, s, s.heads, Dkdv::kBM);
+    const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, Dkdv::kBN);
+    const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, Dkdv::kBN);
+    const int64_t k_tiles = blocks_for(s.seq, Dkdv::kBN);
+    const unsigned grid = static_cast<unsigned>(k_tiles * s.batch * s.kv_heads);
+    flash_dkdv_sm90_kernel<T><<<grid, kThreads, Dkdv::kSmem, stream_of(ctx)>>>(
+        mq, mdo, mk, mv, static_cast<T*>(dk), static_cast<T*>(dv), static_cast<const T*>(dout),
+        static_cast<const T*>(out), lse, s.seq, static_cast<int>(s.batch),
+        static_cast<int>(s.heads), static_cast<int>(s.kv_heads), scale, scale_log2);
+    MOE_CUDA_LAUNCH_CHECK();
+  }
+}
+
+// Whether the code the device runs for T's kernels is the sm_90a code (see the top comment).
+template <class T>
+bool compiled_for_sm90a() {
+#ifdef MOE_WITH_SM90A
+  auto is90 = [](int v) { return v >= 90 && v < 100; };
+  return is90(compiled_arch(flash_forward_sm90_kernel<T>)) &&
+         is90(compiled_arch(flash_dq_sm90_kernel<T>)) &&
+         is90(compiled_arch(flash_dkdv_sm90_kernel<T>));
+#else
+  return false;
+#endif
+}
+
+bool sm90_available(DType t) {
+  // Decided once per process for the current device (the trainer uses one device per process).
+  static std::once_flag once;
+  static bool half_ok = false, bf16_ok = false;
+  std::call_once(once, [] {
+    int dev = 0, major = 0, minor = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major != 9 || minor != 0) return;
+    half_ok = compiled_for_sm90a<__half>();
+    bf16_ok = compiled_for_sm90a<__nv_bfloat16>();
+  });
+  return t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
+}
+
+// MOE_ATTENTION_SM90=0 declines (the sm_80 kernels run); anything else, or unset, takes these.
+bool enabled() {
+  const char* v = std::getenv("MOE_ATTENTION_SM90");
+  return v == nullptr || std::string(v) != "0";
+}
+
+// The shapes the kernels index with 32-bit block and TMA coordinates.
+bool shape_fits(const AttentionShape& s) {
+  const int64_t limit = int64_t(1) << 31;
+  return s.seq < limit && s.batch * s.heads < limit &&
+         (s.seq + 63) / 64 * s.batch * s.heads < limit && s.heads % s.kv_heads == 0;
+}
+
+}  // namespace
+
+bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
+                            const void* v, const AttentionShape& s) {
+  if (!enabled() || !sm90_available(t) || !aligned16({out, q, k, v}) || !shape_fits(s))
+    return false;
+  if (t == DType::f16)
+    launch_forward<__half>(ctx, t, out, lse, q, k, v, s);
+  else
+    launch_forward<__nv_bfloat16>(ctx, t, out, lse, q, k, v, s);
+  return true;
+}
+
+bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
+                             const void* q, const void* k, const void* v, const void* out,
+                             const float* lse, const AttentionShape& s) {
+  if (!enabled() || !sm90_available(t) || !aligned16({dq, dk, dv, dout, q, k, v, out}) ||
+      !shape_fits(s))
+    return false;
+  if (t == DType::f16)
+    launch_backward<__half>(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s);
+  else
+    launch_backward<__nv_bfloat16>(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s);
+  return true;
+}
+
+}  // namespace moe::cuda_detail
