@@ -526,6 +526,84 @@ TEST_CASE("gpu rope: table, forward and backward at non-contiguous positions", "
   }
 }
 
+// The rotations read and write 16 bytes at a time (pairs j .. j+kVec-1) where head_dim/2 is a
+// multiple of 16 bytes' worth of elements and x, cos and sin are 16-byte aligned, one pair at a
+// time otherwise, with the same roundings: hd 64 takes the vector path for every dtype, 12 and 20
+// (half 6, 10) only for f64, and x or the table one element off alignment the scalar one. All
+// must match the CPU op and give the same bits; a position outside the table turns its row to NaN
+// on either path and leaves the other rows alone.
+TEST_CASE("gpu rope: vector and scalar paths agree bitwise", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t max_pos = 50, heads = 3;
+  const std::vector<int32_t> pos = {7, 0, 49, 21, 21, 3, 33, 48, 1, 12, 40};
+  const int64_t n = static_cast<int64_t>(pos.size());
+  std::vector<int32_t> bad_pos = pos;
+  bad_pos[2] = static_cast<int32_t>(max_pos);
+  bad_pos[7] = -1;
+  DeviceTensor dpos = ids_on_device(pos), dbad = ids_on_device(bad_pos);
+  Buf<int32_t> hpos = host_i32(pos);
+  for (int64_t hd : {int64_t{64}, int64_t{12}, int64_t{20}}) {
+    const int64_t half = hd / 2, width = heads * hd;
+    Buf<double> hcos({max_pos, half}), hsin({max_pos, half});
+    cpu::rope_table(cpu, hcos, hsin, 10000.0);
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto c = round_to(acc, hcos.v), s = round_to(acc, hsin.v);
+      const auto x = rounded_random_values(dt, n * width, 300 + hd);
+      Buf<double> hc = host({max_pos, half}, c), hs = host({max_pos, half}, s);
+      Buf<double> hf = host({n, heads, hd}, x), hb = host({n, heads, hd}, x);
+      cpu::rope_forward(cpu, hf, hpos, hc, hs);
+      cpu::rope_backward(cpu, hb, hpos, hc, hs);
+      std::vector<std::vector<unsigned char>> aligned;  // forward, backward, bad positions
+      for (const auto& [xs, ts] : {std::pair<int, int>{0, 0}, {1, 0}, {0, 1}}) {
+        // Each tensor `shift` elements past the start of its own (poisoned) allocation.
+        std::vector<DeviceTensor> keep;
+        keep.reserve(8);
+        auto tensor = [&](DType t, std::initializer_list<int64_t> dims, int shift,
+                          const std::vector<double>& values) {
+          int64_t count = 1;
+          for (int64_t d : dims) count *= d;
+          DeviceTensor& buf = keep.emplace_back(t, std::initializer_list<int64_t>{count + shift});
+          poison(buf);
+          Tensor view(static_cast<char*>(buf.t.data) + shift * dtype_size(t), t, gpu0(), dims);
+          upload(view, values);
+          return view;
+        };
+        Tensor dc = tensor(acc, {max_pos, half}, ts, c), ds = tensor(acc, {max_pos, half}, ts, s);
+        Tensor f = tensor(dt, {n, heads, hd}, xs, x), g = tensor(dt, {n, heads, hd}, xs, x),
+               fbad = tensor(dt, {n, heads, hd}, xs, x);
+        rope_forward(gpu, f, dpos, dc, ds);
+        rope_backward(gpu, g, dpos, dc, ds);
+        rope_forward(gpu, fbad, dbad, dc, ds);
+        const std::string tag = " hd=" + std::to_string(hd) + " x shift " + std::to_string(xs) +
+                                " table shift " + std::to_string(ts);
+        const auto fv = download(f), badv = download(fbad);
+        check_close("rope_forward" + tag, dt, fv, hf.v, pointwise_tol(dt));
+        check_close("rope_backward" + tag, dt, download(g), hb.v, pointwise_tol(dt));
+        for (int64_t i = 0; i < n; ++i) {
+          bool ok = true;  // NaN rows where the position is bad, the good run's values elsewhere
+          for (int64_t k = i * width; k < (i + 1) * width; ++k)
+            ok = ok && (bad_pos[i] == pos[i] ? badv[k] == fv[k] : std::isnan(badv[k]));
+          INFO("rope_forward" << tag << " [" << dtype_name(dt) << "], row " << i << " at position "
+                              << bad_pos[i]);
+          CHECK(ok);
+        }
+        const std::vector<std::vector<unsigned char>> got = {bytes_of(f), bytes_of(g),
+                                                             bytes_of(fbad)};
+        if (aligned.empty()) {
+          aligned = got;
+          continue;
+        }
+        for (size_t k = 0; k < got.size(); ++k) {
+          INFO("rope" << tag << " [" << dtype_name(dt) << "]: output " << k
+                      << " (forward, backward, forward at bad positions) vs the aligned run");
+          CHECK(got[k] == aligned[k]);
+        }
+      }
+    }
+  }
+}
+
 // ---- SwiGLU / SiLU ------------------------------------------------------------------------------
 
 TEST_CASE("gpu swiglu and silu: forward and backward", "[gpu]") {
