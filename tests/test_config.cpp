@@ -73,6 +73,7 @@ const char* kFullConfig = R"({
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
+            "recompute_expert_inputs": true,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -173,6 +174,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK_FALSE(c.train.save_at_end);
   CHECK(c.train.gpu_memory_limit_gib == 15.5);
   CHECK(c.train.recompute_layers);
+  CHECK(c.train.recompute_expert_inputs);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }

@@ -342,7 +342,7 @@ TEST_CASE("ZeRO-3 model on one rank: the gathered units give the unsharded step"
     const ZeroPartition part = ZeroPartition::per_unit(param_unit_bounds(table, m), 0, 1);
     const ParamSharding sharding{&part, comm.get()};
     Model plain(m, DType::f64, Device{}, 2, 8);
-    Model sharded(m, DType::f64, Device{}, 2, 8, true, false, &sharding);
+    Model sharded(m, DType::f64, Device{}, 2, 8, true, Recompute{}, &sharding);
     REQUIRE(sharded.params_sharded());
     plain.init_weights(11);
     sharded.init_weights(11);
@@ -670,7 +670,7 @@ TEST_CASE("offload: the in-place AdamW behind the forward waits range by range",
   const ZeroPartition part = ZeroPartition::per_unit(param_unit_bounds(table, m), 0, 1);
   ParamSharding sharding{&part, comm.get(), /*offload=*/true};
   Model ref(m, DType::f64, Device{}, 1, 4);
-  Model host(m, DType::f64, Device{}, 1, 4, true, false, &sharding);
+  Model host(m, DType::f64, Device{}, 1, 4, true, Recompute{}, &sharding);
   with_sine_gradient(ref);
   host.init_weights(5);
   // One rank: the local layout is the global one.
@@ -717,7 +717,7 @@ TEST_CASE("Model: the backward reports each gradient range once it is final", "[
       ModelConfig m = small_config();
       m.tie_word_embeddings = tied;
       const int t = 8;
-      Model model(m, DType::f64, Device{}, 2, t, true, recompute);
+      Model model(m, DType::f64, Device{}, 2, t, true, Recompute{recompute, false});
       model.init_weights(3);
       Ctx ctx;
       auto ids = tokens(2 * t, m.vocab_size, 5), tg = tokens(2 * t, m.vocab_size, 6);
@@ -780,9 +780,10 @@ TEST_CASE("GradientBuckets: adjacent ranges become buckets of at least the bucke
   CHECK(launched == std::vector<std::pair<size_t, size_t>>{{0, 10}});  // one bucket
 }
 
-// train.recompute_layers changes where activations live, not the arithmetic: a short run (MoE,
-// shared expert, MoD, router-bias updates) gives bitwise the same per-step losses.
-TEST_CASE("train: recompute_layers gives bitwise the same run", "[train][recompute]") {
+// train.recompute_layers and train.recompute_expert_inputs change where activations live, not the
+// arithmetic: a short run (MoE, shared expert, MoD, router-bias updates) gives bitwise the same
+// per-step losses.
+TEST_CASE("train: recomputation gives bitwise the same run", "[train][recompute]") {
   const std::vector<std::string> base = {
       "train_micro_batch_size_per_gpu=2",
       "gradient_accumulation_steps=2",
@@ -805,14 +806,16 @@ TEST_CASE("train: recompute_layers gives bitwise the same run", "[train][recompu
       "train.save_at_end=false",
       "train.device=\"cpu\""};
   std::vector<std::vector<double>> losses;
-  for (const char* recompute : {"false", "true"}) {
+  for (const char* recompute :
+       {"", "train.recompute_layers=true", "train.recompute_expert_inputs=true"}) {
     moe::test::TempDir dir;
     std::vector<std::string> o = base;
-    o.push_back(std::string("train.recompute_layers=") + recompute);
+    if (*recompute) o.push_back(recompute);
     o.push_back("train.out_dir=\"" + dir.path.string() + "\"");
     std::ostringstream log;
     losses.push_back(train(parse_config("{}", o, "test"), log).losses);
   }
   REQUIRE(losses[0].size() == 6);
   CHECK(losses[1] == losses[0]);
+  CHECK(losses[2] == losses[0]);
 }

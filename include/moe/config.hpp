@@ -145,6 +145,7 @@ struct TrainConfig {
   std::string resume;                    // "" | "auto" (newest in out_dir) | a checkpoint path
   double comm_timeout_s = 600;           // collective watchdog (data parallel); 0 = off
   bool recompute_layers = false;         // activation recomputation, layer by layer
+  bool recompute_expert_inputs = false;  // MoE layers: rebuild the expert GEMMs' inputs
   // GiB the trainer may allocate on its GPU (0 = no cap): a larger card checks that a run fits
   // a smaller one's budget (e.g. 16 for a T4). --gpu-memory-limit overrides it.
   double gpu_memory_limit_gib = 0;

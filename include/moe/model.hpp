@@ -88,6 +88,16 @@ struct ParamSharding {
   bool pin_memory = false;
 };
 
+// Which activations the backward rebuilds instead of keeping (train.recompute_layers and
+// train.recompute_expert_inputs; Model's constructor says what each costs).
+struct Recompute {
+  bool layers = false;
+  bool expert_inputs = false;
+};
+inline Recompute recompute_of(const TrainConfig& t) {
+  return {t.recompute_layers, t.recompute_expert_inputs};
+}
+
 class Model {
  public:
   // Plans every buffer for micro-batches of `batch` sequences of `seq_len` tokens. With
@@ -96,15 +106,16 @@ class Model {
   // keep one copy of the weights; f16 / bf16 models keep fp32 master weights and gradients (what
   // the optimizer and checkpoints see) plus a compute copy refreshed by weights_changed(), and do
   // router, statistics and loss math in fp32.
-  // recompute_layers: keep only each layer's input between forward and backward and re-run the
+  // recompute.layers: keep only each layer's input between forward and backward and re-run the
   // layer's forward just before its backward (activation recomputation): one layer's
   // activations in memory instead of all of them, for about one more forward pass of compute.
+  // recompute.expert_inputs: the MoE layers keep neither their permuted rows nor the SwiGLU
+  // output; the backward rebuilds them (a permute and a SwiGLU pass per MoE layer).
   // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.
   Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-        bool allocate = true, bool recompute_layers = false,
-        const ParamSharding* sharding = nullptr);
+        bool allocate = true, Recompute recompute = {}, const ParamSharding* sharding = nullptr);
   ~Model();
 
   void init_weights(uint64_t seed);
@@ -188,7 +199,8 @@ class Model {
   size_t weight_bytes() const;
   int batch() const { return batch_; }
   int seq_len() const { return seq_len_; }
-  bool recomputes_layers() const { return recompute_; }
+  bool recomputes_layers() const { return recompute_.layers; }
+  bool recomputes_expert_inputs() const { return recompute_.expert_inputs; }
 
  private:
   friend struct LayerEnv;
@@ -206,7 +218,8 @@ class Model {
   DType compute_, param_dtype_;
   Device dev_;
   int batch_, seq_len_;
-  bool allocated_, recompute_;
+  bool allocated_;
+  Recompute recompute_;
   ParamTable table_;
   // Where each layer's parameters start in the flat buffer; [L] = the final norm's offset.
   std::vector<size_t> layer_offsets_;

@@ -236,6 +236,7 @@ KeyNode train_section() {
        leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume)),
        leaf("comm_timeout_s", AT(train.comm_timeout_s)),
        leaf("recompute_layers", AT(train.recompute_layers)),
+       leaf("recompute_expert_inputs", AT(train.recompute_expert_inputs)),
        leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }
 

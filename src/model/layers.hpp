@@ -89,6 +89,14 @@ class MoeFfn {
   Tensor offsets_, row_token_, slot_row_;      // [E+1], [N*K], [N*K]
   Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]: compute dtype
 
+  // The expert GEMMs' inputs: the permuted rows [R, d] and the SwiGLU output [R, F]. The kept
+  // activations, or (train.recompute_expert_inputs) fresh tensors in `scratch` that the caller
+  // fills and releases.
+  struct ExpertInputs {
+    Tensor xp, hact;
+  };
+  ExpertInputs expert_inputs(Arena& scratch) const;
+
  public:
   Tensor load() const { return load_; }
 };

@@ -61,7 +61,7 @@ struct Model::Staging {
 };
 
 Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-             bool allocate, bool recompute_layers, const ParamSharding* sharding)
+             bool allocate, Recompute recompute, const ParamSharding* sharding)
     : cfg_(cfg),
       compute_(compute),
       param_dtype_(acc_dtype(compute)),
@@ -69,7 +69,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
       batch_(batch),
       seq_len_(seq_len),
       allocated_(allocate),
-      recompute_(recompute_layers),
+      recompute_(recompute),
       table_(build_param_table(cfg)),
       acts_(dev),
       scratch_(dev) {
@@ -149,7 +149,7 @@ void Model::plan() {
   // (planned from the same mark; the arena keeps the largest).
   const size_t shared = acts_.mark();
   for (auto& layer : layers_) {
-    if (recompute_) acts_.release(shared);
+    if (recompute_.layers) acts_.release(shared);
     layer->plan(acts_);
   }
   loads_.clear();
@@ -461,7 +461,7 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const Gradien
       sharded_->begin_grads(ctx, unit);
       sharded_->prefetch(ctx, unit - 1);
     }
-    if (recompute_) {  // rebuild this layer's activations from its saved input
+    if (recompute_.layers) {  // rebuild this layer's activations from its saved input
       env_->recomputing = true;
       layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
       env_->recomputing = false;

@@ -48,12 +48,24 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   offsets_ = acts.alloc(DType::i32, {e + 1});
   row_token_ = acts.alloc(DType::i32, {r});
   slot_row_ = acts.alloc(DType::i32, {r});
-  xp_ = acts.alloc(dt, {r, d});
+  // The expert GEMMs' inputs, xp and hact, are kept unless the backward rebuilds them
+  // (train.recompute_expert_inputs: then they live in scratch, see expert_inputs).
+  if (!env_.model.recomputes_expert_inputs()) {
+    xp_ = acts.alloc(dt, {r, d});
+    hact_ = acts.alloc(dt, {r, f});
+  }
   hgate_ = acts.alloc(dt, {r, f});
   hup_ = acts.alloc(dt, {r, f});
-  hact_ = acts.alloc(dt, {r, f});
   yp_ = acts.alloc(dt, {r, d});
   for (auto& s : shared_) s->plan(acts, rows);
+}
+
+MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch) const {
+  if (!env_.model.recomputes_expert_inputs()) return {xp_, hact_};
+  const auto& c = env_.cfg;
+  const int64_t r = rows_ * c.num_experts_per_tok;
+  return {scratch.alloc(env_.dtype, {r, c.hidden_size}),
+          scratch.alloc(env_.dtype, {r, c.intermediate_size})};
 }
 
 void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
@@ -68,11 +80,14 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   router_aux_loss_forward(ctx, aux_losses_, logits_, probs_, counts_, c.num_experts_per_tok,
                           c.router_aux_loss_coef, c.router_z_loss_coef);
   // permute
+  const size_t inputs_mark = s.mark();
+  const ExpertInputs in = expert_inputs(s);
   moe_permute_plan(ctx, offsets_, row_token_, slot_row_, topk_idx_);
-  permute_forward(ctx, xp_, x, row_token_);
+  permute_forward(ctx, in.xp, x, row_token_);
   // experts
-  grouped_swiglu_forward(ctx, hgate_, hup_, hact_, xp_, w1_.w, w3_.w, offsets_);
-  grouped_linear_forward(ctx, yp_, hact_, w2_.w, offsets_);
+  grouped_swiglu_forward(ctx, hgate_, hup_, in.hact, in.xp, w1_.w, w3_.w, offsets_);
+  grouped_linear_forward(ctx, yp_, in.hact, w2_.w, offsets_);
+  s.release(inputs_mark);
   // combine
   combine_forward(ctx, y, yp_, topk_w_, slot_row_);
   for (auto& sh : shared_) sh->forward(ctx, y, x, true);
@@ -88,21 +103,26 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Arena& s = env_.scratch;
   const size_t mark = s.mark();
   const DType dt = env_.dtype, acc = env_.acc;
+  const ExpertInputs in = expert_inputs(s);
+  if (env_.model.recomputes_expert_inputs()) {  // rebuilt from the layer input and gate / up
+    permute_forward(ctx, in.xp, x, row_token_);
+    swiglu_forward(ctx, in.hact, hgate_, hup_);
+  }
   Tensor dyp = s.alloc(dt, {yp_.size(0), yp_.size(1)});
   Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
-  Tensor dact = s.alloc(dt, {hact_.size(0), hact_.size(1)});
-  Tensor dgate = s.alloc(dt, {hact_.size(0), hact_.size(1)});
-  Tensor dup = s.alloc(dt, {hact_.size(0), hact_.size(1)});
-  Tensor dxp = s.alloc(dt, {xp_.size(0), xp_.size(1)});
-  Tensor dxp_up = s.alloc(dt, {xp_.size(0), xp_.size(1)});
+  Tensor dact = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
+  Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
+  Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
+  Tensor dxp = s.alloc(dt, {in.xp.size(0), in.xp.size(1)});
+  Tensor dxp_up = s.alloc(dt, {in.xp.size(0), in.xp.size(1)});
   Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   // combine
   combine_backward(ctx, dyp, dtopk_w, dy, yp_, topk_w_, slot_row_);
   // experts
-  grouped_linear_backward(ctx, dact, w2_.g, dyp, hact_, w2_.w, offsets_);
+  grouped_linear_backward(ctx, dact, w2_.g, dyp, in.hact, w2_.w, offsets_);
   swiglu_backward(ctx, dgate, dup, dact, hgate_, hup_);
-  grouped_linear_backward(ctx, dxp, w1_.g, dgate, xp_, w1_.w, offsets_);
-  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, xp_, w3_.w, offsets_);
+  grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_);
+  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_);
   add(ctx, dxp, dxp, dxp_up);
   // permute
   permute_backward(ctx, dx, dxp, slot_row_);
