@@ -529,6 +529,19 @@ struct Dkdv {
   static constexpr int kProducerRegs = 120, kMathRegs = 192;
 };
 static_assert(2 * 128 * Dkdv::kMathRegs + 128 * Dkdv::kProducerRegs <= 65536, "register file");
+// Shared memory per block on sm_90: 227 KiB, static and dynamic together (the static barriers
+// take 1024 bytes: the dynamic memory starts 1024-byte aligned). Every tile the 128-byte swizzle
+// reads starts on a 1024-byte boundary.
+constexpr size_t kStaticSmem = 1024, kSmemLimit = 232448;
+static_assert(Fwd::kSmem + kStaticSmem <= kSmemLimit && Dq::kSmem + kStaticSmem <= kSmemLimit &&
+                  Dkdv::kSmem + kStaticSmem <= kSmemLimit,
+              "shared memory");
+static_assert(Fwd::kQBytes % 1024 == 0 && Fwd::kTileBytes % 1024 == 0 && Dq::kQBytes % 1024 == 0 &&
+                  Dq::kTileBytes % 1024 == 0 && Dkdv::kKVBytes % 1024 == 0 &&
+                  Dkdv::kTileBytes % 1024 == 0 && Dkdv::kStageBytes % 1024 == 0 &&
+                  kWgBytes % 1024 == 0,
+              "1024-byte aligned tiles");
+static_assert(Dkdv::kDsum + Dkdv::kBM * 4 <= Dkdv::kStageBytes, "lse and D inside the stage");
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
