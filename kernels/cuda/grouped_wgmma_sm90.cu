@@ -410,16 +410,6 @@ CUtensorMap tile_map(DType t, const void* base, int rank, const uint64_t* dims,
   return map;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    MOE_CUDA_CHECK(cudaGetDevice(&dev));
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 template <class C, class T, bool kBKFast>
 void launch_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w, const int32_t* offsets,
                  int experts, int64_t rows, int64_t n_total, int64_t k_total,
@@ -439,7 +429,7 @@ void launch_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w, const
   const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
   const int n_tiles = static_cast<int>(blocks_for(n_total, C::kBN));
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
       map_a, map_b, static_cast<T*>(c), offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
