@@ -133,4 +133,16 @@ inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// Streaming multiprocessors of the current device, read once per process (the trainer uses one
+// device per process): the size of persistent grids.
+inline int device_sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return n;
+}
+
 }  // namespace moe::cuda_detail

@@ -456,16 +456,6 @@ CUtensorMap tile_map(DType t, const void* base, int rank, const uint64_t* dims,
   return map;
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    MOE_CUDA_CHECK(cudaGetDevice(&dev));
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return n;
-}
-
 // The outputs of a rows launch: c, and with SwiGLU also up and h, all [rows, n_total].
 struct RowsOut {
   void* c;
@@ -495,7 +485,7 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   const CUtensorMap map_b2 = kSwiglu ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
   const int n_tiles = static_cast<int>(blocks_for(n_total, kTileN));
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
       map_a, map_b, map_b2, static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h),
       offsets, experts, rows, n_total, k_total, n_tiles, tiles);

@@ -465,11 +465,9 @@ int wide_threads(int64_t d) {
 template <auto kKernel, int kThreads>
 unsigned resident_blocks() {
   static const unsigned blocks = [] {
-    int device = 0, sms = 0, per_sm = 0;
-    MOE_CUDA_CHECK(cudaGetDevice(&device));
-    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    int per_sm = 0;
     MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, kThreads, 0));
-    return static_cast<unsigned>(std::max(1, sms * per_sm));
+    return static_cast<unsigned>(std::max(1, device_sm_count() * per_sm));
   }();
   return blocks;
 }
