@@ -203,7 +203,9 @@ double worst_ratio(const std::vector<double>& a, const std::vector<double>& b, d
                    double atol) {
   double worst = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    const double r = std::fabs(a[i] - b[i]) / (atol + rtol * std::fabs(b[i]));
+    // An exact match is ratio 0 even where the tolerance is 0 (a zero reference).
+    const double diff = std::fabs(a[i] - b[i]);
+    const double r = diff == 0 ? 0.0 : diff / (atol + rtol * std::fabs(b[i]));
     worst = std::max(worst, std::isnan(r) ? 1e300 : r);
   }
   return a.size() == b.size() ? worst : 1e300;

@@ -82,8 +82,14 @@ void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64
   attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
   gpu::synchronize();
   const std::vector<double> dq1 = download(gdq), dk1 = download(gdk), dv1 = download(gdv);
-  expect_close(dq1, cdq.v, rtol, "backward dq");
-  expect_close(dk1, cdk.v, rtol, "backward dk");
+  // With one key per query (T = 1) the softmax is constant, so dq and dk are exactly zero and
+  // the kernels leave only the rounding of dP - D (O is v rounded): a zero reference is held to
+  // the scale of dv, the gradient of the same size that is not zero.
+  const auto scale_of = [&](const std::vector<double>& ref) {
+    return max_abs(ref) > 0 ? max_abs(ref) : max_abs(cdv.v);
+  };
+  check_close(dq1, cdq.v, dt, rtol * scale_of(cdq.v), "backward dq");
+  check_close(dk1, cdk.v, dt, rtol * scale_of(cdk.v), "backward dk");
   expect_close(dv1, cdv.v, rtol, "backward dv");
 
   // Deterministic: a second run (over poisoned outputs) gives bitwise the same gradients.

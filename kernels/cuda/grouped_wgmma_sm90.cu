@@ -593,7 +593,9 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
                          int64_t rows, int64_t features, int64_t in) {
   const Mode m = mode();
   const int64_t stride = features * in;
-  if (m != Mode::wide || !sm90_available(t) ||
+  // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
+  const char* fused = std::getenv("MOE_SWIGLU_FUSED");
+  if ((fused != nullptr && std::string(fused) == "0") || m != Mode::wide || !sm90_available(t) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
       !aligned16_rows(h, features))

@@ -213,6 +213,18 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
         0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
   }
 
+  // ---- the experts' gate and up GEMMs with SwiGLU (fused on sm_90), even routing ----
+  {
+    Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));
+    Tensor w3 = pool.random(dt, {e, f, d}, -0.05f, 0.05f);
+    Tensor up = pool.zeros(dt, {r, f}), act = pool.zeros(dt, {r, f});
+    add("grouped_swiglu",
+        shape({r, d}) + " x 2 [" + std::to_string(e) + ", " + std::to_string(f) + ", " +
+            std::to_string(d) + "]^T",
+        2 * gemm_flops, true, gemm_rate, 0,
+        [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, off); });
+  }
+
   // ---- the model's dense linears (cuBLAS): attention projection, LM head, fp32 router ----
   auto linear_rows = [&](const std::string& name, DType t, int64_t in, int64_t out) {
     Tensor lx = pool.random(t, {n, in}), lw = pool.random(t, {out, in}, -0.05f, 0.05f);
