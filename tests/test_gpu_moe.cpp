@@ -344,15 +344,23 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   const std::vector<double> dxp =
       round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 2));
   Buf<double> hdxp = host({slots, d}, dxp), hdx({n, d});
-  cpu::permute_backward(cctx, hdx, hdxp, sr);
+  cpu::permute_backward(cctx, hdx, hdxp, Tensor(), sr);
   Tensor gdxp = dev.holding(dt, {slots, d}, dxp), gdx = dev.poisoned(dt, {n, d});
-  permute_backward(gctx, gdx, gdxp, gsr);
+  permute_backward(gctx, gdx, gdxp, Tensor(), gsr);
   check_grad(download(gdx), hdx.v, dt, "permute_backward");
   // Sums run in a fixed order: a second run gives the same bits.
   const std::vector<unsigned char> dx_bits = bytes_of(gdx);
   poison(gdx);
-  permute_backward(gctx, gdx, gdxp, gsr);
+  permute_backward(gctx, gdx, gdxp, Tensor(), gsr);
   CHECK(bytes_of(gdx) == dx_bits);
+  // With a second source (the MoE layer's gradients through w1 and w3) in the same gather.
+  const std::vector<double> dxp2 =
+      round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 7));
+  Buf<double> hdxp2 = host({slots, d}, dxp2), hdx2({n, d});
+  cpu::permute_backward(cctx, hdx2, hdxp, hdxp2, sr);
+  Tensor gdxp2 = dev.holding(dt, {slots, d}, dxp2);
+  permute_backward(gctx, gdx, gdxp, gdxp2, gsr);
+  check_grad(download(gdx), hdx2.v, dt, "permute_backward with dxp2");
 
   // combine_forward (the router's weights in acc_dtype)
   const DType acc = acc_dtype(dt);

@@ -340,8 +340,20 @@ TEST_CASE("permute_forward gathers rows, permute_backward sums a token's K copie
   Buf<double> dxp({8, 2}), dx({4, 2});
   for (int r = 0; r < 8; ++r) dxp[2 * r] = r, dxp[2 * r + 1] = 10 * r;
   for (auto& v : dx.v) v = 99;  // overwritten
-  permute_backward(ctx, dx, dxp, slot_row);
+  permute_backward(ctx, dx, dxp, Tensor(), slot_row);
   CHECK(dx.v == std::vector<double>{3, 30, 11, 110, 6, 60, 8, 80});
+  // A second source adds its rows in the same gather: dxp2 row r = (100 r, 1000 r).
+  Buf<double> dxp2({8, 2});
+  for (int r = 0; r < 8; ++r) dxp2[2 * r] = 100 * r, dxp2[2 * r + 1] = 1000 * r;
+  permute_backward(ctx, dx, dxp, dxp2, slot_row);
+  CHECK(dx.v == std::vector<double>{303, 3030, 1111, 11110, 606, 6060, 808, 8080});
+  Buf<double> bad({7, 2});
+  try {
+    permute_backward(ctx, dx, dxp, bad, slot_row);
+    FAIL("a dxp2 of the wrong shape was accepted");
+  } catch (const InternalError& e) {
+    CHECK(std::string(e.what()).find("permute_backward: dxp2") != std::string::npos);
+  }
 }
 
 TEST_CASE("permute_backward matches finite differences of permute_forward") {
@@ -353,7 +365,7 @@ TEST_CASE("permute_backward matches finite differences of permute_forward") {
   auto x = random_buf({n, d}, 51);
   auto w = random_buf({n * k, d}, 52);
   Buf<double> xp({n * k, d}), dx({n, d});
-  permute_backward(ctx, dx, w, slot_row);
+  permute_backward(ctx, dx, w, Tensor(), slot_row);
   check_gradient(
       x.v, dx.v,
       [&] {
@@ -413,8 +425,8 @@ TEST_CASE("permute and combine: f32 agrees with f64") {
   Buf<float> xp32({n * k, d}), dx32({n, d}), y32({n, d}), dyp32({n * k, d}), dtw32({n, k});
   permute_forward(ctx, xp, x, row_token);
   permute_forward(ctx, xp32, x32, row_token);
-  permute_backward(ctx, dx, yp, slot_row);
-  permute_backward(ctx, dx32, yp32, slot_row);
+  permute_backward(ctx, dx, yp, Tensor(), slot_row);
+  permute_backward(ctx, dx32, yp32, Tensor(), slot_row);
   combine_forward(ctx, y, yp, tw, slot_row);
   combine_forward(ctx, y32, yp32, tw32, slot_row);
   combine_backward(ctx, dyp, dtw, dy, yp, tw, slot_row);

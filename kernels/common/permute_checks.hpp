@@ -49,8 +49,8 @@ inline void check_permute_forward_args(const Tensor& xp, const Tensor& x, const 
   check_index_i32(row_token, "permute_forward: row_token");
 }
 
-// dx: [N, d], dxp: [N*K, d], slot_row: [N*K] i32; returns K.
-inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp,
+// dx: [N, d], dxp and dxp2 (unless empty): [N*K, d], slot_row: [N*K] i32; returns K.
+inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp, const Tensor& dxp2,
                                            const Tensor& slot_row) {
   MOE_CHECK(dx.ndim == 2 && slot_row.ndim == 1,
             "permute_backward: dx must be [N, d] and slot_row [N*K], got " + dx.shape_str() +
@@ -59,6 +59,12 @@ inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp,
   const int64_t k = permute_slots_per_token(slots, n_tok, "permute_backward");
   check_shape(dxp, {slots, d}, "permute_backward: dxp");
   check_same_dtype(dxp, dx, "permute_backward: dxp, dx");
+  if (!dxp2.empty()) {
+    check_shape(dxp2, {slots, d}, "permute_backward: dxp2");
+    check_same_dtype(dxp2, dx, "permute_backward: dxp2, dx");
+    MOE_CHECK(dxp2.device == dx.device, "permute_backward: dxp2 must be on " + dx.device.str() +
+                                            ", got " + dxp2.device.str());
+  }
   check_index_i32(slot_row, "permute_backward: slot_row");
   return k;
 }

@@ -41,10 +41,11 @@ void permute_forward_impl(Tensor xp, Tensor x, Tensor row_token) {
 }
 
 template <class T>
-void permute_backward_impl(Tensor dx, Tensor dxp, Tensor slot_row, int64_t k) {
+void permute_backward_impl(Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row, int64_t k) {
   const int64_t n_tok = dx.size(0), d = dx.size(1);
   T* out = dx.ptr<T>();
   const T* in = dxp.ptr<T>();
+  const T* in2 = dxp2.empty() ? nullptr : dxp2.ptr<T>();
   const int32_t* row = slot_row.ptr<int32_t>();
 #pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
   for (int64_t n = 0; n < n_tok; ++n) {
@@ -53,6 +54,9 @@ void permute_backward_impl(Tensor dx, Tensor dxp, Tensor slot_row, int64_t k) {
     for (int64_t i = 0; i < k; ++i) {
       const T* src = in + row[n * k + i] * d;
       for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
+      if (in2 == nullptr) continue;
+      const T* src2 = in2 + row[n * k + i] * d;
+      for (int64_t j = 0; j < d; ++j) dst[j] += src2[j];
     }
   }
 }
@@ -141,13 +145,13 @@ void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
   });
 }
 
-void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor slot_row) {
-  const int64_t k = check_permute_backward_args(dx, dxp, slot_row);
+void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row) {
+  const int64_t k = check_permute_backward_args(dx, dxp, dxp2, slot_row);
   const int64_t slots = slot_row.size(0);
   check_indices(slot_row.ptr<int32_t>(), slots, slots, "permute_backward: slot_row");
   dispatch_float(dx.dtype, "permute_backward", [&](auto zero) {
     using T = decltype(zero);
-    permute_backward_impl<T>(dx, dxp, slot_row, k);
+    permute_backward_impl<T>(dx, dxp, dxp2, slot_row, k);
   });
 }
 

@@ -290,11 +290,13 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // out[n, :] = sum_k w[n, k] * in[slot_row[n*K+k], :] (w = 1 without kWeighted): combine forward
-// and permute backward.
-template <class T, int W, bool kWeighted>
+// and permute backward. kSecond (permute backward's dxp2): in2's row is added after in's, in the
+// same fp32 sum (one rounding of the token's 2K rows).
+template <class T, int W, bool kWeighted, bool kSecond = false>
 __global__ void __launch_bounds__(kRowThreads)
-    gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in, const acc_t<T>* __restrict__ w,
-                      const int32_t* __restrict__ slot_row, int64_t n_tok, int k, int64_t d) {
+    gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ in2,
+                      const acc_t<T>* __restrict__ w, const int32_t* __restrict__ slot_row,
+                      int64_t n_tok, int k, int64_t d) {
   using A = acc_t<T>;
   const int64_t n = group_row();
   if (n >= n_tok) return;
@@ -308,15 +310,22 @@ __global__ void __launch_bounds__(kRowThreads)
       const bool ok = 0 <= r && r < slots;
       const A wi = ok ? (kWeighted ? w[n * k + i] : A(1)) : static_cast<A>(NAN);
       const T* src = in + (ok ? r : 0) * d;
-      Pack<T, W> v[kUnroll];
+      const T* src2 = kSecond ? in2 + (ok ? r : 0) * d : nullptr;
+      Pack<T, W> v[kUnroll], v2[kSecond ? kUnroll : 1];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
-        if (c0 + u * kGroup < units) v[u] = load_pack<T, W>(src + (c0 + u * kGroup) * W);
+        if (c0 + u * kGroup < units) {
+          v[u] = load_pack<T, W>(src + (c0 + u * kGroup) * W);
+          if constexpr (kSecond) v2[u] = load_pack<T, W>(src2 + (c0 + u * kGroup) * W);
+        }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u)
         if (c0 + u * kGroup < units) {
 #pragma unroll
-          for (int j = 0; j < W; ++j) acc[u][j] += wi * load(v[u].v[j]);
+          for (int j = 0; j < W; ++j) {
+            acc[u][j] += wi * load(v[u].v[j]);
+            if constexpr (kSecond) acc[u][j] += wi * load(v2[u].v[j]);
+          }
         }
     }
 #pragma unroll
@@ -463,17 +472,20 @@ void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
   });
 }
 
-void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor slot_row) {
-  const int64_t k = check_permute_backward_args(dx, dxp, slot_row);
+void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row) {
+  const int64_t k = check_permute_backward_args(dx, dxp, dxp2, slot_row);
   const int64_t n_tok = dx.size(0), d = dx.size(1);
   if (n_tok == 0 || d == 0) return;
+  const bool second = !dxp2.empty();
   dispatch_storage(dx.dtype, "permute_backward", [&](auto zero) {
     using T = decltype(zero);
-    with_access_width<T>(d, {dx.data, dxp.data}, [&](auto width) {
-      gather_sum_kernel<T, decltype(width)::value, false>
-          <<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-              data_of<T>(dx), data_of<T>(dxp), nullptr, data_of<int32_t>(slot_row), n_tok,
-              static_cast<int>(k), d);
+    with_access_width<T>(d, {dx.data, dxp.data, second ? dxp2.data : dxp.data}, [&](auto width) {
+      constexpr int kW = decltype(width)::value;
+      auto kernel =
+          second ? gather_sum_kernel<T, kW, false, true> : gather_sum_kernel<T, kW, false, false>;
+      kernel<<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
+          data_of<T>(dx), data_of<T>(dxp), second ? data_of<T>(dxp2) : nullptr, nullptr,
+          data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d);
       MOE_CUDA_LAUNCH_CHECK();
     });
   });
@@ -488,8 +500,8 @@ void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_r
     with_access_width<T>(d, {y.data, yp.data}, [&](auto width) {
       gather_sum_kernel<T, decltype(width)::value, true>
           <<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-              data_of<T>(y), data_of<T>(yp), data_of<acc_t<T>>(topk_w), data_of<int32_t>(slot_row),
-              n_tok, static_cast<int>(k), d);
+              data_of<T>(y), data_of<T>(yp), nullptr, data_of<acc_t<T>>(topk_w),
+              data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d);
       MOE_CUDA_LAUNCH_CHECK();
     });
   });

@@ -123,9 +123,8 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   swiglu_backward(ctx, dgate, dup, dact, hgate_, hup_);
   grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_);
   grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_);
-  add(ctx, dxp, dxp, dxp_up);
-  // permute
-  permute_backward(ctx, dx, dxp, slot_row_);
+  // permute (the gather adds the two input gradients: no pass of its own)
+  permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
   // route: through the combine weights, then the auxiliary losses
   router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
   router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,

@@ -14,9 +14,11 @@ MOE_OP(moe_permute_plan,
        (ctx, offsets, row_token, slot_row, topk_idx))
 // xp[r, :] = x[row_token[r], :]        xp: [N*K, d], x: [N, d]
 MOE_OP(permute_forward, (Ctx & ctx, Tensor xp, Tensor x, Tensor row_token), (ctx, xp, x, row_token))
-// dx[n, :] = sum_k dxp[slot_row[n*K+k], :] (overwritten; gathers, no atomics)
-MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor slot_row),
-       (ctx, dx, dxp, slot_row))
+// dx[n, :] = sum_k dxp[slot_row[n*K+k], :] (overwritten; gathers, no atomics). With dxp2 (not
+// empty, dxp's shape and dtype) dx[n, :] = sum_k (dxp[r, :] + dxp2[r, :]): the MoE layer's two
+// input gradients (through w1 and w3) summed in the gather instead of by an extra pass.
+MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row),
+       (ctx, dx, dxp, dxp2, slot_row))
 // y[n, :] = sum_k w[n, k] * yp[slot_row[n*K+k], :]      y: [N, d] (overwritten), yp: [N*K, d],
 // topk_w: [N, K] in acc_dtype(y) (the router's fp32 weights)
 MOE_OP(combine_forward, (Ctx & ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row),
