@@ -94,4 +94,66 @@ inline void check_add_counts_args(const Tensor& acc, const Tensor& counts) {
             std::string("add_counts: counts must be i32, got ") + dtype_name(counts.dtype));
 }
 
+// ---- router_logits ------------------------------------------------------------------------------
+
+// Every tensor of a router_logits call on the op's device (`op_device`: ctx.device), so a host
+// tensor handed to the CUDA op (or the reverse) fails here with its name, not inside a kernel.
+inline void check_router_logits_device(const Tensor& t, const Device& op_device, const char* op,
+                                       const char* name) {
+  MOE_CHECK(t.device == op_device, std::string(op) + ": " + name + " is on " + t.device.str() +
+                                       ", the op runs on " + op_device.str());
+}
+
+// x: [N, d] f32 / f64 / f16 / bf16, w: [E, d] in acc_dtype(x). Returns {N, d, E}.
+struct RouterLogitsDims {
+  int64_t n, d, e;
+};
+inline RouterLogitsDims router_logits_dims(const Tensor& x, const Tensor& w, const char* op) {
+  MOE_CHECK(x.ndim == 2, std::string(op) + ": x must be [N, d], got " + x.shape_str());
+  MOE_CHECK(w.ndim == 2, std::string(op) + ": w must be [E, d], got " + w.shape_str());
+  MOE_CHECK(x.dtype != DType::i32,
+            std::string(op) + ": x must be f32, f64, f16 or bf16, got " + dtype_name(x.dtype));
+  MOE_CHECK(w.size(1) == x.size(1), std::string(op) + ": x " + x.shape_str() + " and w " +
+                                        w.shape_str() + " disagree on d");
+  check_acc_dtype(w, x, (std::string(op) + ": w").c_str());
+  return {x.size(0), x.size(1), w.size(0)};
+}
+
+// logits: [N, E] in acc_dtype(x), x: [N, d], w: [E, d] in acc_dtype(x), all on `op_device`.
+inline RouterLogitsDims check_router_logits_forward_args(const Tensor& logits, const Tensor& x,
+                                                         const Tensor& w, const Device& op_device) {
+  constexpr const char* op = "router_logits_forward";
+  const RouterLogitsDims s = router_logits_dims(x, w, op);
+  check_shape(logits, {s.n, s.e}, "router_logits_forward: logits");
+  check_acc_dtype(logits, x, "router_logits_forward: logits");
+  check_router_logits_device(logits, op_device, op, "logits");
+  check_router_logits_device(x, op_device, op, "x");
+  check_router_logits_device(w, op_device, op, "w");
+  return s;
+}
+
+// dx: [N, d] of x's dtype, dw: [E, d] and dlogits: [N, E] in acc_dtype(x), x: [N, d],
+// w: [E, d] in acc_dtype(x), all on `op_device`.
+inline RouterLogitsDims check_router_logits_backward_args(const Tensor& dx, const Tensor& dw,
+                                                          const Tensor& dlogits, const Tensor& x,
+                                                          const Tensor& w,
+                                                          const Device& op_device) {
+  constexpr const char* op = "router_logits_backward";
+  const RouterLogitsDims s = router_logits_dims(x, w, op);
+  if (!dx.empty()) {  // empty: no dx wanted
+    check_shape(dx, {s.n, s.d}, "router_logits_backward: dx");
+    check_same_dtype(dx, x, "router_logits_backward: dx, x");
+    check_router_logits_device(dx, op_device, op, "dx");
+  }
+  check_shape(dw, {s.e, s.d}, "router_logits_backward: dw");
+  check_shape(dlogits, {s.n, s.e}, "router_logits_backward: dlogits");
+  check_acc_dtype(dw, x, "router_logits_backward: dw");
+  check_acc_dtype(dlogits, x, "router_logits_backward: dlogits");
+  check_router_logits_device(dw, op_device, op, "dw");
+  check_router_logits_device(dlogits, op_device, op, "dlogits");
+  check_router_logits_device(x, op_device, op, "x");
+  check_router_logits_device(w, op_device, op, "w");
+  return s;
+}
+
 }  // namespace moe

@@ -241,6 +241,22 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   linear_rows("lm_head", dt, d, m.vocab_size);
   linear_rows("router_linear", acc, d, e);
 
+  // ---- the router's gate matmul, fused: x in its storage dtype, fp32 gate weights and logits ----
+  // Bytes: the minimum traffic. Past E = 16 the passes are compute bound (N d E FMAs each): no
+  // target against the copy roofline there.
+  {
+    Tensor rx = pool.random(dt, {n, d}), rw = pool.random(acc, {e, d}, -0.05f, 0.05f);
+    Tensor rlogits = pool.zeros(acc, {n, e}), rdl = pool.random(acc, {n, e});
+    Tensor rdx = pool.random(dt, {n, d}), rdw = pool.zeros(acc, {e, d});
+    const double rl_target = e <= 16 ? 0.6 : 0;
+    const std::string rl_det = shape({n, d}) + " x " + shape({e, d}) + "^T " + dtype_name(dt);
+    add("router_logits", rl_det, double(n * d * es + e * d * as + n * e * as), false, bw, rl_target,
+        [&] { router_logits_forward(ctx, rlogits, rx, rw); });
+    add("router_logits_bwd", rl_det + " (dx, dw)",
+        double(3 * n * d * es + n * e * as + 2 * e * d * as), false, bw, rl_target,
+        [&] { router_logits_backward(ctx, rdx, rdw, rdl, rx, rw); });
+  }
+
   // ---- SwiGLU, RMSNorm ----
   Tensor gate = pool.random(dt, {r, f}), up = pool.random(dt, {r, f}), act = pool.zeros(dt, {r, f});
   add("swiglu", shape({r, f}), double(3 * r * f * es), false, bw, 0,

@@ -78,20 +78,6 @@ ParamView LayerEnv::param(const std::string& name) const {
   return ParamView{model.work(p), model.grad(p), model.param(p)};
 }
 
-Tensor in_acc_dtype(Ctx& ctx, const LayerEnv& env, Tensor x) {
-  if (!env.mixed()) return x;
-  Tensor x32 = env.scratch.alloc(env.acc, {x.size(0), x.size(1)});
-  convert(ctx, x32, x, false);
-  return x32;
-}
-
-void add_from_acc(Ctx& ctx, Tensor dx, Tensor d) {
-  if (dx.dtype == d.dtype)
-    add(ctx, dx, dx, d);
-  else
-    convert(ctx, dx, d, true);
-}
-
 std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims) {
   if (env.cfg.is_mod_layer(layer)) return std::make_unique<ModBlock>(env, layer, moe_index, dims);
   return std::make_unique<Block>(env, layer, moe_index, dims);

@@ -37,11 +37,12 @@ struct LayerEnv {
 // Index of each loss in LayerEnv::stats.
 enum StatIndex : int64_t { kStatLm = 0, kStatAux = 1, kStatZ = 2, kStatModPred = 3, kStats = 4 };
 
-// x in the accumulation dtype for the fp32 router and predictor paths: x itself when the model
-// computes in it, else a converted copy in `scratch` (the caller releases it).
-Tensor in_acc_dtype(Ctx& ctx, const LayerEnv& env, Tensor x);
-// dx += d (d in the accumulation dtype, dx in the compute dtype; a plain add when they agree).
-void add_from_acc(Ctx& ctx, Tensor dx, Tensor d);
+// y = x w^T and its backward (dx += dy w unless dx is empty, dw += dy^T x) for the fp32 router
+// matmuls: y, dy, dw and w (the master weights) in the accumulation dtype, x and dx in the
+// compute dtype (router_matmul.cpp picks the fused op or cuBLAS by the output width).
+void router_matmul_forward(Ctx& ctx, const LayerEnv& env, Tensor y, Tensor x, Tensor w);
+void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor dy,
+                            Tensor x, Tensor w);
 
 // Rows of a layer's input: B sequences of T tokens (T = C inside a MoD block).
 struct Dims {

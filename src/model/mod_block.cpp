@@ -51,14 +51,10 @@ void ModBlock::plan(Arena& acts) {
 void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   const Tensor scores = scores_.view({dims_.B, dims_.T});
   const Tensor sel_pos = sel_.view({dims_.B * keep_});  // positions of the kept tokens
-  Arena& s = env_.scratch;
-  const size_t mark = s.mark();
-  const Tensor xa = in_acc_dtype(ctx, env_, x);
-  linear_forward(ctx, scores_, xa, router_.master, false);
+  router_matmul_forward(ctx, env_, scores_, x, router_.master);
   mod_select(ctx, sel_, mask_, scores);
   // causal predictor on stop-gradient x
-  linear_forward(ctx, pred_h_, xa, fc1_.master, false);
-  s.release(mark);
+  router_matmul_forward(ctx, env_, pred_h_, x, fc1_.master);
   silu_forward(ctx, pred_a_, pred_h_);
   linear_forward(ctx, pred_logit_, pred_a_, fc2_.master, false);
   bce_with_logits_forward(ctx, pred_loss_, pred_logit_.view({dims_.rows()}),
@@ -93,20 +89,13 @@ void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos
   mod_scatter_backward(ctx, dx, dys, dscores.view({dims_.B, dims_.T}), dout, x, ys_, scores, sel_);
   inner_.backward(ctx, dxs, dys, xs_, sel_pos, grad_scale);
   mod_gather_backward(ctx, dx, dxs, sel_);
-  const Tensor xa = in_acc_dtype(ctx, env_, x);
-  if (env_.mixed()) {
-    Tensor dxa = s.alloc(acc, {n, d});
-    linear_backward(ctx, dxa, router_.g, dscores, xa, router_.master, false);
-    add_from_acc(ctx, dx, dxa);
-  } else {
-    linear_backward(ctx, dx, router_.g, dscores, x, router_.w, true);
-  }
+  router_matmul_backward(ctx, env_, dx, router_.g, dscores, x, router_.master);
   // predictor: parameters only (x is stop-gradient)
   bce_with_logits_backward(ctx, dlogit.view({n}), pred_logit_.view({n}), mask_.view({n}),
                            grad_scale * env_.cfg.mod.predictor_loss_coef);
   linear_backward(ctx, dpa, fc2_.g, dlogit, pred_a_, fc2_.master, false);
   silu_backward(ctx, dph, dpa, pred_h_);
-  linear_backward(ctx, Tensor(), fc1_.g, dph, xa, fc1_.master, false);
+  router_matmul_backward(ctx, env_, Tensor(), fc1_.g, dph, x, fc1_.master);
   s.release(mark);
 }
 

@@ -72,9 +72,7 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   const auto& c = env_.cfg;
   Arena& s = env_.scratch;
   // route, in the accumulation dtype (fp32 router math with the master gate weights)
-  const size_t mark = s.mark();
-  linear_forward(ctx, logits_, in_acc_dtype(ctx, env_, x), gate_.master, false);
-  s.release(mark);
+  router_matmul_forward(ctx, env_, logits_, x, gate_.master);
   Tensor bias = c.router_bias_update_rate > 0 ? bias_ : Tensor();
   router_topk_forward(ctx, probs_, topk_idx_, topk_w_, counts_, logits_, bias, c.norm_topk_prob);
   router_aux_loss_forward(ctx, aux_losses_, logits_, probs_, counts_, c.num_experts_per_tok,
@@ -129,14 +127,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
   router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,
                            c.router_aux_loss_coef, c.router_z_loss_coef, grad_scale);
-  if (env_.mixed()) {
-    Tensor x32 = in_acc_dtype(ctx, env_, x);  // recomputed rather than kept: one cheap pass
-    Tensor dx32 = s.alloc(acc, {x.size(0), x.size(1)});
-    linear_backward(ctx, dx32, gate_.g, dlogits, x32, gate_.master, false);
-    add_from_acc(ctx, dx, dx32);
-  } else {
-    linear_backward(ctx, dx, gate_.g, dlogits, x, gate_.w, true);
-  }
+  router_matmul_backward(ctx, env_, dx, gate_.g, dlogits, x, gate_.master);
   for (auto& sh : shared_) sh->backward(ctx, dx, dy, x, true);
   s.release(mark);
 }

@@ -33,8 +33,8 @@ ParamCounts count_params(const ModelConfig& m, int seq_len) {
     attn_flops += frac * 2 * 2 * nh * hd * context;
   }
   // Like Mixtral's "active parameters": the embedding table counts whole (tied: it is the head).
-  c.active_per_token = active_matmul + d /* final norm */ +
-                       (m.tie_word_embeddings ? 0 : d * m.vocab_size);
+  c.active_per_token =
+      active_matmul + d /* final norm */ + (m.tie_word_embeddings ? 0 : d * m.vocab_size);
   c.flops_per_token = 3 * (2 * active_matmul + attn_flops);
   return c;
 }

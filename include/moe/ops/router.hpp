@@ -49,4 +49,17 @@ MOE_OP(router_bias_update, (Ctx & ctx, Tensor bias, Tensor load, double rate),
 // Sums the expert loads of a step's micro-batches on the device (exact below 2^24 in f32).
 MOE_OP(add_counts, (Ctx & ctx, Tensor acc, Tensor counts), (ctx, acc, counts))
 
+// The router's gate matmul, fused: 16-bit x is widened exactly as it is read, so no fp32 copy of
+// x and no separate GEMM are needed.
+// logits = x w^T in acc_dtype(x) arithmetic (x widened exactly; fp32 for f32/f16/bf16 x, f64 for
+// f64 x). logits: [N, E] acc_dtype(x); x: [N, d] any float dtype; w: [E, d] acc_dtype(x) (the
+// master gate weights).
+MOE_OP(router_logits_forward, (Ctx & ctx, Tensor logits, Tensor x, Tensor w), (ctx, logits, x, w))
+// dx += dlogits w (accumulated in acc arithmetic onto dx's value and rounded once to dx's dtype =
+// x's dtype; skipped when dx is empty: the MoD predictor's input is stop-gradient), dw +=
+// dlogits^T x (acc dtype). dlogits: [N, E] acc dtype.
+MOE_OP(router_logits_backward,
+       (Ctx & ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x, Tensor w),
+       (ctx, dx, dw, dlogits, x, w))
+
 }  // namespace moe

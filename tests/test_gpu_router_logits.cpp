@@ -1,0 +1,165 @@
+// The CUDA router gate matmul (router_logits_forward / _backward, kernels/cuda/router_logits.cu)
+// against the CPU op (kernels/cpu/router_logits.cpp) on the same inputs: x and dx rounded to the
+// storage dtype, w, dlogits and dw to acc_dtype, all random and non-zero; the CPU computes in f64.
+// Outputs of the forward are poisoned before each GPU call, so an unwritten logit fails; dx and dw
+// start from non-zero values (both ops accumulate).
+//
+// Tolerances: |gpu - cpu| <= rtol (|cpu| + max|cpu|) with rtol = rtol_for(dtype): logits and dw
+// are sums in acc_dtype of exact products (rtol_for(acc): f32 2e-5, f64 1e-11), dx is rounded
+// once to x's dtype (rtol_for(x): bf16 2e-2, f16 4e-3).
+//
+// The kernels' summation orders depend on the shape only, so results must also be bitwise the
+// same on a second run and for views of every input one element off 16-byte alignment (the
+// element-by-element path).
+#include <cstdint>
+#include <vector>
+
+#include "catch.hpp"
+#include "gpu_test_util.hpp"
+#include "moe/ops/router.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+const DType kFloatTypes[] = {DType::f32, DType::f16, DType::bf16, DType::f64};
+
+// One call's host values (already rounded to their dtypes).
+struct Inputs {
+  DType dt, acc;
+  int64_t n, d, e;
+  std::vector<double> x, w, dl, dx0, dw0;
+  Inputs(DType t, int64_t n_, int64_t d_, int64_t e_, uint64_t seed)
+      : dt(t), acc(acc_dtype(t)), n(n_), d(d_), e(e_) {
+    x = rounded_random_values(dt, size_t(n * d), seed);
+    w = rounded_random_values(acc, size_t(e * d), seed + 1, -0.5, 0.5);
+    dl = rounded_random_values(acc, size_t(n * e), seed + 2);
+    dx0 = rounded_random_values(dt, size_t(n * d), seed + 3);
+    dw0 = rounded_random_values(acc, size_t(e * d), seed + 4);
+  }
+};
+
+// The GPU op's outputs as raw bytes, for bitwise comparisons.
+struct Bits {
+  std::vector<unsigned char> logits, dx, dw;
+  bool operator==(const Bits& o) const { return logits == o.logits && dx == o.dx && dw == o.dw; }
+};
+
+// A device tensor of the given shape starting `offset` elements into a fresh buffer (offset 1
+// breaks 16-byte alignment), holding v.
+struct Placed {
+  DeviceTensor buf;
+  Tensor t;
+  Placed(DType dt, std::initializer_list<int64_t> dims, const std::vector<double>& v, int offset)
+      : buf(dt, {static_cast<int64_t>(v.size()) + 8}) {
+    t = Tensor(static_cast<char*>(buf.t.data) + offset * dtype_size(dt), dt, gpu0(), dims);
+    upload(t, v);
+  }
+  operator Tensor() const { return t; }
+};
+
+// Runs forward and backward on the GPU with every input `offset` elements into its buffer.
+Bits run_gpu(const Inputs& in, int offset, std::vector<double>* logits = nullptr,
+             std::vector<double>* dx = nullptr, std::vector<double>* dw = nullptr) {
+  Ctx ctx = gpu_ctx();
+  const int64_t n = in.n, d = in.d, e = in.e;
+  Placed x(in.dt, {n, d}, in.x, offset), w(in.acc, {e, d}, in.w, offset);
+  Placed dl(in.acc, {n, e}, in.dl, offset), gdx(in.dt, {n, d}, in.dx0, offset);
+  Placed gdw(in.acc, {e, d}, in.dw0, offset);
+  Placed gl(in.acc, {n, e}, std::vector<double>(size_t(n * e), 0.0), offset);
+  poison(gl);
+  router_logits_forward(ctx, gl, x, w);
+  router_logits_backward(ctx, gdx, gdw, dl, x, w);
+  if (logits) *logits = download(gl);
+  if (dx) *dx = download(gdx);
+  if (dw) *dw = download(gdw);
+  return {bytes_of(gl), bytes_of(gdx), bytes_of(gdw)};
+}
+
+void check_case(DType dt, int64_t n, int64_t d, int64_t e, uint64_t seed) {
+  INFO(dtype_name(dt) << " N=" << n << " d=" << d << " E=" << e);
+  const Inputs in(dt, n, d, e, seed);
+  // CPU reference in f64 on the same (rounded) values.
+  Ctx cctx = cpu_ctx();
+  Host x({n, d}, in.x), w({e, d}, in.w), dl({n, e}, in.dl), logits({n, e});
+  Host dx({n, d}, in.dx0), dw({e, d}, in.dw0);
+  cpu::router_logits_forward(cctx, logits, x, w);
+  cpu::router_logits_backward(cctx, dx, dw, dl, x, w);
+
+  std::vector<double> g_logits, g_dx, g_dw;
+  const Bits first = run_gpu(in, 0, &g_logits, &g_dx, &g_dw);
+  expect_close(g_logits, logits.v, rtol_for(in.acc), "logits");
+  expect_close(g_dx, dx.v, rtol_for(dt), "dx");
+  expect_close(g_dw, dw.v, rtol_for(in.acc), "dw");
+  // Deterministic: a second run gives the same bits.
+  CHECK(run_gpu(in, 0) == first);
+}
+
+}  // namespace
+
+TEST_CASE("gpu router_logits: small and odd shapes in every dtype", "[gpu][router_logits]") {
+  for (DType dt : kFloatTypes) {
+    check_case(dt, 1, 1024, 8, 1);      // one token
+    check_case(dt, 1, 7, 1, 2);         // one token, one expert, one partial chunk
+    check_case(dt, 203, 1024, 8, 3);    // N not a multiple of a block's rows
+    check_case(dt, 203, 1023, 8, 4);    // d odd: element-by-element path
+    check_case(dt, 130, 64, 1, 5);      // E = 1
+    check_case(dt, 99, 96, 5, 6);       // E = 5: a partial tile
+    check_case(dt, 77, 1024, 64, 7);    // E = 64: tiles of 16 experts
+    check_case(dt, 66, 200, 17, 8);     // E = 17: a last tile of one expert
+    check_case(dt, 45, 513, 300, 9);    // E = 300: dx stages the experts in pieces (16-bit x)
+    check_case(dt, 300, 2500, 16, 10);  // d past the W tile: several column tiles
+  }
+}
+
+TEST_CASE("gpu router_logits: many tokens (persistent blocks, many dw partials)",
+          "[gpu][router_logits]") {
+  for (DType dt : {DType::bf16, DType::f32}) {
+    check_case(dt, 40001, 256, 8, 21);
+    check_case(dt, 20001, 128, 64, 22);
+  }
+  check_case(DType::bf16, 16384, 1024, 8, 23);  // the model's shape
+}
+
+TEST_CASE("gpu router_logits: results do not depend on the alignment of the views",
+          "[gpu][router_logits]") {
+  // Every input and output one element into its buffer (a 2-byte offset for 16-bit x): rows are
+  // read element by element, and every output must be bitwise the one of aligned views.
+  for (DType dt : kFloatTypes)
+    for (int64_t e : {8, 64}) {
+      INFO(dtype_name(dt) << " E=" << e);
+      const Inputs in(dt, 203, 1024, e, 31);
+      const Bits aligned = run_gpu(in, 0), shifted = run_gpu(in, 1);
+      CHECK(aligned.logits == shifted.logits);
+      CHECK(aligned.dx == shifted.dx);
+      CHECK(aligned.dw == shifted.dw);
+    }
+}
+
+TEST_CASE("gpu router_logits: an empty d writes zero logits and leaves dx, dw alone",
+          "[gpu][router_logits]") {
+  Ctx ctx = gpu_ctx();
+  DeviceTensor x(DType::bf16, {5, 0}), w(DType::f32, {3, 0}), dx(DType::bf16, {5, 0});
+  DeviceTensor dw(DType::f32, {3, 0});
+  DeviceTensor logits = poisoned(DType::f32, {5, 3});
+  router_logits_forward(ctx, logits, x, w);
+  CHECK(download(logits) == std::vector<double>(15, 0.0));
+  DeviceTensor dl = on_device(DType::f32, {5, 3}, rounded_random_values(DType::f32, 15, 41));
+  CHECK_NOTHROW(router_logits_backward(ctx, dx, dw, dl, x, w));
+}
+
+TEST_CASE("gpu router_logits: host tensors are rejected by name", "[gpu][router_logits]") {
+  Ctx ctx = gpu_ctx();
+  DeviceTensor x = on_device(DType::bf16, {4, 8}, rounded_random_values(DType::bf16, 32, 51));
+  DeviceTensor logits(DType::f32, {4, 2});
+  Buf<float> w_host({2, 8});
+  try {
+    router_logits_forward(ctx, logits, x, w_host);
+    FAIL("expected an InternalError");
+  } catch (const InternalError& err) {
+    CHECK_THAT(std::string(err.what()),
+               Catch::Contains("router_logits_forward: w is on cpu, the op runs on cuda:0"));
+  }
+}
