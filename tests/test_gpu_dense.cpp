@@ -836,6 +836,41 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// A hot expert: the sm_90 dw kernel cuts an expert's rows into chunks of twice the mean rows per
+// expert and adds them in chunk order (flags per tile). One expert of 32 holds most rows (15
+// chunks, with a ragged last one), its tiles more than once over the SMs with the other experts'
+// units: dw must match the CPU and give the same bits on every run, over a non-zero dw.
+TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const DType dt = DType::bf16, acc = DType::f32;
+  const int64_t e = 32, in = 512, out = 384;
+  std::vector<int32_t> offsets = {0};
+  for (int64_t i = 0; i < e; ++i) offsets.push_back(offsets.back() + (i == 5 ? 15000 : 40));
+  const int64_t r = offsets.back(), hot = 15000;
+  const auto x = rounded_random_values(dt, r * in, 84),
+             w = rounded_random_values(dt, e * out * in, 85);
+  const auto dy = rounded_random_values(dt, r * out, 86),
+             dw0 = rounded_random_values(acc, e * out * in, 87);
+  DeviceTensor gx = on_device(dt, {r, in}, x), gw = on_device(dt, {e, out, in}, w);
+  DeviceTensor gdy = on_device(dt, {r, out}, dy), goff = ids_on_device(offsets);
+  DeviceTensor gdx = poisoned(dt, {r, in}), gdw = on_device(acc, {e, out, in}, dw0);
+  grouped_linear_backward(gpu, gdx, gdw, gdy, gx, gw, goff);
+  const auto bits = bytes_of(gdw);
+  for (int run = 0; run < 3; ++run) {
+    upload(gdw, dw0);
+    grouped_linear_backward(gpu, gdx, gdw, gdy, gx, gw, goff);
+    INFO("run " << run);
+    CHECK(bytes_of(gdw) == bits);
+  }
+  Buf<double> hx = host({r, in}, x), hw = host({e, out, in}, w), hdy = host({r, out}, dy);
+  Buf<double> hdx({r, in}), hdw = host({e, out, in}, dw0);
+  Buf<int32_t> hoff = host_i32(offsets);
+  cpu::grouped_linear_backward(cpu, hdx, hdw, hdy, hx, hw, hoff);
+  check_close("grouped_linear_backward dw, hot expert", acc, download(gdw), hdw.v,
+              sum_tol(acc, hot));
+  check_close("grouped_linear_backward dx, hot expert", dt, download(gdx), hdx.v, sum_tol(dt, out));
+}
+
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   // {rows, in, features, offsets}: features not a multiple of the 128-feature tiles, an empty

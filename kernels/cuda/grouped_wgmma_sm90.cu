@@ -23,9 +23,10 @@
 //
 // Rows kernel: persistent, one block per SM walking (row tile, column tile) pairs, columns
 // fastest (blocks resident together share their A row tiles and the expert's weights in L2);
-// row tiles are cut per expert on the device (grouped_tiles.cuh). dw kernel: grid (in tiles, out
-// tiles, E), a block loops over its expert's rows as the k dimension; an expert without rows
-// returns before touching dw[e]. Each output element is written by one thread: deterministic.
+// row tiles are cut per expert on the device (grouped_tiles.cuh). dw kernel: persistent too, over
+// (expert, chunk of its rows, tile) units; a hot expert's rows are split into chunks that add in
+// a fixed order (flags), so every output element gets its reductions from one thread per chunk,
+// in chunk order: deterministic.
 //
 // Which code runs: the kernels' bodies exist only in sm_90a code (kHasWgmma). The top
 // CMakeLists.txt builds MOE_CUDA_ARCHS entry 90 as sm_90a machine code (no compute_90 PTX) and
@@ -357,67 +358,161 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
 }
 
-// dw kernel: grid (in tiles, out tiles, E); a block runs its expert's rows as the k dimension.
-// A(m = o, k = r) = dy[r, o] and B(k = r, n = i) = x[r, i] come through tensor maps over dy
-// [rows, out] and x [rows, in] (boxes of 64 x 64, MN-major tiles). A slice that runs past the
-// expert's last row holds the next expert's rows: each math warpgroup zeroes those k-rows of its
-// own 64-wide block of A before its wgmma, so they add nothing.
+// dw kernel, persistent: dw[e] += dy_e^T x_e as work units of (expert e, chunk c of its rows,
+// 128 x kBN tile of dw[e]). A(m = o, k = r) = dy[r, o] and B(k = r, n = i) = x[r, i] come through
+// tensor maps over dy [rows, out] and x [rows, in] (boxes of 64 x 64, MN-major tiles). An expert's
+// rows are cut into chunks of `chunk` rows (a multiple of kBK; the host makes it twice the mean
+// rows per expert, so balanced routing keeps one chunk per expert and only a hot expert is split:
+// at maxvio 7 one expert holds every row, and unsplit its 88 tiles left a third of the H200's 132
+// SMs idle). Units run expert-major, then chunk, then tile; block b takes units b, b + grid, ...
+// and its producer streams the next unit's slices during the current one's epilogue.
+//
+// Determinism: the chunks of one tile add to dw in chunk order. Chunk c waits until the tile's
+// flag (dw_flags, one per (expert, tile), 0 between launches) reads c, adds, then publishes c + 1
+// (the last chunk puts 0 back). Each element still gets one reduction per chunk from one thread,
+// so the bits depend only on the offsets. No deadlock: a unit only waits on a unit of lower index,
+// and the lowest-index unfinished unit is always running (its block has finished every earlier
+// unit of its own, and one block per SM is resident for the whole launch).
+// A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
+// k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
+constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
+__device__ int dw_flags[kDwMaxFlags];
+
+// The work units of the dw kernel, from the offsets (every thread of a block computes the same).
+struct DwUnits {
+  const int64_t* start;  // [E + 1], shared memory: first unit of expert e (empty experts: none)
+  int experts;
+  int64_t rows, chunk, tiles;  // tiles: per expert (out tiles x in tiles)
+  __device__ __forceinline__ int64_t total() const { return start[experts]; }
+  // The unit's expert, chunk rows [k0, k1), chunk index, number of chunks and tile.
+  __device__ __forceinline__ void find(const int32_t* offsets, int64_t u, int* e, int64_t* k0,
+                                       int64_t* k1, int* c, int* chunks, int64_t* tile) const {
+    int lo = 0, hi = experts - 1;  // the last expert whose first unit is <= u
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start[mid] <= u)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int64_t r0 = clamp_offset(offsets[lo], rows), r1 = clamp_offset(offsets[lo + 1], rows);
+    const int64_t local = u - start[lo];
+    *e = lo;
+    *c = static_cast<int>(local / tiles);
+    *tile = local % tiles;
+    *chunks = static_cast<int>((r1 - r0 + chunk - 1) / chunk);
+    *k0 = r0 + int64_t(*c) * chunk;
+    *k1 = std::min(r1, *k0 + chunk);
+  }
+};
+
 template <class C, class T>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x, float* dw,
-                          const int32_t* offsets, int64_t rows, int64_t out, int64_t in) {
+                          const int32_t* offsets, int experts, int64_t rows, int64_t out,
+                          int64_t in, int64_t chunk) {
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
-    const int e = blockIdx.z;
-    const int64_t r0 = clamp_offset(offsets[e], rows), r1 = clamp_offset(offsets[e + 1], rows);
-    if (r1 <= r0) return;  // no rows: dw[e] += 0, left untouched (uniform over the block)
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty);
+    __shared__ int64_t unit_start[kSharedOffsets + 1];
+    const int m_tiles = static_cast<int>((out + kBM - 1) / kBM);
+    const int n_tiles = static_cast<int>((in + C::kBN - 1) / C::kBN);
+    const int64_t tiles = int64_t(m_tiles) * n_tiles;
+    if (threadIdx.x == 0) {  // experts <= kSharedOffsets (the host's condition)
+      int64_t at = 0;
+      for (int e = 0; e < experts; ++e) {
+        unit_start[e] = at;
+        const int64_t len = clamp_offset(offsets[e + 1], rows) - clamp_offset(offsets[e], rows);
+        if (len > 0) at += (len + chunk - 1) / chunk * tiles;
+      }
+      unit_start[experts] = at;
+    }
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty);  // (its barrier publishes the table)
+    const DwUnits units{unit_start, experts, rows, chunk, tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
-    const int slices = static_cast<int>((r1 - r0 + kBK - 1) / kBK);
-    const int m0 = static_cast<int>(blockIdx.y) * kBM, n0 = static_cast<int>(blockIdx.x) * C::kBN;
+    int64_t it = 0;
     if (wg == 0) {
       release_registers<40>();
       if (threadIdx.x != 0) return;
-      for (int t = 0; t < slices; ++t) {
-        ring.acquire(t);
-        const uint32_t stage = ring.stage(t), bar = ring.full(t);
-        const int32_t k = static_cast<int32_t>(r0) + t * kBK;
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const int m0 = static_cast<int>(tile / n_tiles) * kBM;
+        const int n0 = static_cast<int>(tile % n_tiles) * C::kBN;
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        for (int t = 0; t < slices; ++t, ++it) {
+          ring.acquire(it);
+          const uint32_t stage = ring.stage(it), bar = ring.full(it);
+          const int32_t k = static_cast<int32_t>(k0) + t * kBK;
 #pragma unroll
-        for (int j = 0; j < kBM / 64; ++j)
-          tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+          for (int j = 0; j < kBM / 64; ++j)
+            tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
 #pragma unroll
-        for (int j = 0; j < C::kBN / 64; ++j)
-          tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j, k);
+          for (int j = 0; j < C::kBN / 64; ++j)
+            tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j, k);
+        }
       }
     } else {
       claim_registers<232>();
       const int g = wg - 1;
-      const int tail = static_cast<int>((r1 - r0) % kBK);  // k-rows of the last slice, 0: whole
-      float acc[C::kAcc];
-      tma_math_loop<C, T, false, false>(acc, ring, 0, slices, g, [&](int t, uint32_t stage) {
-        if (t != slices - 1 || tail == 0) return;
-        // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
-        // only permutes chunks within a row).
-        const uint32_t block = stage + g * Sw128::kBlockBytes;
-        for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
-                       : "memory");
-        fence_proxy_async_smem();
-        named_barrier_sync(1 + g, 128);
-      });
-      float* dw_e = dw + int64_t(e) * out * in;
-      for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
-        const int64_t o = m0 + row, i = n0 + col;
-        // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element, so the
-        // reduction in L2 is deterministic: a load, add and store without waiting for the load
-        // (the same rounding; subnormal f32 sums flush to zero).
-        if (o < out && i < in)
-          asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
-                       "f"(v1)
-                       : "memory");
-      });
+      const bool leader = threadIdx.x % 128 == 0;
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const int64_t m0 = (tile / n_tiles) * kBM, n0 = (tile % n_tiles) * C::kBN;
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        const int tail = static_cast<int>((k1 - k0) % kBK);  // k-rows of the last slice, 0: whole
+        float acc[C::kAcc];
+        tma_math_loop<C, T, false, false>(acc, ring, it, slices, g, [&](int t, uint32_t stage) {
+          if (t != slices - 1 || tail == 0) return;
+          // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
+          // only permutes chunks within a row).
+          const uint32_t block = stage + g * Sw128::kBlockBytes;
+          for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
+                         : "memory");
+          fence_proxy_async_smem();
+          named_barrier_sync(1 + g, 128);
+        });
+        it += slices;
+        int* flag = &dw_flags[int64_t(e) * tiles + tile];
+        if (c > 0) {  // the tile's earlier chunks first
+          if (leader) {
+            int seen = -1;
+            for (;;) {
+              asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
+                           : "=r"(seen)
+                           : "l"(flag)
+                           : "memory");
+              if (seen == c) break;
+              __nanosleep(100);
+            }
+          }
+          named_barrier_sync(1 + g, 128);
+        }
+        float* dw_e = dw + int64_t(e) * out * in;
+        for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
+          const int64_t o = m0 + row, i = n0 + col;
+          // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
+          // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
+          // flush to zero).
+          if (o < out && i < in)
+            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i),
+                         "f"(v0), "f"(v1)
+                         : "memory");
+        });
+        if (chunks > 1) {  // publish: every thread's reductions, then the flag
+          __threadfence();
+          named_barrier_sync(3, 256);
+          if (threadIdx.x == 128) {
+            const int next = c + 1 == chunks ? 0 : c + 1;
+            asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
+          }
+        }
+      }
     }
   }
 }
@@ -503,9 +598,16 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
   const uint64_t x_dims[2] = {uint64_t(in), uint64_t(rows)}, x_strides[1] = {uint64_t(in)};
   const CUtensorMap map_dy = tile_map(t, dy, 2, dy_dims, dy_strides, box);
   const CUtensorMap map_x = tile_map(t, x, 2, x_dims, x_strides, box);
-  const dim3 grid(blocks_for(in, C::kBN), blocks_for(out, kBM), static_cast<unsigned>(experts));
-  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(map_dy, map_x, dw, offsets, rows,
-                                                               out, in);
+  const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, C::kBN);
+  // Chunks of twice the mean rows per expert (whole k-slices); no split when the flags run out.
+  const int64_t mean = (rows + experts - 1) / experts;
+  const int64_t chunk = int64_t(experts) * tiles <= kDwMaxFlags
+                            ? std::max<int64_t>(kBK, (2 * mean + kBK - 1) / kBK * kBK)
+                            : rows;
+  const int64_t most_units = tiles * ((rows + chunk - 1) / chunk + experts);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(most_units, device_sm_count()));
+  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(map_dy, map_x, dw, offsets, experts,
+                                                               rows, out, in, chunk);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -614,8 +716,10 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in) {
   const Mode m = mode();
+  // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels.
   if (m == Mode::off || !sm90_available(t) || !aligned16_rows(dy, out) || !aligned16_rows(x, in) ||
-      out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0)
+      out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0 ||
+      experts > kSharedOffsets)
     return false;
   if (rows == 0) return true;  // every dw[e] += 0
   with_config(t, m, [&](auto cfg, auto zero) {
