@@ -372,7 +372,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // (the last chunk puts 0 back). Each element still gets one reduction per chunk from one thread,
 // so the bits depend only on the offsets. No deadlock: a unit only waits on a unit of lower index,
 // and the lowest-index unfinished unit is always running (its block has finished every earlier
-// unit of its own, and one block per SM is resident for the whole launch).
+// unit of its own, and one block per SM is resident for the whole launch; blocks kept off the SMs
+// by another stream's kernels only delay it). The flags assume one dw launch at a time per device
+// (the trainer's one compute stream), as norm.cu's scratch does.
 // A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
