@@ -917,6 +917,59 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// dh lives in dgate and the SwiGLU backward runs in place: the same bits as the two ops into
+// separate buffers, at every kernel setting of the dh GEMM.
+TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  // {rows, d (the down projection's output), features, offsets}: features not a multiple of the
+  // 256-column tiles, an empty expert, tiles cut mid-expert, more tiles than SMs.
+  const GroupedCase cases[] = {{300, 64, 200, {0, 100, 100, 300}},
+                               {1001, 136, 704, {0, 129, 129, 600, 1001}},
+                               {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, d = gc.in, f = gc.out;
+    const std::string tag =
+        " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto dy = rounded_random_values(dt, r * d, 93),
+                 h = rounded_random_values(dt, r * f, 94),
+                 w2 = rounded_random_values(dt, e * d * f, 95),
+                 gate = rounded_random_values(dt, r * f, 96),
+                 up = rounded_random_values(dt, r * f, 97),
+                 dw0 = rounded_random_values(acc, e * d * f, 98);
+      DeviceTensor gdy = on_device(dt, {r, d}, dy), gh = on_device(dt, {r, f}, h),
+                   gw2 = on_device(dt, {e, d, f}, w2), ggate = on_device(dt, {r, f}, gate),
+                   gup = on_device(dt, {r, f}, up), goff = ids_on_device(gc.offsets);
+      DeviceTensor dgate = poisoned(dt, {r, f}), dup = poisoned(dt, {r, f}),
+                   dw2 = on_device(acc, {e, d, f}, dw0);
+      grouped_swiglu_down_backward(gpu, dgate, dup, dw2, gdy, gh, gw2, ggate, gup, goff);
+      DeviceTensor dh2 = poisoned(dt, {r, f}), dgate2 = poisoned(dt, {r, f}),
+                   dup2 = poisoned(dt, {r, f}), dw2_2 = on_device(acc, {e, d, f}, dw0);
+      grouped_linear_backward(gpu, dh2, dw2_2, gdy, gh, gw2, goff);
+      swiglu_backward(gpu, dgate2, dup2, dh2, ggate, gup);
+      INFO(dtype_name(dt) << tag);
+      CHECK(bytes_of(dgate) == bytes_of(dgate2));
+      CHECK(bytes_of(dup) == bytes_of(dup2));
+      CHECK(bytes_of(dw2) == bytes_of(dw2_2));
+      // and against the CPU op
+      Buf<double> hdgate({r, f}), hdup({r, f}), hdw2 = host({e, d, f}, dw0);
+      Buf<double> hdy = host({r, d}, dy), hh = host({r, f}, h), hw2 = host({e, d, f}, w2),
+                  hgate = host({r, f}, gate), hup = host({r, f}, up);
+      Buf<int32_t> hoff = host_i32(gc.offsets);
+      cpu::grouped_swiglu_down_backward(cpu, hdgate, hdup, hdw2, hdy, hh, hw2, hgate, hup, hoff);
+      // The sum's bound, twice: dh is rounded to the dtype before the product (the CPU's is not).
+      const Tol sum = sum_tol(dt, d), tol{2 * sum.rtol, 2 * sum.atol};
+      check_close("grouped_swiglu_down_backward dup" + tag, dt, download(dup), hdup.v, tol);
+      check_close("grouped_swiglu_down_backward dgate" + tag, dt, download(dgate), hdgate.v, tol);
+    }
+  }
+  unsetenv("MOE_GROUPED_SM90");
+}
+
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   Ctx gpu = gpu_ctx();
   DeviceTensor x(DType::f32, {10, 8}), w(DType::f32, {2, 6, 8}), y(DType::f32, {10, 6});

@@ -163,8 +163,17 @@ double relative_error(const std::vector<float>& a, const std::vector<float>& b, 
 // Mixed precision: bf16 / fp16 activations and compute weights, fp32 master weights, gradients,
 // router and losses. Against the fp32 GPU model on the same weights, the gradients agree to the
 // precision of the activations (bf16 keeps 8 bits: a few percent; fp16 keeps 11).
+// Also with 20 experts and a 24-wide MoD predictor: past 16 outputs the fp32 router matmuls run
+// through cuBLAS on a converted copy of x in the scratch arena (router_matmul.cpp), which the
+// planning dry run must measure as the step then takes it.
 TEST_CASE("gpu model: bf16 and fp16 gradients track the fp32 model", "[gpu][model][mixed]") {
-  const ModelConfig m = model_config();
+  ModelConfig m = model_config();
+  const int wide = GENERATE(0, 1);
+  if (wide) {
+    m.num_local_experts = 20;
+    m.mod.predictor_hidden_size = 24;
+  }
+  INFO("experts " << m.num_local_experts << ", predictor " << m.mod.predictor_hidden_size);
   const int b = 3, t = 32;
   Model ref(m, DType::f32, gpu0(), b, t);
   ref.init_weights(11);

@@ -587,6 +587,37 @@ TEST_CASE("grouped_swiglu_forward is the two projections and SwiGLU, checks its 
                   InternalError);
 }
 
+TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and SwiGLU's",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;  // h = c.x [R, F = kIn], w2 = c.w [E, D = kOut, F]
+  Buf<double> dy = random_buf({c.kRows, c.kOut}, 84), gate = random_buf({c.kRows, c.kIn}, 85),
+              up = random_buf({c.kRows, c.kIn}, 86),
+              dw0 = random_buf({c.kExperts, c.kOut, c.kIn}, 87);
+  Buf<double> dgate = random_buf({c.kRows, c.kIn}, 88), dup = random_buf({c.kRows, c.kIn}, 89);
+  Buf<double> dw2 = dw0;  // accumulated into
+  grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy, c.x, c.w, gate, up, c.offsets);
+  Buf<double> dh({c.kRows, c.kIn}), want_dgate({c.kRows, c.kIn}), want_dup({c.kRows, c.kIn});
+  Buf<double> want_dw2 = dw0;
+  grouped_linear_backward(ctx, dh, want_dw2, dy, c.x, c.w, c.offsets);
+  swiglu_backward(ctx, want_dgate, want_dup, dh, gate, up);
+  CHECK(dgate.v == want_dgate.v);
+  CHECK(dup.v == want_dup.v);
+  CHECK(dw2.v == want_dw2.v);
+  for (size_t i = 0; i < dup.v.size(); ++i) {  // and dup is dh silu(gate)
+    const double g = gate.v[i];
+    CHECK(dup.v[i] == Approx(dh.v[i] * g / (1 + std::exp(-g))).epsilon(1e-12));
+  }
+  Buf<double> up_bad({c.kRows, c.kIn + 1});
+  CHECK_THROWS_AS(
+      grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy, c.x, c.w, gate, up_bad, c.offsets),
+      InternalError);
+  Buf<double> dy_bad({c.kRows, c.kOut + 1});
+  CHECK_THROWS_AS(
+      grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy_bad, c.x, c.w, gate, up, c.offsets),
+      InternalError);
+}
+
 // ---- gemm: the blocked matmul under every linear op ---------------------------------------------
 
 namespace {

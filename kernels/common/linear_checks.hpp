@@ -102,4 +102,26 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
   check_acc_dtype(dw, x, "grouped_linear_backward: dw");
 }
 
+// s from linear_grouped_dims(h, w2, ...): dgate, dup, gate, up: [R, F] and dy: [R, out] of h's
+// dtype, dw2: [E, out, F] in acc_dtype(h).
+inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const Tensor& dgate,
+                                                    const Tensor& dup, const Tensor& dw2,
+                                                    const Tensor& dy, const Tensor& h,
+                                                    const Tensor& w2, const Tensor& gate,
+                                                    const Tensor& up) {
+  constexpr const char* op = "grouped_swiglu_down_backward";
+  check_shape(dy, {s.rows, s.out}, "grouped_swiglu_down_backward: dy");
+  check_shape(dw2, {s.experts, s.out, s.in}, "grouped_swiglu_down_backward: dw2");
+  check_same_dtype(dy, h, "grouped_swiglu_down_backward: dy, h");
+  check_same_dtype(w2, h, "grouped_swiglu_down_backward: w2, h");
+  check_acc_dtype(dw2, h, "grouped_swiglu_down_backward: dw2");
+  const Tensor* feature_rows[] = {&dgate, &dup, &gate, &up};
+  const char* names[] = {"dgate", "dup", "gate", "up"};
+  for (int i = 0; i < 4; ++i) {
+    const std::string what = std::string(op) + ": " + names[i];
+    check_shape(*feature_rows[i], {s.rows, s.in}, what.c_str());
+    check_same_dtype(*feature_rows[i], h, (what + ", h").c_str());
+  }
+}
+
 }  // namespace moe

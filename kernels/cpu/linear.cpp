@@ -108,4 +108,14 @@ void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x
   cpu::swiglu_forward(ctx, h, gate, up);
 }
 
+// dh into dgate, then the elementwise backward in place (swiglu_backward reads an element's
+// inputs before writing its outputs).
+void grouped_swiglu_down_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy,
+                                  Tensor h, Tensor w2, Tensor gate, Tensor up, Tensor offsets) {
+  const GroupedDims s = linear_grouped_dims(h, w2, "grouped_swiglu_down_backward");
+  check_grouped_swiglu_down_backward_args(s, dgate, dup, dw2, dy, h, w2, gate, up);
+  cpu::grouped_linear_backward(ctx, dgate, dw2, dy, h, w2, offsets);
+  cpu::swiglu_backward(ctx, dgate, dup, dgate, gate, up);
+}
+
 }  // namespace moe::cpu

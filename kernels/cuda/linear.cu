@@ -350,6 +350,19 @@ void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Ten
   cuda::swiglu_forward(ctx, h, gate, up);
 }
 
+// dgate, dup, gate, up, h: [R, F]; dy: [R, d]; w2, dw2: [E, d, F]. dh goes into dgate and the
+// elementwise backward runs in place (no dh buffer). Applying the SwiGLU backward in the sm_90
+// dh GEMM's epilogue instead was measured slower on the H200 (857 against 816 us per moe-small
+// layer: its gate / up loads sit between two tiles' main loops; branch s7-swiglu-down-fused).
+void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy,
+                                       Tensor h, Tensor w2, Tensor gate, Tensor up,
+                                       Tensor offsets) {
+  const GroupedDims s = grouped_dims(h, w2, offsets, "grouped_swiglu_down_backward");
+  check_grouped_swiglu_down_backward_args(s, dgate, dup, dw2, dy, h, w2, gate, up);
+  grouped_linear_backward_cuda(ctx, dgate, dw2, dy, h, w2, offsets);
+  cuda::swiglu_backward(ctx, dgate, dup, dgate, gate, up);
+}
+
 }  // namespace
 }  // namespace moe::cuda_detail
 
@@ -359,4 +372,5 @@ MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward, &cuda_detail::grouped_swiglu_down_backward_cuda);
 }  // namespace moe

@@ -223,6 +223,15 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
             std::to_string(d) + "]^T",
         2 * gemm_flops, true, gemm_rate, 0,
         [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, off); });
+    // The down projection's backward with SwiGLU's (dh never stored on sm_90): dh and dw2.
+    Tensor w2 = pool.random(dt, {e, d, f}, -0.05f, 0.05f), dyd = pool.random(dt, {r, d});
+    Tensor dgate = pool.zeros(dt, {r, f}), dup = pool.zeros(dt, {r, f});
+    Tensor dw2 = pool.zeros(acc, {e, d, f});
+    add("grouped_swiglu_bwd",
+        shape({r, d}) + " x [" + std::to_string(e) + ", " + std::to_string(d) + ", " +
+            std::to_string(f) + "] (dh, dw)",
+        2 * gemm_flops, true, gemm_bwd_rate, 0,
+        [&] { grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dyd, act, w2, y, up, off); });
   }
 
   // ---- the model's dense linears (cuBLAS): attention projection, LM head, fp32 router ----

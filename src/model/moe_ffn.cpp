@@ -108,7 +108,6 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   }
   Tensor dyp = s.alloc(dt, {yp_.size(0), yp_.size(1)});
   Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
-  Tensor dact = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dxp = s.alloc(dt, {in.xp.size(0), in.xp.size(1)});
@@ -117,8 +116,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // combine
   combine_backward(ctx, dyp, dtopk_w, dy, yp_, topk_w_, slot_row_);
   // experts
-  grouped_linear_backward(ctx, dact, w2_.g, dyp, in.hact, w2_.w, offsets_);
-  swiglu_backward(ctx, dgate, dup, dact, hgate_, hup_);
+  grouped_swiglu_down_backward(ctx, dgate, dup, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_, offsets_);
   grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_);
   grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_);
   // permute (the gather adds the two input gradients: no pass of its own)

@@ -48,7 +48,10 @@ void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw,
   }
   const size_t mark = env.scratch.mark();
   const Tensor xa = in_acc_dtype(ctx, env, x);
-  if (!dx.empty() && env.mixed()) {  // dx += dy w, through an fp32 product
+  // Whether a dx is wanted, from its shape: in the planning dry run every tensor's data is null,
+  // and the scratch it measures must be what the step then takes.
+  const bool wants_dx = dx.ndim > 0;
+  if (wants_dx && env.mixed()) {  // dx += dy w, through an fp32 product
     Tensor dxa = env.scratch.alloc(env.acc, {x.size(0), x.size(1)});
     linear_backward(ctx, dxa, dw, dy, xa, w, false);
     convert(ctx, dx, dxa, true);

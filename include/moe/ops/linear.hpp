@@ -31,5 +31,15 @@ MOE_OP(grouped_swiglu_forward,
        (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1, Tensor w3,
         Tensor offsets),
        (ctx, gate, up, h, x, w1, w3, offsets))
+// The backward of the experts' down projection and SwiGLU together: dh = dy w2[e] per group
+// (rounded to the dtype), then dgate = dh up silu'(gate), dup = dh silu(gate); dw2[e] += dy_e^T
+// h_e. Bitwise grouped_linear_backward into dh followed by swiglu_backward; dh lives in dgate
+// (the elementwise backward runs in place), so the caller keeps no dh buffer.
+// dgate, dup (overwritten), gate, up, h: [R, F]; dy: [R, d]; w2: [E, d, F]; dw2 (+=): [E, d, F]
+// in acc_dtype; offsets as above.
+MOE_OP(grouped_swiglu_down_backward,
+       (Ctx & ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy, Tensor h, Tensor w2,
+        Tensor gate, Tensor up, Tensor offsets),
+       (ctx, dgate, dup, dw2, dy, h, w2, gate, up, offsets))
 
 }  // namespace moe
