@@ -713,20 +713,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host side ---------------------------------------------------------------------------------
 
-// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                    cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || p == nullptr)
-      throw InternalError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12+)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // A tensor map over a [B, T, n_heads, 64] 16-bit tensor seen as [B][T][n_heads * 64] (innermost
 // first: n_heads * 64, T, B): boxes of one head's 64 elements x `rows` positions x 1 sequence,
 // stored in the 128-byte swizzle; positions past T are zero-filled, never the next sequence's.

@@ -519,20 +519,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
 }
 
-// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
-                                                    cudaEnableDefault, &found));
-    if (found != cudaDriverEntryPointSuccess || p == nullptr)
-      throw InternalError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12+)");
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  }();
-  return fn;
-}
-
 // A tensor map over a row-major 16-bit tensor of `rank` (2 or 3) dimensions, innermost first:
 // dims[i] elements, strides[i] elements between steps of dimension i + 1, boxes of box[i]
 // elements, stored in shared memory in the 128-byte swizzle (box[0] must be 64 elements).

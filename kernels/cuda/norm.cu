@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "common/norm_checks.hpp"
+#include "cuda/column_partials.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
@@ -65,9 +66,6 @@ constexpr int kBackwardWarpsPerSm = 16;
 constexpr int kMaxBackwardBlocks = 264;
 constexpr int kMinBackwardRows = 8;
 constexpr size_t kDwScratchBytes = size_t(8) << 20;  // partials: [blocks, d] in acc_t
-// dw partials over blocks: 32 columns (one coalesced warp) x 16 strided subsets of the blocks.
-constexpr int kFinalColumns = 32;
-constexpr int kFinalGroups = 16;
 // Wide rows: one block per row, and dw blocks of 8 columns x 64 row groups.
 constexpr int kWideThreads = 256;
 constexpr int kDwColumns = 8;
@@ -76,6 +74,12 @@ constexpr int kDwRowGroups = 64;
 // The backward's dw partials (one per device: module globals are per device). Static, so a step
 // allocates nothing and can be captured in a CUDA graph.
 __device__ double g_dw_partials[kDwScratchBytes / sizeof(double)];
+struct DwPartials {  // for add_column_partials (column_partials.cuh)
+  template <class A>
+  __device__ static const A* get() {
+    return reinterpret_cast<const A*>(g_dw_partials);
+  }
+};
 
 // ---- kernels ------------------------------------------------------------------------------------
 
@@ -309,25 +313,6 @@ __global__ void __launch_bounds__(kThreads, kBackwardWarpsPerSm / (kThreads / kW
     }
 }
 
-// grid ceil(d / kFinalColumns), block (kFinalColumns, kFinalGroups): dw += the sum over the
-// backward's `blocks` partials, each column's in a fixed order (strided subsets, then in order).
-template <class A>
-__global__ void rmsnorm_dw_partials_kernel(A* dw, int blocks, int64_t d) {
-  __shared__ A sums[kFinalGroups][kFinalColumns];
-  const A* partial = reinterpret_cast<const A*>(g_dw_partials);
-  const int64_t col = int64_t(blockIdx.x) * kFinalColumns + threadIdx.x;
-  A s = 0;
-  if (col < d)
-#pragma unroll 4
-    for (int b = threadIdx.y; b < blocks; b += kFinalGroups) s += partial[b * d + col];
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y > 0 || col >= d) return;
-  A t = sums[0][threadIdx.x];
-  for (int g = 1; g < kFinalGroups; ++g) t += sums[g][threadIdx.x];
-  dw[col] += t;
-}
-
 // ---- wide rows (d past what kMaxRowWarps warps hold) --------------------------------------------
 
 // Sum of v over the block in a fixed tree, returned to every thread. blockDim.x is a multiple
@@ -556,10 +541,7 @@ void launch_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor
     });
     MOE_CUDA_LAUNCH_CHECK();
     if (blocks == 1) return;
-    rmsnorm_dw_partials_kernel<A>
-        <<<blocks_for(d, kFinalColumns), dim3(kFinalColumns, kFinalGroups), 0, stream_of(ctx)>>>(
-            data_of<A>(dw), blocks, d);
-    MOE_CUDA_LAUNCH_CHECK();
+    add_column_partials<A, DwPartials>(stream_of(ctx), data_of<A>(dw), blocks, d);
   });
 }
 

@@ -43,6 +43,7 @@
 #include <type_traits>
 
 #include "common/router_checks.hpp"
+#include "cuda/column_partials.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/router.hpp"
@@ -68,10 +69,14 @@ constexpr int64_t kDwMinRows = 64;
 template <class T>
 constexpr int kDwRowsInFlight = std::is_same_v<T, __half> ? 3 : 4;
 constexpr size_t kPartialBytes = size_t(8) << 20;
-constexpr int kFinalColumns = 32;
-constexpr int kFinalGroups = 16;
 
 __device__ double g_router_dw_partials[kPartialBytes / sizeof(double)];
+struct DwPartials {  // for add_column_partials (column_partials.cuh)
+  template <class A>
+  __device__ static const A* get() {
+    return reinterpret_cast<const A*>(g_router_dw_partials);
+  }
+};
 
 // ---- chunks of a row ----------------------------------------------------------------------------
 
@@ -549,25 +554,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   }
 }
 
-// grid ceil(cols / kFinalColumns), block (kFinalColumns, kFinalGroups): dw += the sum over the
-// dw kernel's `blocks` partials, each column's in a fixed order (strided subsets, then in order).
-template <class A>
-__global__ void logits_dw_partials_kernel(A* __restrict__ dw, int64_t blocks, int64_t cols) {
-  __shared__ A sums[kFinalGroups][kFinalColumns];
-  const A* partial = reinterpret_cast<const A*>(g_router_dw_partials);
-  const int64_t col = int64_t(blockIdx.x) * kFinalColumns + threadIdx.x;
-  A s = 0;
-  if (col < cols)
-#pragma unroll 4
-    for (int64_t b = threadIdx.y; b < blocks; b += kFinalGroups) s += partial[b * cols + col];
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y > 0 || col >= cols) return;
-  A t = sums[0][threadIdx.x];
-  for (int g = 1; g < kFinalGroups; ++g) t += sums[g][threadIdx.x];
-  dw[col] += t;
-}
-
 // ---- host side ----------------------------------------------------------------------------------
 
 int64_t round_up(int64_t v, int64_t m) {
@@ -671,10 +657,7 @@ void launch_dw(cudaStream_t stream, Tensor dw, Tensor x, Tensor dlogits, int64_t
   MOE_CUDA_LAUNCH_CHECK();
   if (blocks == 1) return;
   const int64_t cols = n_exp * d;
-  logits_dw_partials_kernel<A>
-      <<<blocks_for(cols, kFinalColumns), dim3(kFinalColumns, kFinalGroups), 0, stream>>>(
-          data_of<A>(dw), blocks, cols);
-  MOE_CUDA_LAUNCH_CHECK();
+  add_column_partials<A, DwPartials>(stream, data_of<A>(dw), blocks, cols);
 }
 
 // Sizes the kernels index with int (E, columns of a tile); rows and offsets are int64.

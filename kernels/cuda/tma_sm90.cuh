@@ -8,12 +8,29 @@
 // of a barrier flips its phase, so the consumer of round r waits for parity r % 2.
 #pragma once
 #include <cuda.h>
+#include <cudaTypedefs.h>
 
 #include <cstdint>
 
+#include "cuda/cuda_common.cuh"
 #include "cuda/wgmma_sm90.cuh"
 
 namespace moe::cuda_detail {
+
+// cuTensorMapEncodeTiled, from the driver through the runtime (no link against libcuda); host
+// code of the TMA kernels' launchers (one lookup per process).
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MOE_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                    cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      throw InternalError("the CUDA driver has no cuTensorMapEncodeTiled (TMA needs CUDA 12+)");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
 
 // Initialises the barrier at shared address `bar` to expect `count` arrivals per phase.
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
