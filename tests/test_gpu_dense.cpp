@@ -838,14 +838,19 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
 
 // A hot expert: the sm_90 dw kernel cuts an expert's rows into chunks of twice the mean rows per
 // expert and adds them in chunk order (flags per tile). One expert of 32 holds most rows (15
-// chunks, with a ragged last one), its tiles more than once over the SMs with the other experts'
-// units: dw must match the CPU and give the same bits on every run, over a non-zero dw.
+// chunks, with a ragged last one), an empty one beside it, its tiles more than once over the SMs
+// with the other experts' units: dw must match the CPU and give the same bits on every run, over
+// a non-zero dw, with 256- and 128-column tiles (elsewhere the sm_80 kernels run the same checks).
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  INFO("tiles " << kernel);
   const DType dt = DType::bf16, acc = DType::f32;
   const int64_t e = 32, in = 512, out = 384;
   std::vector<int32_t> offsets = {0};
-  for (int64_t i = 0; i < e; ++i) offsets.push_back(offsets.back() + (i == 5 ? 15000 : 40));
+  for (int64_t i = 0; i < e; ++i)
+    offsets.push_back(offsets.back() + (i == 5 ? 15000 : i == 6 ? 0 : 40));
   const int64_t r = offsets.back(), hot = 15000;
   const auto x = rounded_random_values(dt, r * in, 84),
              w = rounded_random_values(dt, e * out * in, 85);
@@ -869,6 +874,7 @@ TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed ord
   check_close("grouped_linear_backward dw, hot expert", acc, download(gdw), hdw.v,
               sum_tol(acc, hot));
   check_close("grouped_linear_backward dx, hot expert", dt, download(gdx), hdx.v, sum_tol(dt, out));
+  unsetenv("MOE_GROUPED_SM90");
 }
 
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {

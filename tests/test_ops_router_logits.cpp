@@ -259,6 +259,32 @@ TEST_CASE("router_logits ops: an empty d gives zero logits and leaves dx, dw alo
   CHECK_NOTHROW(router_logits_backward(ctx, dx, dw, dl, x, w));
 }
 
+// No dx wanted (the MoD predictor's stop-gradient input): dw gets the same bits as with a dx.
+// No experts: a real dx (with a -0) keeps every bit.
+TEST_CASE("router_logits_backward: an empty dx updates dw alone; E = 0 leaves dx alone",
+          "[router_logits]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 5, d = 7, e = 3;
+  Stored x(DType::bf16, {n, d}, nonzero_values(n * d, 21));
+  Stored w(DType::f32, {e, d}, nonzero_values(e * d, 22));
+  Stored dl(DType::f32, {n, e}, nonzero_values(n * e, 23));
+  Stored dx(DType::bf16, {n, d}, nonzero_values(n * d, 24));
+  Stored dw_with(DType::f32, {e, d}, nonzero_values(e * d, 25));
+  Stored dw_without(DType::f32, {e, d}, nonzero_values(e * d, 25));
+  router_logits_backward(ctx, dx, dw_with, dl, x, w);
+  router_logits_backward(ctx, Tensor(), dw_without, dl, x, w);
+  CHECK(dw_without.values() == dw_with.values());
+  CHECK(dw_without.values() != nonzero_values(e * d, 25));  // it did add
+
+  std::vector<double> dx0 = nonzero_values(n * d, 26);
+  dx0[3] = -0.0;
+  Stored dx_keep(DType::bf16, {n, d}, dx0);
+  const std::vector<uint64_t> before = dx_keep.bytes;
+  Stored w0(DType::f32, {0, d}, {}), dw0(DType::f32, {0, d}, {}), dl0(DType::f32, {n, 0}, {});
+  router_logits_backward(ctx, dx_keep, dw0, dl0, x, w0);
+  CHECK(dx_keep.bytes == before);
+}
+
 TEST_CASE("router_logits ops reject bad shapes, dtypes and devices with the argument's name",
           "[router_logits]") {
   Ctx ctx = cpu_ctx();

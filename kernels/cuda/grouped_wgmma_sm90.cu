@@ -370,11 +370,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // Determinism: the chunks of one tile add to dw in chunk order. Chunk c waits until the tile's
 // flag (dw_flags, one per (expert, tile), 0 between launches) reads c, adds, then publishes c + 1
 // (the last chunk puts 0 back). Each element still gets one reduction per chunk from one thread,
-// so the bits depend only on the offsets. No deadlock: a unit only waits on a unit of lower index,
-// and the lowest-index unfinished unit is always running (its block has finished every earlier
-// unit of its own, and one block per SM is resident for the whole launch; blocks kept off the SMs
-// by another stream's kernels only delay it). The flags assume one dw launch at a time per device
-// (the trainer's one compute stream), as norm.cu's scratch does.
+// so the bits depend only on the offsets and the shapes. No deadlock: a unit only waits on a unit
+// of lower index, and the lowest-index unfinished unit is always running once its block is on an
+// SM (that block has finished every earlier unit of its own). Units are assigned to blocks
+// statically, so a block kept off the SMs by another stream's kernels (NCCL's during an
+// overlapped backward) delays the chunks that wait on its units until those kernels end; with SMs
+// withheld for good (MPS limits) it would not end. Claiming units in index order by an atomic
+// ticket would remove that dependence (next step). The flags assume one dw launch at a time per
+// device (the trainer's one compute stream), as norm.cu's scratch does.
 // A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
@@ -480,7 +483,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           named_barrier_sync(1 + g, 128);
         });
         it += slices;
-        int* flag = &dw_flags[int64_t(e) * tiles + tile];
+        // (only formed when the tile is split: then E x tiles fits the flags, launch_dw)
+        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
         if (c > 0) {  // the tile's earlier chunks first
           if (leader) {
             int seen = -1;
@@ -709,7 +713,7 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
       out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0 ||
       experts > kSharedOffsets)
     return false;
-  if (rows == 0) return true;  // every dw[e] += 0
+  if (rows == 0 || experts == 0) return true;  // every dw[e] += 0
   with_config(t, m, [&](auto cfg, auto zero) {
     launch_dw<decltype(cfg), decltype(zero)>(ctx, t, dw, dy, x, offsets, experts, rows, out, in);
   });

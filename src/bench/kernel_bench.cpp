@@ -223,7 +223,7 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
             std::to_string(d) + "]^T",
         2 * gemm_flops, true, gemm_rate, 0,
         [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, off); });
-    // The down projection's backward with SwiGLU's (dh never stored on sm_90): dh and dw2.
+    // The down projection's backward with SwiGLU's (dh kept in dgate): dh and dw2.
     Tensor w2 = pool.random(dt, {e, d, f}, -0.05f, 0.05f), dyd = pool.random(dt, {r, d});
     Tensor dgate = pool.zeros(dt, {r, f}), dup = pool.zeros(dt, {r, f});
     Tensor dw2 = pool.zeros(acc, {e, d, f});
