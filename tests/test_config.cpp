@@ -73,7 +73,7 @@ const char* kFullConfig = R"({
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
-            "recompute_expert_inputs": true,
+            "recompute_expert_inputs": true, "head_chunk_tokens": 512,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -175,6 +175,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.gpu_memory_limit_gib == 15.5);
   CHECK(c.train.recompute_layers);
   CHECK(c.train.recompute_expert_inputs);
+  CHECK(c.train.head_chunk_tokens == 512);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }
@@ -676,6 +677,11 @@ const std::vector<BadCase>& bad_cases() {
        {"[1, model.vocab_size = 4]"}},
       {"max_steps 0", R"({"train": {"max_steps": 0}})", {}, "train.max_steps", {">= 1"}},
       {"log_interval 0", R"({"train": {"log_interval": 0}})", {}, "train.log_interval", {">= 1"}},
+      {"head_chunk_tokens negative",
+       R"({"train": {"head_chunk_tokens": -1}})",
+       {},
+       "train.head_chunk_tokens",
+       {">= 0"}},
       {"eval_interval negative",
        R"({"train": {"eval_interval": -1}})",
        {},

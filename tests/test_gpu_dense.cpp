@@ -648,6 +648,78 @@ TEST_CASE("gpu swiglu and silu: forward and backward", "[gpu]") {
   }
 }
 
+namespace {
+
+// Bound for a row's dot product accumulated in acc_dtype from inputs both sides hold alike:
+// rel * sum_j |term_j| (the terms' own rounding and the summation's), per row.
+void check_row_dots(const std::string& what, DType dt, const std::vector<double>& got,
+                    const std::vector<double>& want, const std::vector<double>& abs_sum,
+                    double rel) {
+  double worst = 0;
+  for (size_t r = 0; r < want.size(); ++r) {
+    const double bound = rel * abs_sum[r] + 1e-30;
+    worst = std::max(worst, std::isnan(got[r]) ? 1e300 : std::fabs(got[r] - want[r]) / bound);
+  }
+  INFO(what << " [" << dtype_name(dt) << "]: worst error / bound = " << worst);
+  CHECK(got.size() == want.size());
+  CHECK(worst <= 1.0);
+}
+
+// sum_j |dh silu(gate) up| of each row: the scale of the routing weight's gradient.
+std::vector<double> row_abs_dots(const Buf<double>& dh, const Buf<double>& gate,
+                                 const Buf<double>& up, int64_t r, int64_t f) {
+  std::vector<double> s(static_cast<size_t>(r), 0.0);
+  for (int64_t i = 0; i < r * f; ++i) {
+    const double g = gate.v[i];
+    s[i / f] += std::fabs(dh.v[i] * g / (1 + std::exp(-g)) * up.v[i]);
+  }
+  return s;
+}
+
+}  // namespace
+
+TEST_CASE("gpu swiglu_weighted: forward and backward against the CPU, in place", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t r = 77;
+  // F = 40: the 16-byte path for 16-bit types; F = 37: rows not 16-byte aligned, scalar path.
+  for (int64_t f : {int64_t{40}, int64_t{37}}) {
+    const int64_t n = r * f;
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      INFO("F = " << f);
+      const auto gate = rounded_random_values(dt, n, 60, -6.0, 6.0),
+                 up = rounded_random_values(dt, n, 61), dh = rounded_random_values(dt, n, 62);
+      const auto w = rounded_random_values(acc, r, 63, 0.05, 1.0);
+      Buf<double> hg = host({r, f}, gate), hu = host({r, f}, up), hdh = host({r, f}, dh),
+                  hw = host({r}, w);
+      DeviceTensor dg = on_device(dt, {r, f}, gate), du = on_device(dt, {r, f}, up),
+                   ddh = on_device(dt, {r, f}, dh), dw = on_device(acc, {r}, w);
+
+      Buf<double> hh({r, f});
+      cpu::swiglu_weighted_forward(cpu, hh, hg, hu, hw);
+      DeviceTensor h = poisoned(dt, {r, f});
+      swiglu_weighted_forward(gpu, h, dg, du, dw);
+      check_close("swiglu_weighted_forward", dt, download(h), hh.v, pointwise_tol(dt));
+
+      Buf<double> hdg({r, f}), hdu({r, f}), hdw({r});
+      cpu::swiglu_weighted_backward(cpu, hdg, hdu, hdw, hdh, hg, hu, hw);
+      DeviceTensor dgate = poisoned(dt, {r, f}), dup = poisoned(dt, {r, f}),
+                   drow = poisoned(acc, {r});
+      swiglu_weighted_backward(gpu, dgate, dup, drow, ddh, dg, du, dw);
+      check_close("swiglu_weighted_backward dgate", dt, download(dgate), hdg.v, pointwise_tol(dt));
+      check_close("swiglu_weighted_backward dup", dt, download(dup), hdu.v, pointwise_tol(dt));
+      const double rel = dt == DType::f64 ? 1e-13 : 1e-5;
+      check_row_dots("swiglu_weighted_backward drow_w", dt, download(drow), hdw.v,
+                     row_abs_dots(hdh, hg, hu, r, f), rel);
+      // the same bits on a second run, and with dgate written over dh
+      const auto first = bytes_of(drow), first_dgate = bytes_of(dgate);
+      swiglu_weighted_backward(gpu, ddh, dup, drow, ddh, dg, du, dw);
+      CHECK(bytes_of(drow) == first);
+      CHECK(bytes_of(ddh) == first_dgate);
+    }
+  }
+}
+
 // ---- linear -------------------------------------------------------------------------------------
 
 namespace {
@@ -897,27 +969,35 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
       const auto x = rounded_random_values(dt, r * in, 90),
                  w1 = rounded_random_values(dt, e * f * in, 91),
                  w3 = rounded_random_values(dt, e * f * in, 92);
+      const auto row_w = rounded_random_values(acc_dtype(dt), r, 89, 0.05, 1.0);
       DeviceTensor gx = on_device(dt, {r, in}, x), gw1 = on_device(dt, {e, f, in}, w1),
-                   gw3 = on_device(dt, {e, f, in}, w3), goff = ids_on_device(gc.offsets);
+                   gw3 = on_device(dt, {e, f, in}, w3), goff = ids_on_device(gc.offsets),
+                   gw = on_device(acc_dtype(dt), {r}, row_w);
       DeviceTensor gate = poisoned(dt, {r, f}), up = poisoned(dt, {r, f}), h = poisoned(dt, {r, f});
-      grouped_swiglu_forward(gpu, gate, up, h, gx, gw1, gw3, goff);
+      grouped_swiglu_forward(gpu, gate, up, h, gx, gw1, gw3, gw, goff);
       DeviceTensor gate2 = poisoned(dt, {r, f}), up2 = poisoned(dt, {r, f}),
                    h2 = poisoned(dt, {r, f});
       grouped_linear_forward(gpu, gate2, gx, gw1, goff);
       grouped_linear_forward(gpu, up2, gx, gw3, goff);
-      swiglu_forward(gpu, h2, gate2, up2);
+      swiglu_weighted_forward(gpu, h2, gate2, up2, gw);
       INFO(dtype_name(dt) << tag);
       CHECK(bytes_of(gate) == bytes_of(gate2));
       CHECK(bytes_of(up) == bytes_of(up2));
       CHECK(bytes_of(h) == bytes_of(h2));
       // and against the CPU op
       Buf<double> hgate({r, f}), hup({r, f}), hh({r, f});
-      Buf<double> hx = host({r, in}, x), hw1 = host({e, f, in}, w1), hw3 = host({e, f, in}, w3);
+      Buf<double> hx = host({r, in}, x), hw1 = host({e, f, in}, w1), hw3 = host({e, f, in}, w3),
+                  hrw = host({r}, row_w);
       Buf<int32_t> hoff = host_i32(gc.offsets);
-      cpu::grouped_swiglu_forward(cpu, hgate, hup, hh, hx, hw1, hw3, hoff);
+      cpu::grouped_swiglu_forward(cpu, hgate, hup, hh, hx, hw1, hw3, hrw, hoff);
       check_close("grouped_swiglu_forward gate" + tag, dt, download(gate), hgate.v,
                   sum_tol(dt, in));
       check_close("grouped_swiglu_forward up" + tag, dt, download(up), hup.v, sum_tol(dt, in));
+      // h from the GPU's own rounded gate and up (the CPU's are not rounded)
+      Buf<double> hh_gpu({r, f}), gate_gpu = host({r, f}, download(gate)),
+                                  up_gpu = host({r, f}, download(up));
+      cpu::swiglu_weighted_forward(cpu, hh_gpu, gate_gpu, up_gpu, hrw);
+      check_close("grouped_swiglu_forward h" + tag, dt, download(h), hh_gpu.v, pointwise_tol(dt));
     }
   }
   unsetenv("MOE_GROUPED_SM90");
@@ -946,31 +1026,42 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
                  w2 = rounded_random_values(dt, e * d * f, 95),
                  gate = rounded_random_values(dt, r * f, 96),
                  up = rounded_random_values(dt, r * f, 97),
-                 dw0 = rounded_random_values(acc, e * d * f, 98);
+                 dw0 = rounded_random_values(acc, e * d * f, 98),
+                 row_w = rounded_random_values(acc, r, 99, 0.05, 1.0);
       DeviceTensor gdy = on_device(dt, {r, d}, dy), gh = on_device(dt, {r, f}, h),
                    gw2 = on_device(dt, {e, d, f}, w2), ggate = on_device(dt, {r, f}, gate),
-                   gup = on_device(dt, {r, f}, up), goff = ids_on_device(gc.offsets);
+                   gup = on_device(dt, {r, f}, up), goff = ids_on_device(gc.offsets),
+                   grw = on_device(acc, {r}, row_w);
       DeviceTensor dgate = poisoned(dt, {r, f}), dup = poisoned(dt, {r, f}),
-                   dw2 = on_device(acc, {e, d, f}, dw0);
-      grouped_swiglu_down_backward(gpu, dgate, dup, dw2, gdy, gh, gw2, ggate, gup, goff);
+                   drow = poisoned(acc, {r}), dw2 = on_device(acc, {e, d, f}, dw0);
+      grouped_swiglu_down_backward(gpu, dgate, dup, drow, dw2, gdy, gh, gw2, ggate, gup, grw, goff);
       DeviceTensor dh2 = poisoned(dt, {r, f}), dgate2 = poisoned(dt, {r, f}),
-                   dup2 = poisoned(dt, {r, f}), dw2_2 = on_device(acc, {e, d, f}, dw0);
+                   dup2 = poisoned(dt, {r, f}), drow2 = poisoned(acc, {r}),
+                   dw2_2 = on_device(acc, {e, d, f}, dw0);
       grouped_linear_backward(gpu, dh2, dw2_2, gdy, gh, gw2, goff);
-      swiglu_backward(gpu, dgate2, dup2, dh2, ggate, gup);
+      const std::vector<double> dh_gpu = download(dh2);
+      swiglu_weighted_backward(gpu, dgate2, dup2, drow2, dh2, ggate, gup, grw);
       INFO(dtype_name(dt) << tag);
       CHECK(bytes_of(dgate) == bytes_of(dgate2));
       CHECK(bytes_of(dup) == bytes_of(dup2));
+      CHECK(bytes_of(drow) == bytes_of(drow2));
       CHECK(bytes_of(dw2) == bytes_of(dw2_2));
       // and against the CPU op
-      Buf<double> hdgate({r, f}), hdup({r, f}), hdw2 = host({e, d, f}, dw0);
+      Buf<double> hdgate({r, f}), hdup({r, f}), hdrow({r}), hdw2 = host({e, d, f}, dw0);
       Buf<double> hdy = host({r, d}, dy), hh = host({r, f}, h), hw2 = host({e, d, f}, w2),
-                  hgate = host({r, f}, gate), hup = host({r, f}, up);
+                  hgate = host({r, f}, gate), hup = host({r, f}, up), hrw = host({r}, row_w);
       Buf<int32_t> hoff = host_i32(gc.offsets);
-      cpu::grouped_swiglu_down_backward(cpu, hdgate, hdup, hdw2, hdy, hh, hw2, hgate, hup, hoff);
+      cpu::grouped_swiglu_down_backward(cpu, hdgate, hdup, hdrow, hdw2, hdy, hh, hw2, hgate, hup,
+                                        hrw, hoff);
       // The sum's bound, twice: dh is rounded to the dtype before the product (the CPU's is not).
       const Tol sum = sum_tol(dt, d), tol{2 * sum.rtol, 2 * sum.atol};
       check_close("grouped_swiglu_down_backward dup" + tag, dt, download(dup), hdup.v, tol);
       check_close("grouped_swiglu_down_backward dgate" + tag, dt, download(dgate), hdgate.v, tol);
+      // drow_w against the CPU's weighted SwiGLU backward on the GPU's own (rounded) dh
+      Buf<double> dh_host = host({r, f}, dh_gpu), cg({r, f}), cu({r, f}), crow({r});
+      cpu::swiglu_weighted_backward(cpu, cg, cu, crow, dh_host, hgate, hup, hrw);
+      check_row_dots("grouped_swiglu_down_backward drow_w" + tag, dt, download(drow), crow.v,
+                     row_abs_dots(dh_host, hgate, hup, r, f), dt == DType::f64 ? 1e-13 : 1e-5);
     }
   }
   unsetenv("MOE_GROUPED_SM90");

@@ -6,9 +6,9 @@
 // every dtype (the selection compares logits + bias in double on both sides). Float outputs:
 //   |gpu - cpu| <= atol + rtol * |cpu|, rtol = rtol_for(dtype) (f32 2e-5, f16 4e-3, bf16 2e-2,
 //   f64 1e-11); atol = 1e-3 * rtol for probabilities and weights (scale 1), rtol * max|cpu| for
-//   gradients and dot products (cancellation), 0 for pure copies (which must be exact). The combine
-//   weights topk_w and their gradient dtopk_w are in acc_dtype (f32 for 16-bit activations), and
-//   dtopk_w gets that dtype's bound.
+//   gradients and dot products (cancellation), 0 for pure copies (which must be exact). The
+//   routing weights (topk_w, their row-order copy and the gradients) are in acc_dtype (f32 for
+//   16-bit activations); their moves are exact.
 // add_counts (acc += counts on the device) must equal the CPU exactly.
 #include <algorithm>
 #include <deque>
@@ -313,7 +313,8 @@ struct ShiftedTensors {
   }
 };
 
-// Permute / combine forward and backward on a routing of (n, e, k), model width d; with
+// Permute forward and backward (the backward is also the MoE combine) and the routing weights in
+// row order on a routing of (n, e, k), model width d; with
 // `misaligned`, every activation tensor starts one element past a 16-byte boundary.
 void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_t seed,
                    bool misaligned = false) {
@@ -362,47 +363,33 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   permute_backward(gctx, gdx, gdxp, gdxp2, gsr);
   check_grad(download(gdx), hdx2.v, dt, "permute_backward with dxp2");
 
-  // combine_forward (the router's weights in acc_dtype)
+  // permute_weights_forward / _backward (the router's weights in acc_dtype): exact moves
   const DType acc = acc_dtype(dt);
-  const std::vector<double> yp =
-      round_to(dt, uniform_values(static_cast<size_t>(slots * d), seed + 3));
   const std::vector<double> wr = round_to(acc, w.v);
-  Buf<double> hyp = host({slots, d}, yp), hw = host({n, k}, wr), hy({n, d});
-  cpu::combine_forward(cctx, hy, hyp, hw, sr);
-  Tensor gyp = dev.holding(dt, {slots, d}, yp), gw = dev.holding(acc, {n, k}, wr);
-  Tensor gy = dev.poisoned(dt, {n, d});
-  combine_forward(gctx, gy, gyp, gw, gsr);
-  check_grad(download(gy), hy.v, dt, "combine_forward");
-  const std::vector<unsigned char> y_bits = bytes_of(gy);
-  poison(gy);
-  combine_forward(gctx, gy, gyp, gw, gsr);
-  CHECK(bytes_of(gy) == y_bits);
+  Buf<double> hw = host({n, k}, wr), hrow({slots}), hdw({n, k});
+  cpu::permute_weights_forward(cctx, hrow, hw, sr);
+  Tensor gw = dev.holding(acc, {n, k}, wr), grow = dev.poisoned(acc, {slots});
+  permute_weights_forward(gctx, grow, gw, gsr);
+  CHECK(download(grow) == hrow.v);
+  const std::vector<double> drow =
+      round_to(acc, uniform_values(static_cast<size_t>(slots), seed + 3));
+  Buf<double> hdrow = host({slots}, drow);
+  cpu::permute_weights_backward(cctx, hdw, hdrow, sr);
+  Tensor gdrow = dev.holding(acc, {slots}, drow), gdw = dev.poisoned(acc, {n, k});
+  permute_weights_backward(gctx, gdw, gdrow, gsr);
+  CHECK(download(gdw) == hdw.v);
 
-  // combine_backward
-  const std::vector<double> dy = round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 4));
-  Buf<double> hdy = host({n, d}, dy), hdyp({slots, d}), hdw({n, k});
-  cpu::combine_backward(cctx, hdyp, hdw, hdy, hyp, hw, sr);
-  Tensor gdy = dev.holding(dt, {n, d}, dy);
-  Tensor gdyp = dev.poisoned(dt, {slots, d}), gdw = dev.poisoned(acc, {n, k});
-  combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
-  check_grad(download(gdyp), hdyp.v, dt, "combine_backward dyp");
-  check_grad(download(gdw), hdw.v, acc, "combine_backward dtopk_w");
-  const std::vector<unsigned char> dw_bits = bytes_of(gdw);
-  poison(gdw);
-  combine_backward(gctx, gdyp, gdw, gdy, gyp, gw, gsr);
-  CHECK(bytes_of(gdw) == dw_bits);
-
-  // A 16-bit topk_w is rejected.
+  // A 16-bit routing weight is rejected.
   if (dt != acc) {
     DeviceTensor w16(dt, {n, k});
-    CHECK_THROWS_WITH(combine_forward(gctx, gy, gyp, w16, gsr),
-                      Catch::Contains("combine_forward: topk_w"));
+    CHECK_THROWS_WITH(permute_weights_forward(gctx, grow, w16, gsr),
+                      Catch::Contains("permute_weights_forward: topk_w"));
   }
 }
 
 }  // namespace
 
-TEST_CASE("gpu permute and combine, forward and backward", "[gpu][moe]") {
+TEST_CASE("gpu permute, its backward (also the combine) and the routing weights", "[gpu][moe]") {
   // d % 8 == 0 takes the 16-byte path in every dtype; other d the scalar one (d = 130: vector in
   // f64 only). Odd token counts, K = 1..8, E not a power of two.
   for (DType dt : kFloatTypes) {
@@ -417,7 +404,7 @@ TEST_CASE("gpu permute and combine, forward and backward", "[gpu][moe]") {
   }
 }
 
-TEST_CASE("gpu permute and combine: rows not 16-byte aligned take the scalar path", "[gpu][moe]") {
+TEST_CASE("gpu permute: rows not 16-byte aligned take the scalar path", "[gpu][moe]") {
   for (DType dt : kFloatTypes) {
     check_permute(203, 64, 8, 128, dt, 41, true);
     check_permute(97, 10, 1, 1032, dt, 42, true);

@@ -3,6 +3,7 @@
 // f64; the parameter layout; and a tiny model overfitting one fixed batch.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -261,4 +262,44 @@ TEST_CASE("model: recomputing gives bitwise the same losses and gradients", "[mo
     for (size_t i = 0; i < bs.size(); ++i)
       CHECK(std::equal(bs[i].ptr<float>(), bs[i].ptr<float>() + bs[i].numel(), br[i].ptr<float>()));
   }
+}
+
+// train.head_chunk_tokens: the head over chunks (each chunk's backward at once) against the
+// whole-batch head, tied and untied, for chunks that divide B*T, do not, are one token, or
+// exceed it. The per-token losses are the same rows either way; the head's weight gradient is a
+// sum over chunks instead of one product (f64: within rounding).
+TEST_CASE("model: the head in chunks gives the whole head's losses and gradients", "[model]") {
+  const bool tied = GENERATE(false, true);
+  const int64_t chunk = GENERATE(as<int64_t>{}, 1, 5, 8, 100);
+  INFO("tied " << tied << " chunk " << chunk);
+  ModelConfig m = gradcheck_config();
+  m.tie_word_embeddings = tied;
+  const int b = 2, t = 8;
+  Model whole(m, DType::f64, Device{}, b, t),
+      chunked(m, DType::f64, Device{}, b, t, true, Recompute{false, false, chunk});
+  REQUIRE(chunked.logits().size(0) == std::min<int64_t>(chunk, b * t));
+  whole.init_weights(3);
+  chunked.init_weights(3);
+  Ctx ctx;
+  TokenBatch data = random_tokens(b * t, m.vocab_size, 5);
+  data.targets[3] = -1;  // an ignored target inside a chunk
+  whole.zero_grads(ctx);
+  chunked.zero_grads(ctx);
+  const Losses lw = whole.forward_backward(ctx, data.ids.data(), data.targets.data(), 0.5);
+  const Losses lc = chunked.forward_backward(ctx, data.ids.data(), data.targets.data(), 0.5);
+  CHECK(lc.lm == Approx(lw.lm).epsilon(1e-14));
+  CHECK(lc.total() == Approx(lw.total()).epsilon(1e-14));
+  const double* gw = whole.grads().ptr<double>();
+  const double* gc = chunked.grads().ptr<double>();
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < whole.table().total; ++i) {
+    worst = std::max(worst, std::fabs(gw[i] - gc[i]));
+    scale = std::max(scale, std::fabs(gw[i]));
+  }
+  REQUIRE(scale > 0);
+  CHECK(worst <= 1e-13 * scale);
+  // forward only (evaluation) runs the chunks too
+  const Losses ew = whole.forward(ctx, data.ids.data(), data.targets.data());
+  const Losses ec = chunked.forward(ctx, data.ids.data(), data.targets.data());
+  CHECK(ec.lm == Approx(ew.lm).epsilon(1e-14));
 }

@@ -557,34 +557,39 @@ TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {
   CHECK(max_rel_diff(dwf.v, dw.v) < 1e-5);
 }
 
-TEST_CASE("grouped_swiglu_forward is the two projections and SwiGLU, checks its shapes",
+TEST_CASE("grouped_swiglu_forward is the two projections and weighted SwiGLU, checks its shapes",
           "[linear][grouped]") {
   Ctx ctx = cpu_ctx();
   GroupedCase c;
   Buf<double> w3 = random_buf({c.kExperts, c.kOut, c.kIn}, 78);
+  Buf<double> row_w = random_buf({c.kRows}, 77);
+  for (auto& w : row_w.v) w = 0.5 + 0.5 * w;  // routing weights in (0, 1]
   Buf<double> gate = random_buf({c.kRows, c.kOut}, 79), up = random_buf({c.kRows, c.kOut}, 80),
               h = random_buf({c.kRows, c.kOut}, 81);  // garbage: every element is written
-  grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3, c.offsets);
+  grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3, row_w, c.offsets);
   Buf<double> want_gate({c.kRows, c.kOut}), want_up({c.kRows, c.kOut}), want_h({c.kRows, c.kOut});
   grouped_linear_forward(ctx, want_gate, c.x, c.w, c.offsets);
   grouped_linear_forward(ctx, want_up, c.x, w3, c.offsets);
-  swiglu_forward(ctx, want_h, want_gate, want_up);
+  swiglu_weighted_forward(ctx, want_h, want_gate, want_up, row_w);
   CHECK(gate.v == want_gate.v);
   CHECK(up.v == want_up.v);
   CHECK(h.v == want_h.v);
-  for (size_t i = 0; i < h.v.size(); ++i) {  // and h is silu(gate) * up
-    const double g = gate.v[i];
-    CHECK(h.v[i] == Approx(g / (1 + std::exp(-g)) * up.v[i]).epsilon(1e-12));
+  for (size_t i = 0; i < h.v.size(); ++i) {  // and h is w * silu(gate) * up
+    const double g = gate.v[i], w = row_w.v[i / c.kOut];
+    CHECK(h.v[i] == Approx(w * g / (1 + std::exp(-g)) * up.v[i]).epsilon(1e-12));
   }
   Buf<double> w3_bad = random_buf({c.kExperts, c.kOut + 1, c.kIn}, 82);
-  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3_bad, c.offsets),
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3_bad, row_w, c.offsets),
                   InternalError);
   Buf<double> h_bad({c.kRows, c.kOut + 1});
-  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h_bad, c.x, c.w, w3, c.offsets),
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up, h_bad, c.x, c.w, w3, row_w, c.offsets),
                   InternalError);
   Buf<float> up_f32({c.kRows, c.kOut});
-  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up_f32, h, c.x, c.w, w3, c.offsets),
+  CHECK_THROWS_AS(grouped_swiglu_forward(ctx, gate, up_f32, h, c.x, c.w, w3, row_w, c.offsets),
                   InternalError);
+  Buf<double> row_w_bad({c.kRows + 1});
+  CHECK_THROWS_WITH(grouped_swiglu_forward(ctx, gate, up, h, c.x, c.w, w3, row_w_bad, c.offsets),
+                    Catch::Contains("grouped_swiglu_forward: row_w"));
 }
 
 TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and SwiGLU's",
@@ -594,28 +599,36 @@ TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and Sw
   Buf<double> dy = random_buf({c.kRows, c.kOut}, 84), gate = random_buf({c.kRows, c.kIn}, 85),
               up = random_buf({c.kRows, c.kIn}, 86),
               dw0 = random_buf({c.kExperts, c.kOut, c.kIn}, 87);
+  Buf<double> row_w = random_buf({c.kRows}, 83), drow_w = random_buf({c.kRows}, 90);
+  for (auto& w : row_w.v) w = 0.5 + 0.5 * w;
   Buf<double> dgate = random_buf({c.kRows, c.kIn}, 88), dup = random_buf({c.kRows, c.kIn}, 89);
   Buf<double> dw2 = dw0;  // accumulated into
-  grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy, c.x, c.w, gate, up, c.offsets);
+  grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dy, c.x, c.w, gate, up, row_w,
+                               c.offsets);
   Buf<double> dh({c.kRows, c.kIn}), want_dgate({c.kRows, c.kIn}), want_dup({c.kRows, c.kIn});
-  Buf<double> want_dw2 = dw0;
+  Buf<double> want_dw2 = dw0, want_drow_w({c.kRows});
   grouped_linear_backward(ctx, dh, want_dw2, dy, c.x, c.w, c.offsets);
-  swiglu_backward(ctx, want_dgate, want_dup, dh, gate, up);
+  swiglu_weighted_backward(ctx, want_dgate, want_dup, want_drow_w, dh, gate, up, row_w);
   CHECK(dgate.v == want_dgate.v);
   CHECK(dup.v == want_dup.v);
   CHECK(dw2.v == want_dw2.v);
-  for (size_t i = 0; i < dup.v.size(); ++i) {  // and dup is dh silu(gate)
-    const double g = gate.v[i];
-    CHECK(dup.v[i] == Approx(dh.v[i] * g / (1 + std::exp(-g))).epsilon(1e-12));
+  CHECK(drow_w.v == want_drow_w.v);
+  for (size_t i = 0; i < dup.v.size(); ++i) {  // and dup is w dh silu(gate)
+    const double g = gate.v[i], w = row_w.v[i / c.kIn];
+    CHECK(dup.v[i] == Approx(w * dh.v[i] * g / (1 + std::exp(-g))).epsilon(1e-12));
   }
   Buf<double> up_bad({c.kRows, c.kIn + 1});
-  CHECK_THROWS_AS(
-      grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy, c.x, c.w, gate, up_bad, c.offsets),
-      InternalError);
+  CHECK_THROWS_AS(grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dy, c.x, c.w, gate,
+                                               up_bad, row_w, c.offsets),
+                  InternalError);
   Buf<double> dy_bad({c.kRows, c.kOut + 1});
-  CHECK_THROWS_AS(
-      grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dy_bad, c.x, c.w, gate, up, c.offsets),
-      InternalError);
+  CHECK_THROWS_AS(grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dy_bad, c.x, c.w, gate,
+                                               up, row_w, c.offsets),
+                  InternalError);
+  Buf<float> drow_w_f32({c.kRows});
+  CHECK_THROWS_WITH(grouped_swiglu_down_backward(ctx, dgate, dup, drow_w_f32, dw2, dy, c.x, c.w,
+                                                 gate, up, row_w, c.offsets),
+                    Catch::Contains("grouped_swiglu_down_backward: drow_w"));
 }
 
 // ---- gemm: the blocked matmul under every linear op ---------------------------------------------
@@ -771,6 +784,52 @@ TEST_CASE("swiglu_backward and silu_backward match finite differences", "[swiglu
   };
   silu_backward(ctx, dx, gh, gate);
   check_gradient(gate.v, dx.v, silu_loss, 1e-6, 1e-6, 1e-9, "silu dx");
+}
+
+TEST_CASE("swiglu_weighted_forward scales each row by its weight", "[swiglu]") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> gate({2, 2}), up({2, 2}), w({2}), h({2, 2}), plain({2, 2});
+  gate.v = {1, -2, 0.5, 3};
+  up.v = {2, 3, -1, 0.25};
+  w.v = {0.25, 0.75};
+  swiglu_weighted_forward(ctx, h, gate, up, w);
+  swiglu_forward(ctx, plain, gate, up);
+  CHECK(h[0] == Approx(0.25 * 1.4621171572600098).epsilon(1e-14));   // w0 silu(1) * 2
+  CHECK(h[1] == Approx(0.25 * -0.7152175321327052).epsilon(1e-14));  // w0 silu(-2) * 3
+  for (int i = 2; i < 4; ++i) CHECK(h[i] == Approx(0.75 * plain[i]).epsilon(1e-14));
+  Buf<float> w_f32({2});
+  CHECK_THROWS_WITH(swiglu_weighted_forward(ctx, h, gate, up, w_f32),
+                    Catch::Contains("swiglu_weighted_forward: row_w"));
+  Buf<double> w_bad({3});
+  CHECK_THROWS_WITH(swiglu_weighted_forward(ctx, h, gate, up, w_bad),
+                    Catch::Contains("swiglu_weighted_forward: row_w"));
+}
+
+TEST_CASE("swiglu_weighted_backward matches finite differences, also in place over dh",
+          "[swiglu][grad]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t r = 3, f = 5;
+  Buf<double> gate = random_buf({r, f}, 111), up = random_buf({r, f}, 112);
+  Buf<double> w = random_buf({r}, 113);
+  for (auto& g : gate.v) g *= 4;
+  for (auto& x : w.v) x = 0.5 + 0.5 * x;
+  Buf<double> gh = random_buf({r, f}, 114), h({r, f});
+  auto loss = [&] {
+    swiglu_weighted_forward(ctx, h, gate, up, w);
+    return dot(gh.v, h.v);
+  };
+  Buf<double> dgate = random_buf({r, f}, 115), dup = random_buf({r, f}, 116);  // overwritten
+  Buf<double> dw = random_buf({r}, 117);
+  swiglu_weighted_backward(ctx, dgate, dup, dw, gh, gate, up, w);
+  check_gradient(gate.v, dgate.v, loss, 1e-6, 1e-6, 1e-9, "dgate");
+  check_gradient(up.v, dup.v, loss, 1e-6, 1e-6, 1e-9, "dup");
+  check_gradient(w.v, dw.v, loss, 1e-6, 1e-6, 1e-9, "drow_w");
+  // dgate over dh: the grouped op's in-place use
+  Buf<double> in_place = gh, dup2({r, f}), dw2({r});
+  swiglu_weighted_backward(ctx, in_place, dup2, dw2, in_place, gate, up, w);
+  CHECK(in_place.v == dgate.v);
+  CHECK(dup2.v == dup.v);
+  CHECK(dw2.v == dw.v);
 }
 
 TEST_CASE("swiglu f32 agrees with f64", "[swiglu][f32]") {

@@ -23,6 +23,7 @@
 #include "moe/ops/permute.hpp"
 #include "moe/ops/rope.hpp"
 #include "moe/ops/router.hpp"
+#include "moe/ops/swiglu.hpp"
 #include "test_util.hpp"
 
 using namespace moe;
@@ -314,14 +315,14 @@ TEST_CASE("ops reject a statistic or gradient that is not in acc_dtype(T)", "[mi
   msg = internal_error_of([&] { rope_table(ctx, cos16t, sin16t, 10000.0); });
   CHECK(contains(msg, "rope_table: the table must be f32 or f64"));
 
-  auto slot_row = make<int32_t>({n}, {0, 1, 2, 3});
-  Buf<double> cy({n, d}), cyp = random_buf({n, d}, 11);
-  Buf<float> topk_w32({n, 1});
-  msg = internal_error_of([&] { combine_forward(ctx, cy, cyp, topk_w32, slot_row); });
-  CHECK(contains(msg, "combine_forward: topk_w"));
-  Buf<double> topk_w({n, 1}), dyp({n, d});
-  msg = internal_error_of([&] { combine_backward(ctx, dyp, topk_w32, cy, cyp, topk_w, slot_row); });
-  CHECK(contains(msg, "combine_backward: dtopk_w"));
+  Buf<double> sg = random_buf({n, d}, 11), su = random_buf({n, d}, 13), sh({n, d});
+  Buf<float> row_w32({n});
+  msg = internal_error_of([&] { swiglu_weighted_forward(ctx, sh, sg, su, row_w32); });
+  CHECK(contains(msg, "swiglu_weighted_forward: row_w"));
+  Buf<double> row_w({n}), sdg({n, d}), sdu({n, d});
+  msg = internal_error_of(
+      [&] { swiglu_weighted_backward(ctx, sdg, sdu, row_w32, sh, sg, su, row_w); });
+  CHECK(contains(msg, "swiglu_weighted_backward: drow_w"));
 
   auto sel = make<int32_t>({1, 2}, {0, 2});
   Buf<float> scores32({1, n});

@@ -1,12 +1,13 @@
 // Tests of the MoE routing ops on the CPU: router top-K (softmax, selection, renormalisation,
-// counts), the aux and z losses, the bias update, the permutation plan, permute / unpermute and the
-// weighted combine. Forwards are checked against hand-computed numbers, every backward against
-// central finite differences in f64 (loss = dot(random w, outputs)), f32 against f64 on random
-// inputs, and the reductions for bitwise determinism across thread counts.
-// Gradient-check tolerances: the permute/combine maps are linear (or bilinear) in what is
-// perturbed, so FD is exact up to rounding: rtol 1e-7. The router paths go through softmax/exp:
-// rtol 1e-6, atol 1e-9, far above the ~1e-10 truncation + rounding error of h = 1e-6 central
-// differences on O(1) losses, far below any real formula error.
+// counts), the aux and z losses, the bias update, the permutation plan, permute / unpermute (also
+// the combine), the routing weights in row order, and the combine with the weights applied in the
+// experts' SwiGLU against the weighted sum of expert outputs. Forwards are checked against
+// hand-computed numbers, every backward against central finite differences in f64 (loss =
+// dot(random w, outputs)), f32 against f64 on random inputs, and the reductions for bitwise
+// determinism across thread counts. Gradient-check tolerances: the permute/combine maps are linear
+// (or bilinear) in what is perturbed, so FD is exact up to rounding: rtol 1e-7. The router paths go
+// through softmax/exp: rtol 1e-6, atol 1e-9, far above the ~1e-10 truncation + rounding error of h
+// = 1e-6 central differences on O(1) losses, far below any real formula error.
 #include <omp.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "moe/ops/linear.hpp"
 #include "moe/ops/permute.hpp"
 #include "moe/ops/router.hpp"
 #include "test_util.hpp"
@@ -375,43 +377,91 @@ TEST_CASE("permute_backward matches finite differences of permute_forward") {
       1e-6, 1e-7, 1e-10, "dx");
 }
 
-// ---- combine ------------------------------------------------------------------------------------
+// ---- routing weights in row order, combine ------------------------------------------------------
 
-TEST_CASE("combine_forward: weighted sum of a token's expert outputs") {
+TEST_CASE("permute_weights_forward puts each slot's weight on its row; the backward gathers back") {
   auto topk = make<int32_t>({2, 2}, {1, 0, 0, 1});  // slot_row = (2, 0, 1, 3)
   Buf<int32_t> offsets({3}), row_token({4}), slot_row({4});
   Ctx ctx = cpu_ctx();
   moe_permute_plan(ctx, offsets, row_token, slot_row, topk);
   REQUIRE(slot_row.v == std::vector<int32_t>{2, 0, 1, 3});
-  auto yp = make<double>({4, 2}, {1, 2, 3, 4, 5, 6, 7, 8});
   auto w = make<double>({2, 2}, {0.25, 0.75, 0.5, 2.0});
-  Buf<double> y({2, 2});
-  combine_forward(ctx, y, yp, w, slot_row);
-  // token 0: 0.25 * yp[2] + 0.75 * yp[0];  token 1: 0.5 * yp[1] + 2 * yp[3]
-  CHECK(y.v == std::vector<double>{0.25 * 5 + 0.75 * 1, 0.25 * 6 + 0.75 * 2, 0.5 * 3 + 2 * 7,
-                                   0.5 * 4 + 2 * 8});
+  Buf<double> row_w({4});
+  permute_weights_forward(ctx, row_w, w, slot_row);
+  CHECK(row_w.v == std::vector<double>{0.75, 0.5, 0.25, 2.0});
+  auto drow = make<double>({4}, {1, 2, 3, 4});
+  Buf<double> dw({2, 2});
+  permute_weights_backward(ctx, dw, drow, slot_row);
+  CHECK(dw.v == std::vector<double>{3, 1, 2, 4});
+  Buf<float> row_w32({4});
+  CHECK_THROWS_WITH(permute_weights_forward(ctx, row_w32, w, slot_row),
+                    Catch::Contains("permute_weights_forward: row_w, topk_w"));
+  Buf<double> short_row({3});
+  CHECK_THROWS_WITH(permute_weights_backward(ctx, dw, short_row, slot_row),
+                    Catch::Contains("permute_weights_backward: drow_w"));
+  auto bad_rows = make<int32_t>({4}, {2, 0, 4, 3});
+  CHECK_THROWS_WITH(permute_weights_forward(ctx, row_w, w, bad_rows),
+                    Catch::Contains("permute_weights_forward: slot_row"));
 }
 
-TEST_CASE("combine_backward matches finite differences in yp and topk_w") {
-  const int64_t n = 4, k = 3, e = 5, d = 3;
+TEST_CASE("permute_weights_backward matches finite differences") {
+  const int64_t n = 4, k = 3, e = 5;
   auto topk = make<int32_t>({n, k}, {4, 0, 2, 1, 4, 3, 0, 2, 4, 3, 2, 1});
   Buf<int32_t> offsets({e + 1}), row_token({n * k}), slot_row({n * k});
   Ctx ctx = cpu_ctx();
   moe_permute_plan(ctx, offsets, row_token, slot_row, topk);
-  auto yp = random_buf({n * k, d}, 61);
-  auto tw = random_buf({n, k}, 62);
-  auto wy = random_buf({n, d}, 63);
-  Buf<double> y({n, d}), dyp({n * k, d}), dtw({n, k});
-  combine_backward(ctx, dyp, dtw, wy, yp, tw, slot_row);
-  auto loss = [&] {
-    combine_forward(ctx, y, yp, tw, slot_row);
-    return dot(wy.v, y.v);
-  };
-  check_gradient(yp.v, dyp.v, loss, 1e-6, 1e-7, 1e-10, "dyp");
-  check_gradient(tw.v, dtw.v, loss, 1e-6, 1e-7, 1e-10, "dtopk_w");
+  auto tw = random_buf({n, k}, 62), wr = random_buf({n * k}, 63);
+  Buf<double> row_w({n * k}), dtw({n, k});
+  permute_weights_backward(ctx, dtw, wr, slot_row);
+  check_gradient(
+      tw.v, dtw.v,
+      [&] {
+        permute_weights_forward(ctx, row_w, tw, slot_row);
+        return dot(wr.v, row_w.v);
+      },
+      1e-6, 1e-7, 1e-10, "dtopk_w");
 }
 
-TEST_CASE("permute and combine: f32 agrees with f64") {
+// The MoE layer's reordering: y[n] = sum_k w_nk W2_e (silu(W1_e x) * W3_e x) computed directly,
+// against the routing weights applied in the SwiGLU and the combine as permute_backward's sum.
+TEST_CASE("the combine after the weighted SwiGLU is the weighted sum of the expert outputs") {
+  const int64_t n = 6, k = 2, e = 3, d = 4, f = 5;
+  Buf<int32_t> topk({n, k});
+  for (int64_t i = 0; i < n; ++i) topk[i * k] = i % e, topk[i * k + 1] = (i + 1) % e;
+  Buf<int32_t> offsets({e + 1}), row_token({n * k}), slot_row({n * k});
+  Ctx ctx = cpu_ctx();
+  moe_permute_plan(ctx, offsets, row_token, slot_row, topk);
+  auto x = random_buf({n, d}, 81), tw = random_buf({n, k}, 82);
+  auto w1 = random_buf({e, f, d}, 83), w3 = random_buf({e, f, d}, 84),
+       w2 = random_buf({e, d, f}, 85);
+  Buf<double> row_w({n * k}), xp({n * k, d}), gate({n * k, f}), up({n * k, f}), h({n * k, f});
+  Buf<double> yp({n * k, d}), y({n, d});
+  permute_weights_forward(ctx, row_w, tw, slot_row);
+  permute_forward(ctx, xp, x, row_token);
+  grouped_swiglu_forward(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
+  grouped_linear_forward(ctx, yp, h, w2, offsets);
+  permute_backward(ctx, y, yp, Tensor(), slot_row);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < d; ++j) {
+      double want = 0;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t ex = topk[t * k + i];
+        double out = 0;
+        for (int64_t q = 0; q < f; ++q) {
+          double g = 0, u = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            g += w1[(ex * f + q) * d + c] * x[t * d + c];
+            u += w3[(ex * f + q) * d + c] * x[t * d + c];
+          }
+          out += w2[(ex * d + j) * f + q] * g / (1 + std::exp(-g)) * u;
+        }
+        want += tw[t * k + i] * out;
+      }
+      CHECK(y[t * d + j] == Approx(want).epsilon(1e-12).margin(1e-14));
+    }
+}
+
+TEST_CASE("permute and the routing weights: f32 agrees with f64") {
   const int64_t n = 9, k = 2, e = 4, d = 5;
   Buf<int32_t> topk({n, k});
   for (int64_t i = 0; i < n; ++i) topk[i * k] = i % e, topk[i * k + 1] = (i + 1 + i / 4) % e;
@@ -419,23 +469,23 @@ TEST_CASE("permute and combine: f32 agrees with f64") {
   Ctx ctx = cpu_ctx();
   moe_permute_plan(ctx, offsets, row_token, slot_row, topk);
   auto x = random_buf({n, d}, 71), yp = random_buf({n * k, d}, 72);
-  auto tw = random_buf({n, k}, 73), dy = random_buf({n, d}, 74);
-  auto x32 = to_f32(x), yp32 = to_f32(yp), tw32 = to_f32(tw), dy32 = to_f32(dy);
-  Buf<double> xp({n * k, d}), dx({n, d}), y({n, d}), dyp({n * k, d}), dtw({n, k});
-  Buf<float> xp32({n * k, d}), dx32({n, d}), y32({n, d}), dyp32({n * k, d}), dtw32({n, k});
+  auto tw = random_buf({n, k}, 73);
+  auto x32 = to_f32(x), yp32 = to_f32(yp), tw32 = to_f32(tw);
+  Buf<double> xp({n * k, d}), dx({n, d}), row_w({n * k}), dtw({n, k});
+  Buf<float> xp32({n * k, d}), dx32({n, d}), row_w32({n * k}), dtw32({n, k});
   permute_forward(ctx, xp, x, row_token);
   permute_forward(ctx, xp32, x32, row_token);
   permute_backward(ctx, dx, yp, Tensor(), slot_row);
   permute_backward(ctx, dx32, yp32, Tensor(), slot_row);
-  combine_forward(ctx, y, yp, tw, slot_row);
-  combine_forward(ctx, y32, yp32, tw32, slot_row);
-  combine_backward(ctx, dyp, dtw, dy, yp, tw, slot_row);
-  combine_backward(ctx, dyp32, dtw32, dy32, yp32, tw32, slot_row);
+  permute_weights_forward(ctx, row_w, tw, slot_row);
+  permute_weights_forward(ctx, row_w32, tw32, slot_row);
+  permute_weights_backward(ctx, dtw, row_w, slot_row);
+  permute_weights_backward(ctx, dtw32, row_w32, slot_row);
   CHECK(max_rel_diff(xp32.v, xp.v) < 1e-7);
   CHECK(max_rel_diff(dx32.v, dx.v) < 1e-6);
-  CHECK(max_rel_diff(y32.v, y.v) < 1e-6);
-  CHECK(max_rel_diff(dyp32.v, dyp.v) < 1e-6);
-  CHECK(max_rel_diff(dtw32.v, dtw.v) < 1e-6);
+  CHECK(max_rel_diff(row_w32.v, row_w.v) < 1e-7);
+  CHECK(dtw.v == tw.v);  // the round trip of a permutation
+  CHECK(dtw32.v == tw32.v);
 }
 
 TEST_CASE("routing ops reject bad indices and shapes") {

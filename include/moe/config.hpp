@@ -146,6 +146,9 @@ struct TrainConfig {
   double comm_timeout_s = 600;           // collective watchdog (data parallel); 0 = off
   bool recompute_layers = false;         // activation recomputation, layer by layer
   bool recompute_expert_inputs = false;  // MoE layers: rebuild the expert GEMMs' inputs
+  // Tokens whose logits ([tokens, V]) the head holds at once; each chunk's cross-entropy
+  // gradient goes through the head's backward before the next chunk (0 = the whole micro-batch).
+  int head_chunk_tokens = 2048;
   // GiB the trainer may allocate on its GPU (0 = no cap): a larger card checks that a run fits
   // a smaller one's budget (e.g. 16 for a T4). --gpu-memory-limit overrides it.
   double gpu_memory_limit_gib = 0;

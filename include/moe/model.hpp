@@ -89,13 +89,15 @@ struct ParamSharding {
 };
 
 // Which activations the backward rebuilds instead of keeping (train.recompute_layers and
-// train.recompute_expert_inputs; Model's constructor says what each costs).
+// train.recompute_expert_inputs), and how many tokens' logits the head holds at once
+// (train.head_chunk_tokens); Model's constructor says what each costs.
 struct Recompute {
   bool layers = false;
   bool expert_inputs = false;
+  int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
 };
 inline Recompute recompute_of(const TrainConfig& t) {
-  return {t.recompute_layers, t.recompute_expert_inputs};
+  return {t.recompute_layers, t.recompute_expert_inputs, t.head_chunk_tokens};
 }
 
 class Model {
@@ -111,6 +113,10 @@ class Model {
   // activations in memory instead of all of them, for about one more forward pass of compute.
   // recompute.expert_inputs: the MoE layers keep neither their permuted rows nor the SwiGLU
   // output; the backward rebuilds them (a permute and a SwiGLU pass per MoE layer).
+  // recompute.head_chunk_tokens (> 0): the LM head runs over chunks of that many tokens, and in
+  // training each chunk's logits become their cross-entropy gradient and go through the head's
+  // backward at once, so a [chunk, V] buffer replaces the [B*T, V] logits (same FLOPs; the head's
+  // weight gradient is accumulated once per chunk).
   // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.
@@ -188,7 +194,8 @@ class Model {
   // chunks keep their old values until that backward overwrites them.)
   void zero_grads(Ctx& ctx);
   const RoutingStats& routing() const { return routing_; }
-  // Logits [B*T, V] of the last forward() (forward_backward overwrites them with gradients).
+  // Logits of the last forward(): [B*T, V], or with head chunks the last chunk's rows
+  // (forward_backward overwrites them with gradients).
   Tensor logits() const { return logits_; }
   // Non-parameter state that training changes and a checkpoint must keep: the aux-loss-free
   // router biases ([E] per MoE layer, in layer order).
@@ -211,6 +218,9 @@ class Model {
   void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
                   const GradientReady& ready = nullptr);
   void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);
+  // The LM head over xf_ chunk by chunk: logits, per-token losses and lse; with ce_scale > 0
+  // also each chunk's backward (dlogits in place, dxf into dstream_b_, the head's gradient).
+  void head_chunks(Ctx& ctx, bool backward_too, double ce_scale);
   // ZeRO-3 (forward): unit's weights gathered and ready, unit + 1 gathering meanwhile.
   void acquire_unit(Ctx& ctx, int unit);
 

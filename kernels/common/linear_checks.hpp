@@ -73,10 +73,12 @@ inline void check_grouped_linear_forward_args(const GroupedDims& s, const Tensor
   check_same_dtype(y, x, "grouped_linear_forward: y, x");
 }
 
-// gate, up, h: [R, F] of x's dtype; w3 the shape and dtype of w1 ([E, F, in]).
+// gate, up, h: [R, F] of x's dtype; w3 the shape and dtype of w1 ([E, F, in]); row_w: [R] in
+// acc_dtype(x).
 inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor& gate,
                                               const Tensor& up, const Tensor& h, const Tensor& x,
-                                              const Tensor& w1, const Tensor& w3) {
+                                              const Tensor& w1, const Tensor& w3,
+                                              const Tensor& row_w) {
   check_grouped_linear_forward_args(s, gate, x, w1);
   MOE_CHECK(w3.ndim == 3 && w3.size(0) == w1.size(0) && w3.size(1) == w1.size(1) &&
                 w3.size(2) == w1.size(2),
@@ -87,6 +89,8 @@ inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor
   check_shape(h, {s.rows, s.out}, "grouped_swiglu_forward: h");
   check_same_dtype(up, x, "grouped_swiglu_forward: up, x");
   check_same_dtype(h, x, "grouped_swiglu_forward: h, x");
+  check_shape(row_w, {s.rows}, "grouped_swiglu_forward: row_w");
+  check_acc_dtype(row_w, x, "grouped_swiglu_forward: row_w");
 }
 
 // dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
@@ -103,12 +107,13 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
 }
 
 // s from linear_grouped_dims(h, w2, ...): dgate, dup, gate, up: [R, F] and dy: [R, out] of h's
-// dtype, dw2: [E, out, F] in acc_dtype(h).
+// dtype, dw2: [E, out, F] and row_w, drow_w: [R] in acc_dtype(h).
 inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const Tensor& dgate,
-                                                    const Tensor& dup, const Tensor& dw2,
-                                                    const Tensor& dy, const Tensor& h,
-                                                    const Tensor& w2, const Tensor& gate,
-                                                    const Tensor& up) {
+                                                    const Tensor& dup, const Tensor& drow_w,
+                                                    const Tensor& dw2, const Tensor& dy,
+                                                    const Tensor& h, const Tensor& w2,
+                                                    const Tensor& gate, const Tensor& up,
+                                                    const Tensor& row_w) {
   constexpr const char* op = "grouped_swiglu_down_backward";
   check_shape(dy, {s.rows, s.out}, "grouped_swiglu_down_backward: dy");
   check_shape(dw2, {s.experts, s.out, s.in}, "grouped_swiglu_down_backward: dw2");
@@ -122,6 +127,10 @@ inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const 
     check_shape(*feature_rows[i], {s.rows, s.in}, what.c_str());
     check_same_dtype(*feature_rows[i], h, (what + ", h").c_str());
   }
+  check_shape(row_w, {s.rows}, "grouped_swiglu_down_backward: row_w");
+  check_acc_dtype(row_w, h, "grouped_swiglu_down_backward: row_w");
+  check_shape(drow_w, {s.rows}, "grouped_swiglu_down_backward: drow_w");
+  check_acc_dtype(drow_w, h, "grouped_swiglu_down_backward: drow_w");
 }
 
 }  // namespace moe

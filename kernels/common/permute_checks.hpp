@@ -69,40 +69,20 @@ inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp, 
   return k;
 }
 
-// y: [N, d], yp: [N*K, d] of one dtype, topk_w: [N, K] in acc_dtype(y), slot_row: [N*K] i32
-inline void check_combine_forward_args(const Tensor& y, const Tensor& yp, const Tensor& topk_w,
-                                       const Tensor& slot_row) {
-  MOE_CHECK(y.ndim == 2 && topk_w.ndim == 2,
-            "combine_forward: y must be [N, d] and topk_w [N, K], got " + y.shape_str() + " and " +
-                topk_w.shape_str());
-  const int64_t n_tok = y.size(0), d = y.size(1), k = topk_w.size(1);
-  check_shape(topk_w, {n_tok, k}, "combine_forward: topk_w");
-  check_shape(yp, {n_tok * k, d}, "combine_forward: yp");
-  check_shape(slot_row, {n_tok * k}, "combine_forward: slot_row");
-  check_same_dtype(yp, y, "combine_forward: yp, y");
-  check_acc_dtype(topk_w, y, "combine_forward: topk_w");
-  check_index_i32(slot_row, "combine_forward: slot_row");
-}
-
-// dyp, yp: [N*K, d], dy: [N, d] of one dtype, dtopk_w, topk_w: [N, K] in acc_dtype(dy),
-// slot_row: [N*K] i32
-inline void check_combine_backward_args(const Tensor& dyp, const Tensor& dtopk_w, const Tensor& dy,
-                                        const Tensor& yp, const Tensor& topk_w,
-                                        const Tensor& slot_row) {
-  MOE_CHECK(dy.ndim == 2 && topk_w.ndim == 2,
-            "combine_backward: dy must be [N, d] and topk_w [N, K], got " + dy.shape_str() +
-                " and " + topk_w.shape_str());
-  const int64_t n_tok = dy.size(0), d = dy.size(1), k = topk_w.size(1);
-  check_shape(topk_w, {n_tok, k}, "combine_backward: topk_w");
-  check_shape(dtopk_w, {n_tok, k}, "combine_backward: dtopk_w");
-  check_shape(yp, {n_tok * k, d}, "combine_backward: yp");
-  check_shape(dyp, {n_tok * k, d}, "combine_backward: dyp");
-  check_shape(slot_row, {n_tok * k}, "combine_backward: slot_row");
-  check_same_dtype(dyp, dy, "combine_backward: dyp, dy");
-  check_acc_dtype(dtopk_w, dy, "combine_backward: dtopk_w");
-  check_same_dtype(yp, dy, "combine_backward: yp, dy");
-  check_acc_dtype(topk_w, dy, "combine_backward: topk_w");
-  check_index_i32(slot_row, "combine_backward: slot_row");
+// row_w: [N*K] and topk_w: [N, K] of one float dtype (f32 / f64: the router's accumulation
+// dtype), slot_row: [N*K] i32. `op` names the op, `row` / `slot` the two weight tensors.
+inline void check_permute_weights_args(const Tensor& row_w, const Tensor& topk_w,
+                                       const Tensor& slot_row, const char* op, const char* row,
+                                       const char* slot) {
+  const std::string o(op);
+  MOE_CHECK(topk_w.ndim == 2, o + ": " + slot + " must be [N, K], got " + topk_w.shape_str());
+  const int64_t slots = topk_w.size(0) * topk_w.size(1);
+  check_shape(row_w, {slots}, (o + ": " + row).c_str());
+  check_shape(slot_row, {slots}, (o + ": slot_row").c_str());
+  MOE_CHECK(topk_w.dtype == DType::f32 || topk_w.dtype == DType::f64,
+            o + ": " + slot + " must be f32 or f64, got " + dtype_name(topk_w.dtype));
+  check_same_dtype(row_w, topk_w, (o + ": " + row + ", " + slot).c_str());
+  check_index_i32(slot_row, (o + ": slot_row").c_str());
 }
 
 }  // namespace moe

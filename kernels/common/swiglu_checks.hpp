@@ -29,4 +29,23 @@ inline void check_like(const Tensor& like, std::initializer_list<const Tensor*> 
   }
 }
 
+// The weighted SwiGLU ops: every tensor in `others` is like `like` ([R, F]); each of `row_stats`
+// (row_w, and drow_w in the backward) is [R] in acc_dtype(like). Returns F.
+inline int64_t check_swiglu_weighted_args(const Tensor& like,
+                                          std::initializer_list<const Tensor*> others,
+                                          std::initializer_list<const char*> names,
+                                          std::initializer_list<const Tensor*> row_stats,
+                                          std::initializer_list<const char*> row_names,
+                                          const char* op) {
+  MOE_CHECK(like.ndim == 2, std::string(op) + ": gate must be [R, F], got " + like.shape_str());
+  check_like(like, others, names, op);
+  auto name = row_names.begin();
+  for (const Tensor* t : row_stats) {
+    const std::string what = std::string(op) + ": " + *name++;
+    check_shape(*t, {like.size(0)}, what.c_str());
+    check_acc_dtype(*t, like, what.c_str());
+  }
+  return like.size(1);
+}
+
 }  // namespace moe

@@ -100,22 +100,23 @@ void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x
 
 // The three ops in turn (the CPU has nothing to gain from fusing them).
 void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1,
-                            Tensor w3, Tensor offsets) {
+                            Tensor w3, Tensor row_w, Tensor offsets) {
   const GroupedDims s = linear_grouped_dims(x, w1, "grouped_swiglu_forward");
-  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3);
+  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3, row_w);
   cpu::grouped_linear_forward(ctx, gate, x, w1, offsets);
   cpu::grouped_linear_forward(ctx, up, x, w3, offsets);
-  cpu::swiglu_forward(ctx, h, gate, up);
+  cpu::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
-// dh into dgate, then the elementwise backward in place (swiglu_backward reads an element's
-// inputs before writing its outputs).
-void grouped_swiglu_down_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy,
-                                  Tensor h, Tensor w2, Tensor gate, Tensor up, Tensor offsets) {
+// dh into dgate, then the elementwise backward in place (swiglu_weighted_backward reads an
+// element's inputs before writing its outputs).
+void grouped_swiglu_down_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2,
+                                  Tensor dy, Tensor h, Tensor w2, Tensor gate, Tensor up,
+                                  Tensor row_w, Tensor offsets) {
   const GroupedDims s = linear_grouped_dims(h, w2, "grouped_swiglu_down_backward");
-  check_grouped_swiglu_down_backward_args(s, dgate, dup, dw2, dy, h, w2, gate, up);
+  check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w);
   cpu::grouped_linear_backward(ctx, dgate, dw2, dy, h, w2, offsets);
-  cpu::swiglu_backward(ctx, dgate, dup, dgate, gate, up);
+  cpu::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
 }  // namespace moe::cpu

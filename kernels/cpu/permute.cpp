@@ -1,6 +1,7 @@
 // Token permutation for dropless MoE on the CPU: the plan that lays the N*K routed slots out in
-// expert order, the gather that builds the permuted activations and its backward, and the weighted
-// combine of the experts' outputs and its backward.
+// expert order, the gather that builds the permuted activations and its backward (which is also the
+// combine of the experts' outputs: the routing weights are applied in their SwiGLU), and the
+// routing weights put into row order.
 //
 // The plan is a counting sort by expert that is stable in the slot index s = n*K + k, so the layout
 // (and with it every later sum) is the same on every run and every backend. It is O(N*K) index
@@ -61,50 +62,6 @@ void permute_backward_impl(Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row, 
   }
 }
 
-template <class T>
-void combine_forward_impl(Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row) {
-  const int64_t n_tok = y.size(0), d = y.size(1), k = topk_w.size(1);
-  T* out = y.ptr<T>();
-  const T* in = yp.ptr<T>();
-  const T* w = topk_w.ptr<T>();
-  const int32_t* row = slot_row.ptr<int32_t>();
-#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
-  for (int64_t n = 0; n < n_tok; ++n) {
-    T* dst = out + n * d;
-    for (int64_t j = 0; j < d; ++j) dst[j] = T(0);
-    for (int64_t i = 0; i < k; ++i) {
-      const T wi = w[n * k + i];
-      const T* src = in + row[n * k + i] * d;
-      for (int64_t j = 0; j < d; ++j) dst[j] += wi * src[j];
-    }
-  }
-}
-
-template <class T>
-void combine_backward_impl(Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
-                           Tensor slot_row) {
-  const int64_t n_tok = dy.size(0), d = dy.size(1), k = topk_w.size(1);
-  T* dyp_p = dyp.ptr<T>();
-  T* dw = dtopk_w.ptr<T>();
-  const T* dy_p = dy.ptr<T>();
-  const T* yp_p = yp.ptr<T>();
-  const T* w = topk_w.ptr<T>();
-  const int32_t* row = slot_row.ptr<int32_t>();
-  // Slot s owns permuted row slot_row[s] (the plan's permutation), so the writes never collide.
-#pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
-  for (int64_t s = 0; s < n_tok * k; ++s) {
-    const T* g = dy_p + (s / k) * d;
-    const T* ys = yp_p + row[s] * d;
-    T* dst = dyp_p + row[s] * d;
-    double dot = 0;
-    for (int64_t j = 0; j < d; ++j) {
-      dot += static_cast<double>(g[j]) * ys[j];
-      dst[j] = w[s] * g[j];
-    }
-    dw[s] = static_cast<T>(dot);
-  }
-}
-
 }  // namespace
 
 // ---- plan ---------------------------------------------------------------------------------------
@@ -155,26 +112,32 @@ void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_
   });
 }
 
-// ---- combine ------------------------------------------------------------------------------------
+// ---- routing weights in row order ---------------------------------------------------------------
 
-void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row) {
-  check_combine_forward_args(y, yp, topk_w, slot_row);
-  const int64_t n_tok = y.size(0), k = topk_w.size(1);
-  check_indices(slot_row.ptr<int32_t>(), n_tok * k, n_tok * k, "combine_forward: slot_row");
-  dispatch_float(y.dtype, "combine_forward", [&](auto zero) {
+void permute_weights_forward(Ctx& ctx, Tensor row_w, Tensor topk_w, Tensor slot_row) {
+  check_permute_weights_args(row_w, topk_w, slot_row, "permute_weights_forward", "row_w", "topk_w");
+  const int64_t slots = slot_row.size(0);
+  const int32_t* row = slot_row.ptr<int32_t>();
+  check_indices(row, slots, slots, "permute_weights_forward: slot_row");
+  dispatch_float(topk_w.dtype, "permute_weights_forward", [&](auto zero) {
     using T = decltype(zero);
-    combine_forward_impl<T>(y, yp, topk_w, slot_row);
+    const T* w = topk_w.ptr<T>();
+    T* out = row_w.ptr<T>();
+    for (int64_t s = 0; s < slots; ++s) out[row[s]] = w[s];  // a permutation: each row once
   });
 }
 
-void combine_backward(Ctx& ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
-                      Tensor slot_row) {
-  check_combine_backward_args(dyp, dtopk_w, dy, yp, topk_w, slot_row);
-  const int64_t n_tok = dy.size(0), k = topk_w.size(1);
-  check_indices(slot_row.ptr<int32_t>(), n_tok * k, n_tok * k, "combine_backward: slot_row");
-  dispatch_float(dy.dtype, "combine_backward", [&](auto zero) {
+void permute_weights_backward(Ctx& ctx, Tensor dtopk_w, Tensor drow_w, Tensor slot_row) {
+  check_permute_weights_args(drow_w, dtopk_w, slot_row, "permute_weights_backward", "drow_w",
+                             "dtopk_w");
+  const int64_t slots = slot_row.size(0);
+  const int32_t* row = slot_row.ptr<int32_t>();
+  check_indices(row, slots, slots, "permute_weights_backward: slot_row");
+  dispatch_float(dtopk_w.dtype, "permute_weights_backward", [&](auto zero) {
     using T = decltype(zero);
-    combine_backward_impl<T>(dyp, dtopk_w, dy, yp, topk_w, slot_row);
+    const T* in = drow_w.ptr<T>();
+    T* out = dtopk_w.ptr<T>();
+    for (int64_t s = 0; s < slots; ++s) out[s] = in[row[s]];
   });
 }
 

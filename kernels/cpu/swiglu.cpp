@@ -59,6 +59,55 @@ void swiglu_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dh, Tensor gate,
   });
 }
 
+// h, gate, up: [R, F]; row_w: [R]
+void swiglu_weighted_forward(Ctx& ctx, Tensor h, Tensor gate, Tensor up, Tensor row_w) {
+  const int64_t f = check_swiglu_weighted_args(gate, {&h, &up}, {"h", "up"}, {&row_w}, {"row_w"},
+                                               "swiglu_weighted_forward");
+  dispatch_float(gate.dtype, "swiglu_weighted_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = gate.ptr<T>();
+    const T* u = up.ptr<T>();
+    const T* w = row_w.ptr<T>();
+    T* ph = h.ptr<T>();
+    const int64_t rows = row_w.numel();
+#pragma omp parallel for if (parallel_worth(rows * f * kExpWork))
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t j = r * f; j < (r + 1) * f; ++j) ph[j] = silu(g[j]) * u[j] * w[r];
+  });
+}
+
+// dgate, dup (overwritten; may alias dh), dh, gate, up: [R, F]; drow_w (overwritten), row_w: [R].
+// The row's dot product is summed in double in index order.
+void swiglu_weighted_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dh,
+                              Tensor gate, Tensor up, Tensor row_w) {
+  const int64_t f = check_swiglu_weighted_args(gate, {&dgate, &dup, &dh, &up},
+                                               {"dgate", "dup", "dh", "up"}, {&row_w, &drow_w},
+                                               {"row_w", "drow_w"}, "swiglu_weighted_backward");
+  dispatch_float(gate.dtype, "swiglu_weighted_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = gate.ptr<T>();
+    const T* u = up.ptr<T>();
+    const T* d = dh.ptr<T>();
+    const T* w = row_w.ptr<T>();
+    T* dg = dgate.ptr<T>();
+    T* du = dup.ptr<T>();
+    T* dw = drow_w.ptr<T>();
+    const int64_t rows = row_w.numel();
+#pragma omp parallel for if (parallel_worth(rows * f * kExpWork))
+    for (int64_t r = 0; r < rows; ++r) {
+      double dot = 0;
+      for (int64_t j = r * f; j < (r + 1) * f; ++j) {
+        const T gi = g[j], ui = u[j], di = d[j];  // read all before writing: outputs may alias dh
+        const T s = silu(gi), dwi = di * w[r];
+        dot += static_cast<double>(di) * (s * ui);
+        dg[j] = dwi * ui * silu_grad(gi);
+        du[j] = dwi * s;
+      }
+      dw[r] = static_cast<T>(dot);
+    }
+  });
+}
+
 // y, x: same shape
 void silu_forward(Ctx& ctx, Tensor y, Tensor x) {
   check_like(x, {&y}, {"y"}, "silu_forward");

@@ -208,10 +208,13 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
 // wgmma accumulator layout); the pairs (4 bytes per thread, 8 rows per warp instruction) go to
 // shared memory, then each warp stores whole 256-byte row pieces with 16-byte stores. Storing the
 // pairs straight to global memory touched 8 lines per warp instruction and took ~2 us of every
-// ~11 us tile at K = 1024.
+// ~11 us tile at K = 1024. row_scale (not null): each stored value v of row r becomes
+// round(v * row_scale[r]) on the way out (the rows pass: one row per 16-byte chunk, and the
+// accumulators are no longer live, so the scale costs no registers in the pairs pass).
 template <class T, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int64_t r0, int64_t r1,
-                                            int64_t n0, int64_t n_total, Pair&& pair) {
+                                            int64_t n0, int64_t n_total, Pair&& pair,
+                                            const float* row_scale = nullptr) {
   const int t = static_cast<int>(threadIdx.x) % 128;
   const int row0 = (t / 32) * 16 + (t % 32) / 4, col = 4 * (t % 4);
   named_barrier_sync(1 + g, 128);  // every thread is done reading the previous piece
@@ -235,12 +238,24 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int
                  : "memory");
     const int64_t r = r0 + row, n = n0 + chunk * 8;
     // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
-    if (r < r1 && n < n_total) *reinterpret_cast<uint4*>(dst + r * n_total + n) = v;
+    if (r >= r1 || n >= n_total) continue;
+    if (row_scale != nullptr) {
+      const float w = row_scale[r];
+      uint32_t* u = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const T* e = reinterpret_cast<const T*>(&u[q]);
+        u[q] = pack2<T>(load(e[0]) * w, load(e[1]) * w);
+      }
+    }
+    *reinterpret_cast<uint4*>(dst + r * n_total + n) = v;
   }
 }
 
-// h = silu(gate) * up for a pair, from gate and up rounded to T first: the arithmetic of
-// swiglu_forward on the stored gate and up (silu.cuh), so the fused epilogue gives its bits.
+// silu(gate) * up for a pair, from gate and up rounded to T first, rounded to T: with the row's
+// routing weight applied by store_piece (round(w * that)), the arithmetic of
+// swiglu_weighted_forward on the stored gate and up (silu.cuh), so the fused epilogue gives its
+// bits.
 template <class T>
 __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, float u1) {
   const uint32_t gp = pack2<T>(g0, g1), up = pack2<T>(u0, u1);
@@ -251,12 +266,12 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
 
 // The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
 // columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
-// 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = silu(gate) * up go to c,
-// c_up and c_h.
+// 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
+// go to c, c_up and c_h.
 template <class C, class T, bool kSwiglu>
 __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
-                                           T* c, T* c_up, T* c_h, int64_t r0, int64_t r1,
-                                           int64_t n0, int64_t n_total) {
+                                           T* c, T* c_up, T* c_h, const float* row_w, int64_t r0,
+                                           int64_t r1, int64_t n0, int64_t n_total) {
   auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
     return [&, j0](int jj, int hr) {
       const int j = j0 + jj;
@@ -266,11 +281,16 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   if constexpr (kSwiglu) {
     store_piece(g, staging, c, r0, r1, n0, n_total, columns(0));
     store_piece(g, staging, c_up, r0, r1, n0, n_total, columns(16));
-    store_piece(g, staging, c_h, r0, r1, n0, n_total, [&](int jj, int hr) {
-      const int jg = jj, ju = 16 + jj;
-      return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1], acc[4 * ju + 2 * hr],
-                            acc[4 * ju + 2 * hr + 1]);
-    });
+    // The routing weight is applied in store_piece's rows pass: holding the two rows' weights
+    // through the pairs pass spilled (bf16: 132 bytes per thread).
+    store_piece(
+        g, staging, c_h, r0, r1, n0, n_total,
+        [&](int jj, int hr) {
+          const int jg = jj, ju = 16 + jj;
+          return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1],
+                                acc[4 * ju + 2 * hr], acc[4 * ju + 2 * hr + 1]);
+        },
+        row_w);
   } else {
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
@@ -286,14 +306,14 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
 // kBN / 64 of them per slice), so each expert's bounds zero-fill on their own.
 // kSwiglu (forward, kBN = 256): a tile is 128 features, w1's rows (map_b, box 64 x 128 x 1) in
 // the B tile's first 128 rows and w3's (map_b2) in the next 128; the epilogue stores gate, up
-// and h = silu(gate) * up (store_tile).
+// and h = row_w * silu(gate) * up (store_tile).
 template <class C, class T, bool kBKFast, bool kSwiglu>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_b2, T* c, T* c_up, T* c_h,
-                            const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
-                            int64_t k_total, int n_tiles, int64_t tiles) {
+                            const float* row_w, const int32_t* offsets, int experts, int64_t rows,
+                            int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -352,7 +372,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int64_t n0 = (tile % n_tiles) * kTileN;
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
-        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, r0 + 64 * g, r1, n0, n_total);
+        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, row_w, r0 + 64 * g, r1, n0,
+                                  n_total);
       }
     }
   }
@@ -543,11 +564,13 @@ CUtensorMap tile_map(DType t, const void* base, int rank, const uint64_t* dims,
   return map;
 }
 
-// The outputs of a rows launch: c, and with SwiGLU also up and h, all [rows, n_total].
+// The outputs of a rows launch: c, and with SwiGLU also up and h, all [rows, n_total], and the
+// rows' routing weights that h is scaled by.
 struct RowsOut {
   void* c;
   void* up = nullptr;
   void* h = nullptr;
+  const float* row_w = nullptr;
 };
 
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise.
@@ -575,7 +598,7 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
       map_a, map_b, map_b2, static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h),
-      offsets, experts, rows, n_total, k_total, n_tiles, tiles);
+      out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -683,19 +706,20 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 }
 
 bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const void* x,
-                         const void* w1, const void* w3, const int32_t* offsets, int experts,
-                         int64_t rows, int64_t features, int64_t in) {
+                         const void* w1, const void* w3, const float* row_w, const int32_t* offsets,
+                         int experts, int64_t rows, int64_t features, int64_t in) {
   const Mode m = mode();
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
   const char* fused = std::getenv("MOE_SWIGLU_FUSED");
-  if ((fused != nullptr && std::string(fused) == "0") || m != Mode::wide || !sm90_available(t) ||
+  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m != Mode::wide ||
+      !sm90_available(t) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
       !aligned16_rows(h, features))
     return false;
   if (rows == 0) return true;  // nothing to write
-  const RowsOut out{gate, up, h};
+  const RowsOut out{gate, up, h, row_w};
   if (t == DType::f16)
     launch_rows<Wide, __half, true, true>(ctx, t, out, x, w1, w3, offsets, experts, rows, features,
                                           in, stride);

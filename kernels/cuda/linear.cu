@@ -334,33 +334,36 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
   });
 }
 
-// gate, up, h: [R, F]; x: [R, in]; w1, w3: [E, F, in]. Fused on sm_90 (the tile's epilogue
-// applies SwiGLU: gate and up are stored and read back once less); elsewhere the three ops.
+// gate, up, h: [R, F]; x: [R, in]; w1, w3: [E, F, in]; row_w: [R]. Fused on sm_90 (the tile's
+// epilogue applies the weighted SwiGLU: gate and up are stored and read back once less);
+// elsewhere the three ops.
 void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1,
-                                 Tensor w3, Tensor offsets) {
+                                 Tensor w3, Tensor row_w, Tensor offsets) {
   const GroupedDims s = grouped_dims(x, w1, offsets, "grouped_swiglu_forward");
-  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3);
+  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3, row_w);
   if (s.rows == 0 || s.out == 0) return;
-  if (s.experts > 0 && grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data,
-                                           w1.data, w3.data, data_of<int32_t>(offsets),
-                                           static_cast<int>(s.experts), s.rows, s.out, s.in))
+  if (s.experts > 0 &&
+      grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data, w1.data, w3.data,
+                          row_w.dtype == DType::f32 ? data_of<float>(row_w) : nullptr,
+                          data_of<int32_t>(offsets), static_cast<int>(s.experts), s.rows, s.out,
+                          s.in))
     return;
   grouped_linear_forward_cuda(ctx, gate, x, w1, offsets);
   grouped_linear_forward_cuda(ctx, up, x, w3, offsets);
-  cuda::swiglu_forward(ctx, h, gate, up);
+  cuda::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
-// dgate, dup, gate, up, h: [R, F]; dy: [R, d]; w2, dw2: [E, d, F]. dh goes into dgate and the
-// elementwise backward runs in place (no dh buffer). Applying the SwiGLU backward in the sm_90
-// dh GEMM's epilogue instead was measured slower on the H200 (857 against 816 us per moe-small
-// layer: its gate / up loads sit between two tiles' main loops; branch s7-swiglu-down-fused).
-void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy,
-                                       Tensor h, Tensor w2, Tensor gate, Tensor up,
-                                       Tensor offsets) {
+// dgate, dup, gate, up, h: [R, F]; dy: [R, d]; w2, dw2: [E, d, F]; row_w, drow_w: [R]. dh goes
+// into dgate and the elementwise backward runs in place (no dh buffer). Applying the SwiGLU
+// backward in the sm_90 dh GEMM's epilogue instead was measured slower on the H200 (857 against
+// 816 us per moe-small layer: its gate / up loads sit between two tiles' main loops).
+void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
+                                       Tensor dw2, Tensor dy, Tensor h, Tensor w2, Tensor gate,
+                                       Tensor up, Tensor row_w, Tensor offsets) {
   const GroupedDims s = grouped_dims(h, w2, offsets, "grouped_swiglu_down_backward");
-  check_grouped_swiglu_down_backward_args(s, dgate, dup, dw2, dy, h, w2, gate, up);
+  check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w);
   grouped_linear_backward_cuda(ctx, dgate, dw2, dy, h, w2, offsets);
-  cuda::swiglu_backward(ctx, dgate, dup, dgate, gate, up);
+  cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
 }  // namespace

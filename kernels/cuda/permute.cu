@@ -1,6 +1,7 @@
 // Token permutation for dropless MoE on CUDA: the plan (a stable counting sort of the N*K routed
 // slots by expert, computed on the device with no host sync), the gather that builds the permuted
-// activations and its backward, and the weighted combine and its backward. Semantics follow
+// activations and its backward (also the MoE combine: the routing weights are applied in the
+// experts' SwiGLU), and the routing weights put into row order. Semantics follow
 // kernels/cpu/permute.cpp exactly; the plan equals the CPU plan bitwise.
 //
 // Plan: four launches on the op's stream, O(N*K) work spread over the grid, no atomics and no
@@ -17,14 +18,13 @@
 // Row kernels: a group of kGroup = 8 lanes owns one output row (four rows per warp) and moves it
 // in 16-byte accesses (8 x 16-bit) when d allows and every pointer is 16-byte aligned, element by
 // element otherwise; each lane keeps kUnroll accesses per source row in flight. Sums accumulate in
-// fp32 registers (double for f64) over k = 0..K-1 in that order and are gathers (no atomics), and
-// the routing-weight gradient is a per-lane dot product reduced by a fixed xor butterfly inside
-// the group, so every result is the same on every run.
+// fp32 registers (double for f64) over k = 0..K-1 in that order and are gathers (no atomics), so
+// every result is the same on every run.
 // Measured on an H200 (bf16, 16384 tokens, d = 1024, E = 64, K = 8; copy 4.05 TB/s): plan 26 us,
-// permute forward 107-114 us (x stays mostly in L2), permute backward and combine forward 82 us,
-// combine backward 153 us: about 90% of copy bandwidth over the bytes that must move.
-// The routing weights topk_w and their gradient dtopk_w are acc_t<T> (acc_dtype: the router's fp32
-// weights with 16-bit activations), so a weight is never rounded to 16 bits.
+// permute forward 107-114 us (x stays mostly in L2), permute backward 82 us: about 90% of copy
+// bandwidth over the bytes that must move.
+// The routing weights (topk_w, row_w) and their gradients are f32 / f64 (acc_dtype: the router's
+// fp32 weights with 16-bit activations), so a weight is never rounded to 16 bits.
 // Indices cannot be validated on the device without a host read: a gather whose index is out of
 // range writes NaN (loud, no out-of-bounds access); the plan gives slots of out-of-range experts
 // slot_row = -1 and no row.
@@ -289,14 +289,13 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// out[n, :] = sum_k w[n, k] * in[slot_row[n*K+k], :] (w = 1 without kWeighted): combine forward
-// and permute backward. kSecond (permute backward's dxp2): in2's row is added after in's, in the
-// same fp32 sum (one rounding of the token's 2K rows).
-template <class T, int W, bool kWeighted, bool kSecond = false>
+// out[n, :] = sum_k in[slot_row[n*K+k], :]: permute backward and the MoE combine. kSecond
+// (permute backward's dxp2): in2's row is added after in's, in the same fp32 sum (one rounding of
+// the token's 2K rows).
+template <class T, int W, bool kSecond>
 __global__ void __launch_bounds__(kRowThreads)
     gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ in2,
-                      const acc_t<T>* __restrict__ w, const int32_t* __restrict__ slot_row,
-                      int64_t n_tok, int k, int64_t d) {
+                      const int32_t* __restrict__ slot_row, int64_t n_tok, int k, int64_t d) {
   using A = acc_t<T>;
   const int64_t n = group_row();
   if (n >= n_tok) return;
@@ -308,7 +307,7 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int i = 0; i < k; ++i) {
       const int32_t r = rows[i];
       const bool ok = 0 <= r && r < slots;
-      const A wi = ok ? (kWeighted ? w[n * k + i] : A(1)) : static_cast<A>(NAN);
+      const A wi = ok ? A(1) : static_cast<A>(NAN);
       const T* src = in + (ok ? r : 0) * d;
       const T* src2 = kSecond ? in2 + (ok ? r : 0) * d : nullptr;
       Pack<T, W> v[kUnroll], v2[kSecond ? kUnroll : 1];
@@ -340,58 +339,30 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// One group per slot s (token n = s / K, row = slot_row[s]):
-// dyp[row, :] = w[s] dy[n, :], dtopk_w[s] = <dy[n, :], yp[row, :]>. The K groups of a token sit
-// side by side, so a warp's loads of dy[n] are one request.
-template <class T, int W>
-__global__ void __launch_bounds__(kRowThreads)
-    combine_backward_kernel(T* __restrict__ dyp, acc_t<T>* __restrict__ dtopk_w,
-                            const T* __restrict__ dy, const T* __restrict__ yp,
-                            const acc_t<T>* __restrict__ w, const int32_t* __restrict__ slot_row,
-                            int64_t slots, int k, int64_t d) {
-  using A = acc_t<T>;
-  const int64_t s = group_row();
-  if (s >= slots) return;  // whole groups leave: the shuffles below stay inside a group
-  const int32_t row = slot_row[s];
-  const bool ok = 0 <= row && row < slots;
-  const T* g = dy + (s / k) * d;
-  const T* ys = yp + (ok ? row : 0) * d;
-  T* dst = dyp + (ok ? row : 0) * d;
-  const A ws = w[s];
-  const int64_t units = d / W;
-  A part[kUnroll] = {};
-  for (int64_t c0 = group_lane(); c0 < units; c0 += kGroup * kUnroll) {
-    Pack<T, W> gv[kUnroll], yv[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + u * kGroup;
-      if (c < units) {
-        gv[u] = load_pack<T, W>(g + c * W);
-        yv[u] = load_pack<T, W>(ys + c * W);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t c = c0 + u * kGroup;
-      if (c >= units) continue;
-      Pack<T, W> o;
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const A gj = load(gv[u].v[j]);
-        part[u] += gj * load(yv[u].v[j]);
-        o.v[j] = store<T>(ws * gj);
-      }
-      if (ok) store_pack<T, W>(dst + c * W, o);
-    }
+// row_w[slot_row[s]] = topk_w[s] (a permutation: each row written once; a slot with no row,
+// slot_row = -1, writes nothing).
+template <class A>
+__global__ void permute_weights_forward_kernel(A* __restrict__ row_w, const A* __restrict__ topk_w,
+                                               const int32_t* __restrict__ slot_row,
+                                               int64_t slots) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < slots;
+       s += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t r = slot_row[s];
+    if (0 <= r && r < slots) row_w[r] = topk_w[s];
   }
-  A dot = 0;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) dot += part[u];
-  // Fixed xor butterfly over the group's 8 aligned lanes: the same sum order on every run.
-  const unsigned group_mask = ((1u << kGroup) - 1u) << ((threadIdx.x % kWarp) & ~(kGroup - 1));
-#pragma unroll
-  for (int o = kGroup / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(group_mask, dot, o);
-  if (group_lane() == 0) dtopk_w[s] = ok ? dot : static_cast<A>(NAN);
+}
+
+// dtopk_w[s] = drow_w[slot_row[s]] (NaN for a slot with no row).
+template <class A>
+__global__ void permute_weights_backward_kernel(A* __restrict__ dtopk_w,
+                                                const A* __restrict__ drow_w,
+                                                const int32_t* __restrict__ slot_row,
+                                                int64_t slots) {
+  for (int64_t s = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; s < slots;
+       s += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t r = slot_row[s];
+    dtopk_w[s] = 0 <= r && r < slots ? drow_w[r] : static_cast<A>(NAN);
+  }
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -481,47 +452,46 @@ void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_
     using T = decltype(zero);
     with_access_width<T>(d, {dx.data, dxp.data, second ? dxp2.data : dxp.data}, [&](auto width) {
       constexpr int kW = decltype(width)::value;
-      auto kernel =
-          second ? gather_sum_kernel<T, kW, false, true> : gather_sum_kernel<T, kW, false, false>;
+      auto kernel = second ? gather_sum_kernel<T, kW, true> : gather_sum_kernel<T, kW, false>;
       kernel<<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-          data_of<T>(dx), data_of<T>(dxp), second ? data_of<T>(dxp2) : nullptr, nullptr,
+          data_of<T>(dx), data_of<T>(dxp), second ? data_of<T>(dxp2) : nullptr,
           data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d);
       MOE_CUDA_LAUNCH_CHECK();
     });
   });
 }
 
-void combine_forward(Ctx& ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row) {
-  check_combine_forward_args(y, yp, topk_w, slot_row);
-  const int64_t n_tok = y.size(0), d = y.size(1), k = topk_w.size(1);
-  if (n_tok == 0 || d == 0) return;
-  dispatch_storage(y.dtype, "combine_forward", [&](auto zero) {
-    using T = decltype(zero);
-    with_access_width<T>(d, {y.data, yp.data}, [&](auto width) {
-      gather_sum_kernel<T, decltype(width)::value, true>
-          <<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-              data_of<T>(y), data_of<T>(yp), nullptr, data_of<acc_t<T>>(topk_w),
-              data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d);
-      MOE_CUDA_LAUNCH_CHECK();
-    });
-  });
+constexpr int kWeightThreads = 256;
+
+// Launches kernel(out, in, slot_row, slots) over the slots, instantiated for the weights' dtype
+// (f32 or f64; the checks have ruled out the rest).
+template <class Kernel32, class Kernel64>
+void launch_weights(Ctx& ctx, DType t, Kernel32 k32, Kernel64 k64, Tensor out, Tensor in,
+                    Tensor slot_row) {
+  const int64_t slots = slot_row.size(0);
+  if (slots == 0) return;
+  const unsigned grid = std::min<unsigned>(blocks_for(slots, kWeightThreads), 1024u);
+  const int32_t* rows = data_of<int32_t>(slot_row);
+  if (t == DType::f32)
+    k32<<<grid, kWeightThreads, 0, stream_of(ctx)>>>(data_of<float>(out), data_of<float>(in), rows,
+                                                     slots);
+  else
+    k64<<<grid, kWeightThreads, 0, stream_of(ctx)>>>(data_of<double>(out), data_of<double>(in),
+                                                     rows, slots);
+  MOE_CUDA_LAUNCH_CHECK();
 }
 
-void combine_backward(Ctx& ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
-                      Tensor slot_row) {
-  check_combine_backward_args(dyp, dtopk_w, dy, yp, topk_w, slot_row);
-  const int64_t n_tok = dy.size(0), d = dy.size(1), k = topk_w.size(1), slots = n_tok * k;
-  if (slots == 0) return;
-  dispatch_storage(dy.dtype, "combine_backward", [&](auto zero) {
-    using T = decltype(zero);
-    with_access_width<T>(d, {dyp.data, dy.data, yp.data}, [&](auto width) {
-      combine_backward_kernel<T, decltype(width)::value>
-          <<<row_blocks(slots), kRowThreads, 0, stream_of(ctx)>>>(
-              data_of<T>(dyp), data_of<acc_t<T>>(dtopk_w), data_of<T>(dy), data_of<T>(yp),
-              data_of<acc_t<T>>(topk_w), data_of<int32_t>(slot_row), slots, static_cast<int>(k), d);
-      MOE_CUDA_LAUNCH_CHECK();
-    });
-  });
+void permute_weights_forward(Ctx& ctx, Tensor row_w, Tensor topk_w, Tensor slot_row) {
+  check_permute_weights_args(row_w, topk_w, slot_row, "permute_weights_forward", "row_w", "topk_w");
+  launch_weights(ctx, topk_w.dtype, permute_weights_forward_kernel<float>,
+                 permute_weights_forward_kernel<double>, row_w, topk_w, slot_row);
+}
+
+void permute_weights_backward(Ctx& ctx, Tensor dtopk_w, Tensor drow_w, Tensor slot_row) {
+  check_permute_weights_args(drow_w, dtopk_w, slot_row, "permute_weights_backward", "drow_w",
+                             "dtopk_w");
+  launch_weights(ctx, dtopk_w.dtype, permute_weights_backward_kernel<float>,
+                 permute_weights_backward_kernel<double>, dtopk_w, drow_w, slot_row);
 }
 
 }  // namespace
@@ -530,5 +500,5 @@ void combine_backward(Ctx& ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp
 MOE_REGISTER_CUDA_OP(moe_permute_plan, &::moe::cuda_detail::moe_permute_plan);
 MOE_REGISTER_CUDA_OP(permute_forward, &::moe::cuda_detail::permute_forward);
 MOE_REGISTER_CUDA_OP(permute_backward, &::moe::cuda_detail::permute_backward);
-MOE_REGISTER_CUDA_OP(combine_forward, &::moe::cuda_detail::combine_forward);
-MOE_REGISTER_CUDA_OP(combine_backward, &::moe::cuda_detail::combine_backward);
+MOE_REGISTER_CUDA_OP(permute_weights_forward, &::moe::cuda_detail::permute_weights_forward);
+MOE_REGISTER_CUDA_OP(permute_weights_backward, &::moe::cuda_detail::permute_weights_backward);

@@ -194,10 +194,11 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   Tensor tokens = pool.random(dt, {n, d});
   add("permute", shape({n, d}) + " -> " + shape({r, d}), double(2 * r * d * es + r * 4), false, bw,
       0.6, [&] { permute_forward(ctx, x, tokens, row_token); });
+  // The combine is the plain gather-sum of permute_backward (the routing weights act in the
+  // experts' SwiGLU); its backward is the permute row's gather.
   Tensor yp = pool.random(dt, {r, d}), combined = pool.zeros(dt, {n, d});
-  add("combine", shape({r, d}) + " -> " + shape({n, d}),
-      double(r * d * es + n * d * es + r * (4 + as)), false, bw, 0.6,
-      [&] { combine_forward(ctx, combined, yp, topk_w, slot_row); });
+  add("combine", shape({r, d}) + " -> " + shape({n, d}), double(r * d * es + n * d * es + r * 4),
+      false, bw, 0.6, [&] { permute_backward(ctx, combined, yp, Tensor(), slot_row); });
 
   // ---- grouped expert GEMM at several skews, against the dense GEMM at the same FLOPs ----
   for (double skew : opt.skews) {
@@ -218,20 +219,23 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));
     Tensor w3 = pool.random(dt, {e, f, d}, -0.05f, 0.05f);
     Tensor up = pool.zeros(dt, {r, f}), act = pool.zeros(dt, {r, f});
+    Tensor row_w = pool.random(acc, {r}, 0.0f, 1.0f), drow_w = pool.zeros(acc, {r});
     add("grouped_swiglu",
         shape({r, d}) + " x 2 [" + std::to_string(e) + ", " + std::to_string(f) + ", " +
             std::to_string(d) + "]^T",
         2 * gemm_flops, true, gemm_rate, 0,
-        [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, off); });
-    // The down projection's backward with SwiGLU's (dh kept in dgate): dh and dw2.
+        [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off); });
+    // The down projection's backward with the weighted SwiGLU's (dh kept in dgate): dh and dw2.
     Tensor w2 = pool.random(dt, {e, d, f}, -0.05f, 0.05f), dyd = pool.random(dt, {r, d});
     Tensor dgate = pool.zeros(dt, {r, f}), dup = pool.zeros(dt, {r, f});
     Tensor dw2 = pool.zeros(acc, {e, d, f});
     add("grouped_swiglu_bwd",
         shape({r, d}) + " x [" + std::to_string(e) + ", " + std::to_string(d) + ", " +
             std::to_string(f) + "] (dh, dw)",
-        2 * gemm_flops, true, gemm_bwd_rate, 0,
-        [&] { grouped_swiglu_down_backward(ctx, dgate, dup, dw2, dyd, act, w2, y, up, off); });
+        2 * gemm_flops, true, gemm_bwd_rate, 0, [&] {
+          grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyd, act, w2, y, up, row_w,
+                                       off);
+        });
   }
 
   // ---- the model's dense linears (cuBLAS): attention projection, LM head, fp32 router ----

@@ -258,6 +258,7 @@ bool is_device_name(const std::string& d) {
 void validate_train(const TrainConfig& t) {
   require_at_least("train.max_steps", t.max_steps, 1);
   require_at_least("train.log_interval", t.log_interval, 1);
+  require_at_least("train.head_chunk_tokens", t.head_chunk_tokens, 0);
   require_at_least("train.eval_interval", t.eval_interval, 0);
   require_at_least("train.eval_batches", t.eval_batches, 1);
   if (!is_device_name(t.device))

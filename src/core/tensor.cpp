@@ -98,7 +98,8 @@ Tensor Tensor::rows(int64_t begin, int64_t end) const {
             "rows [" + std::to_string(begin) + ", " + std::to_string(end) + ") of " + shape_str());
   Tensor t = *this;
   int64_t row = numel() / (shape[0] == 0 ? 1 : shape[0]);
-  t.data = static_cast<char*>(data) + begin * row * dtype_size(dtype);
+  // A planned tensor (no memory yet) stays without: no offset from a null pointer.
+  if (data != nullptr) t.data = static_cast<char*>(data) + begin * row * dtype_size(dtype);
   t.shape[0] = end - begin;
   return t;
 }

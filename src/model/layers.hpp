@@ -88,7 +88,8 @@ class MoeFfn {
   Tensor logits_, probs_, topk_idx_, topk_w_;  // [N, E], [N, E], [N, K], [N, K]
   Tensor counts_, aux_losses_;                 // [E] i32, [2]
   Tensor offsets_, row_token_, slot_row_;      // [E+1], [N*K], [N*K]
-  Tensor xp_, hgate_, hup_, hact_, yp_;        // [R, d], [R, F] x3, [R, d]: compute dtype
+  Tensor row_w_;                               // [R]: topk_w in permuted-row order
+  Tensor xp_, hgate_, hup_, hact_;             // [R, d], [R, F] x3: compute dtype
 
   // The expert GEMMs' inputs: the permuted rows [R, d] and the SwiGLU output [R, F]. The kept
   // activations, or (train.recompute_expert_inputs) fresh tensors in `scratch` that the caller

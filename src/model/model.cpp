@@ -141,7 +141,9 @@ void Model::plan() {
   dstream_b_ = acts_.alloc(dt, {n, d});
   xf_ = acts_.alloc(dt, {n, d});
   rstdf_ = acts_.alloc(acc, {n});
-  logits_ = acts_.alloc(dt, {n, cfg_.vocab_size});
+  const int64_t chunk =
+      recompute_.head_chunk_tokens > 0 ? std::min<int64_t>(n, recompute_.head_chunk_tokens) : n;
+  logits_ = acts_.alloc(dt, {chunk, cfg_.vocab_size});
   losses_ = acts_.alloc(acc, {n});
   lse_ = acts_.alloc(acc, {n});
   for (auto& layer : layers_) layer->plan_state(acts_);
@@ -412,17 +414,33 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const Gra
   }
   acquire_unit(ctx, last_unit);
   const auto& normf = table_.find("model.norm.weight");
+  rmsnorm_forward(ctx, xf_, rstdf_, stream_.back(), work(normf), cfg_.rms_norm_eps);
+  const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
+  if (backward_too) {  // the head's forward runs chunk by chunk with its backward
+    backward(ctx, grad_scale, grad_scale * per_valid, ready);
+  } else {
+    head_chunks(ctx, false, 0.0);
+    if (sharded_) sharded_->flush(ctx);
+  }
+  accumulate_sum(ctx, stats_.rows(kStatLm, kStatLm + 1), losses_, per_valid);
+}
+
+// Chunk c covers tokens [c0, c0 + rows) of xf_ and its logits the first `rows` rows of logits_
+// (the whole buffer, or less for the last chunk).
+void Model::head_chunks(Ctx& ctx, bool backward_too, double ce_scale) {
   const auto& head =
       table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
-  rmsnorm_forward(ctx, xf_, rstdf_, stream_.back(), work(normf), cfg_.rms_norm_eps);
-  linear_forward(ctx, logits_, xf_, work(head), false);
-  cross_entropy_forward(ctx, losses_, lse_, logits_, targets_);
-  const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
-  accumulate_sum(ctx, stats_.rows(kStatLm, kStatLm + 1), losses_, per_valid);
-  if (backward_too)
-    backward(ctx, grad_scale, grad_scale * per_valid, ready);
-  else if (sharded_)
-    sharded_->flush(ctx);
+  const int64_t n = xf_.size(0), chunk = logits_.size(0);
+  for (int64_t c0 = 0; c0 < n; c0 += chunk) {
+    const int64_t c1 = std::min(n, c0 + chunk);
+    Tensor logits = logits_.rows(0, c1 - c0), xf = xf_.rows(c0, c1);
+    Tensor targets = targets_.rows(c0, c1);
+    linear_forward(ctx, logits, xf, work(head), false);
+    cross_entropy_forward(ctx, losses_.rows(c0, c1), lse_.rows(c0, c1), logits, targets);
+    if (!backward_too) continue;
+    cross_entropy_backward(ctx, logits, logits, lse_.rows(c0, c1), targets, ce_scale);
+    linear_backward(ctx, dstream_b_.rows(c0, c1), grad(head), logits, xf, work(head), false);
+  }
 }
 
 void Model::acquire_unit(Ctx& ctx, int unit) {
@@ -442,15 +460,12 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const Gradien
   const size_t num_layers = layers_.size();
   const auto& embed = table_.find("model.embed_tokens.weight");
   const auto& normf = table_.find("model.norm.weight");
-  const auto& head =
-      table_.find(cfg_.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight");
   const int last_unit = static_cast<int>(num_layers) + 1;
   if (sharded_) {  // a tied head writes into the embedding's gradient
     sharded_->begin_grads(ctx, last_unit);
     sharded_->begin_grads(ctx, 0);
   }
-  cross_entropy_backward(ctx, logits_, logits_, lse_, targets_, ce_scale);
-  linear_backward(ctx, dstream_b_, grad(head), logits_, xf_, work(head), false);
+  head_chunks(ctx, true, ce_scale);  // the head's forward and backward, chunk by chunk
   rmsnorm_backward(ctx, dstream_a_, grad(normf), dstream_b_, stream_.back(), work(normf), rstdf_);
   finished(last_unit, layer_offsets_[num_layers], table_.total);  // final norm, untied head
   Tensor dout = dstream_a_, dx = dstream_b_;

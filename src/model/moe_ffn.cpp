@@ -1,9 +1,14 @@
 // The dropless MoE layer, read as its four stages (Megatron-Core style):
 //   route   logits = x Wr^T; softmax; top-K; renormalise; aux + z losses
-//   permute rows of x copied into expert order (N*K rows, offsets per expert)
-//   experts grouped SwiGLU over each expert's rows
-//   combine y[n] = sum_k w_nk * expert_out[slot(n, k)]  (+ shared experts on every token)
-// and backward as the same stages reversed. Every buffer is sized by N*K, known in advance.
+//   permute rows of x copied into expert order (N*K rows, offsets per expert), and the routing
+//           weights w_nk with them
+//   experts grouped SwiGLU over each expert's rows, each row's h scaled by its w_nk before the
+//           down projection (linear, so W2 (w h) = w W2 h)
+//   combine y[n] = sum_k expert_out[slot(n, k)]  (+ shared experts on every token)
+// and backward as the same stages reversed. Because the weights act before W2, the combine is a
+// plain sum whose backward is a gather, and the weights' gradient comes from the SwiGLU backward
+// (<dh, silu(gate) up> per row): the expert outputs [N*K, d] are never kept for the backward.
+// Every buffer is sized by N*K, known in advance.
 #include <algorithm>
 
 #include "model/layers.hpp"
@@ -48,6 +53,7 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   offsets_ = acts.alloc(DType::i32, {e + 1});
   row_token_ = acts.alloc(DType::i32, {r});
   slot_row_ = acts.alloc(DType::i32, {r});
+  row_w_ = acts.alloc(acc, {r});
   // The expert GEMMs' inputs, xp and hact, are kept unless the backward rebuilds them
   // (train.recompute_expert_inputs: then they live in scratch, see expert_inputs).
   if (!env_.model.recomputes_expert_inputs()) {
@@ -56,7 +62,6 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   }
   hgate_ = acts.alloc(dt, {r, f});
   hup_ = acts.alloc(dt, {r, f});
-  yp_ = acts.alloc(dt, {r, d});
   for (auto& s : shared_) s->plan(acts, rows);
 }
 
@@ -81,13 +86,15 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   const size_t inputs_mark = s.mark();
   const ExpertInputs in = expert_inputs(s);
   moe_permute_plan(ctx, offsets_, row_token_, slot_row_, topk_idx_);
+  permute_weights_forward(ctx, row_w_, topk_w_, slot_row_);
   permute_forward(ctx, in.xp, x, row_token_);
-  // experts
-  grouped_swiglu_forward(ctx, hgate_, hup_, in.hact, in.xp, w1_.w, w3_.w, offsets_);
-  grouped_linear_forward(ctx, yp_, in.hact, w2_.w, offsets_);
+  // experts (the routing weights applied in the SwiGLU)
+  grouped_swiglu_forward(ctx, hgate_, hup_, in.hact, in.xp, w1_.w, w3_.w, row_w_, offsets_);
+  Tensor yp = s.alloc(env_.dtype, {in.xp.size(0), c.hidden_size});
+  grouped_linear_forward(ctx, yp, in.hact, w2_.w, offsets_);
+  // combine: the plain sum of a token's K expert rows, the gather of permute_backward
+  permute_backward(ctx, y, yp, Tensor(), slot_row_);
   s.release(inputs_mark);
-  // combine
-  combine_forward(ctx, y, yp_, topk_w_, slot_row_);
   for (auto& sh : shared_) sh->forward(ctx, y, x, true);
   // statistics stay on the device: no read-back inside the step
   if (env_.recomputing) return;
@@ -104,23 +111,27 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   const ExpertInputs in = expert_inputs(s);
   if (env_.model.recomputes_expert_inputs()) {  // rebuilt from the layer input and gate / up
     permute_forward(ctx, in.xp, x, row_token_);
-    swiglu_forward(ctx, in.hact, hgate_, hup_);
+    swiglu_weighted_forward(ctx, in.hact, hgate_, hup_, row_w_);
   }
-  Tensor dyp = s.alloc(dt, {yp_.size(0), yp_.size(1)});
+  const int64_t r = in.xp.size(0);
+  Tensor dyp = s.alloc(dt, {r, c.hidden_size});
+  Tensor drow_w = s.alloc(acc, {r});
   Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
-  Tensor dxp = s.alloc(dt, {in.xp.size(0), in.xp.size(1)});
-  Tensor dxp_up = s.alloc(dt, {in.xp.size(0), in.xp.size(1)});
+  Tensor dxp = s.alloc(dt, {r, in.xp.size(1)});
+  Tensor dxp_up = s.alloc(dt, {r, in.xp.size(1)});
   Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
-  // combine
-  combine_backward(ctx, dyp, dtopk_w, dy, yp_, topk_w_, slot_row_);
-  // experts
-  grouped_swiglu_down_backward(ctx, dgate, dup, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_, offsets_);
+  // combine (a plain sum: each expert row's gradient is its token's)
+  permute_forward(ctx, dyp, dy, row_token_);
+  // experts (the SwiGLU backward gives the routing weights' gradient too)
+  grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
+                               row_w_, offsets_);
   grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_);
   grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_);
   // permute (the gather adds the two input gradients: no pass of its own)
   permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
+  permute_weights_backward(ctx, dtopk_w, drow_w, slot_row_);
   // route: through the combine weights, then the auxiliary losses
   router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
   router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,

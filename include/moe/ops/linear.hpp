@@ -24,22 +24,24 @@ MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets),
        (ctx, dx, dw, dy, x, w, offsets))
 // The experts' gate and up projections and SwiGLU in one call: gate = x w1[e]^T, up = x w3[e]^T
-// per group, h = silu(gate) * up of the rounded gate and up (bitwise grouped_linear_forward twice
-// and swiglu_forward; the CUDA backend fuses them on sm_90). gate, up, h: [R, F]; x: [R, in];
-// w1, w3: [E, F, in]; offsets as above. All overwritten.
+// per group, h = row_w * silu(gate) * up of the rounded gate and up (bitwise grouped_linear_forward
+// twice and swiglu_weighted_forward; the CUDA backend fuses them on sm_90). gate, up, h: [R, F];
+// x: [R, in]; w1, w3: [E, F, in]; row_w: [R] in acc_dtype (each row's routing weight); offsets as
+// above. All overwritten.
 MOE_OP(grouped_swiglu_forward,
-       (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1, Tensor w3,
+       (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1, Tensor w3, Tensor row_w,
         Tensor offsets),
-       (ctx, gate, up, h, x, w1, w3, offsets))
-// The backward of the experts' down projection and SwiGLU together: dh = dy w2[e] per group
-// (rounded to the dtype), then dgate = dh up silu'(gate), dup = dh silu(gate); dw2[e] += dy_e^T
-// h_e. Bitwise grouped_linear_backward into dh followed by swiglu_backward; dh lives in dgate
-// (the elementwise backward runs in place), so the caller keeps no dh buffer.
-// dgate, dup (overwritten), gate, up, h: [R, F]; dy: [R, d]; w2: [E, d, F]; dw2 (+=): [E, d, F]
-// in acc_dtype; offsets as above.
+       (ctx, gate, up, h, x, w1, w3, row_w, offsets))
+// The backward of the experts' down projection and weighted SwiGLU together: dh = dy w2[e] per
+// group (rounded to the dtype), then swiglu_weighted_backward (dgate, dup and the routing weights'
+// gradient drow_w); dw2[e] += dy_e^T h_e. Bitwise grouped_linear_backward into dh followed by
+// swiglu_weighted_backward; dh lives in dgate (the elementwise backward runs in place), so the
+// caller keeps no dh buffer. dgate, dup (overwritten), gate, up, h: [R, F]; dy: [R, d]; w2: [E, d,
+// F]; dw2 (+=): [E, d, F] in acc_dtype; row_w, drow_w (overwritten): [R] in acc_dtype; offsets as
+// above.
 MOE_OP(grouped_swiglu_down_backward,
-       (Ctx & ctx, Tensor dgate, Tensor dup, Tensor dw2, Tensor dy, Tensor h, Tensor w2,
-        Tensor gate, Tensor up, Tensor offsets),
-       (ctx, dgate, dup, dw2, dy, h, w2, gate, up, offsets))
+       (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
+        Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets),
+       (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets))
 
 }  // namespace moe

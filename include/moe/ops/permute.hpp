@@ -19,16 +19,14 @@ MOE_OP(permute_forward, (Ctx & ctx, Tensor xp, Tensor x, Tensor row_token), (ctx
 // input gradients (through w1 and w3) summed in the gather instead of by an extra pass.
 MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row),
        (ctx, dx, dxp, dxp2, slot_row))
-// y[n, :] = sum_k w[n, k] * yp[slot_row[n*K+k], :]      y: [N, d] (overwritten), yp: [N*K, d],
-// topk_w: [N, K] in acc_dtype(y) (the router's fp32 weights)
-MOE_OP(combine_forward, (Ctx & ctx, Tensor y, Tensor yp, Tensor topk_w, Tensor slot_row),
-       (ctx, y, yp, topk_w, slot_row))
-// dyp[slot_row[s], :] = w[s] * dy[n, :],  dtopk_w[n, k] = <dy[n, :], yp[slot_row[s], :]>
-// (both overwritten; slot_row must be the plan's permutation, so each dyp row is written once).
-// topk_w, dtopk_w: acc_dtype(dy); dyp, yp: dy's dtype.
-MOE_OP(combine_backward,
-       (Ctx & ctx, Tensor dyp, Tensor dtopk_w, Tensor dy, Tensor yp, Tensor topk_w,
-        Tensor slot_row),
-       (ctx, dyp, dtopk_w, dy, yp, topk_w, slot_row))
+// The routing weights in permuted-row order: row_w[slot_row[s]] = topk_w[s] (overwritten). The
+// experts' SwiGLU applies them (swiglu_weighted_forward), so the combine is the plain gather-sum
+// permute_backward: y[n, :] = sum_k yp[slot_row[n*K+k], :], and its backward permute_forward.
+// row_w: [N*K], topk_w: [N, K], both f32 / f64 (the router's accumulation dtype).
+MOE_OP(permute_weights_forward, (Ctx & ctx, Tensor row_w, Tensor topk_w, Tensor slot_row),
+       (ctx, row_w, topk_w, slot_row))
+// dtopk_w[s] = drow_w[slot_row[s]] (overwritten); dtopk_w: [N, K], drow_w: [N*K].
+MOE_OP(permute_weights_backward, (Ctx & ctx, Tensor dtopk_w, Tensor drow_w, Tensor slot_row),
+       (ctx, dtopk_w, drow_w, slot_row))
 
 }  // namespace moe
