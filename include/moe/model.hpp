@@ -218,8 +218,9 @@ class Model {
   void run_layers(Ctx& ctx, bool backward_too, double grad_scale,
                   const GradientReady& ready = nullptr);
   void backward(Ctx& ctx, double grad_scale, double ce_scale, const GradientReady& ready);
-  // The LM head over xf_ chunk by chunk: logits, per-token losses and lse; with ce_scale > 0
-  // also each chunk's backward (dlogits in place, dxf into dstream_b_, the head's gradient).
+  // The LM head over xf_ chunk by chunk: logits, per-token losses and lse; with backward_too
+  // also each chunk's backward at once (dlogits = ce_scale (softmax - onehot) in place, dxf into
+  // dstream_b_, the head's gradient accumulated).
   void head_chunks(Ctx& ctx, bool backward_too, double ce_scale);
   // ZeRO-3 (forward): unit's weights gathered and ready, unit + 1 gathering meanwhile.
   void acquire_unit(Ctx& ctx, int unit);

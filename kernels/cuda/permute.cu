@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int i = 0; i < k; ++i) {
       const int32_t r = rows[i];
       const bool ok = 0 <= r && r < slots;
-      const A wi = ok ? A(1) : static_cast<A>(NAN);
+      const A poison = ok ? A(1) : static_cast<A>(NAN);  // a slot with no row sums to NaN
       const T* src = in + (ok ? r : 0) * d;
       const T* src2 = kSecond ? in2 + (ok ? r : 0) * d : nullptr;
       Pack<T, W> v[kUnroll], v2[kSecond ? kUnroll : 1];
@@ -322,8 +322,8 @@ __global__ void __launch_bounds__(kRowThreads)
         if (c0 + u * kGroup < units) {
 #pragma unroll
           for (int j = 0; j < W; ++j) {
-            acc[u][j] += wi * load(v[u].v[j]);
-            if constexpr (kSecond) acc[u][j] += wi * load(v2[u].v[j]);
+            acc[u][j] += poison * load(v[u].v[j]);
+            if constexpr (kSecond) acc[u][j] += poison * load(v2[u].v[j]);
           }
         }
     }
