@@ -202,19 +202,44 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
   }
 }
 
+// Starts the copy of rows [r0, r0 + 64)'s routing weights (those before r1) into the 64 floats
+// at shared address `scale`, one per thread of the warpgroup's first 64, by cp.async: no
+// register waits for them. (Read in the rows pass, a global load per chunk waited behind the
+// chunk's shared-memory load, the asm volatile ordering memory accesses: 8 load latencies in a
+// row per piece: 0.71 ms of a moe-small step, measured.)
+__device__ __forceinline__ void copy_row_scales(uint32_t scale, const float* row_w, int64_t r0,
+                                                int64_t r1) {
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  if (t >= 64) return;
+  const bool valid = r0 + t < r1;
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(scale + 4 * t),
+               "l"(valid ? row_w + r0 + t : row_w), "r"(valid ? 4 : 0)
+               : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Stores a 64 x 128 piece of math warpgroup g's output (rows [r0, r1) of it are real) into dst
 // [*, n_total] at column n0 through the warpgroup's staging buffer: pair(jj, hr) gives the
 // thread's packed pair of columns 8 jj + 2 (t % 4) (+1) of the piece at its row + 8 hr (the
 // wgmma accumulator layout); the pairs (4 bytes per thread, 8 rows per warp instruction) go to
 // shared memory, then each warp stores whole 256-byte row pieces with 16-byte stores. Storing the
 // pairs straight to global memory touched 8 lines per warp instruction and took ~2 us of every
-// ~11 us tile at K = 1024. row_scale (not null): each stored value v of row r becomes
-// round(v * row_scale[r]) on the way out (the rows pass: one row per 16-byte chunk, and the
-// accumulators are no longer live, so the scale costs no registers in the pairs pass).
-template <class T, class Pair>
+// ~11 us tile at K = 1024. kScaled: each stored value v of the piece's row i becomes
+// round(v * scale[i]) on the way out, scale being the piece's 64 floats in shared memory at
+// `scale` (the rows pass: one row per 16-byte chunk, and the accumulators are no longer live, so
+// the scale costs no registers in the pairs pass); the caller's cp.async brings them
+// (copy_row_scales), and the piece waits for them before its rows pass.
+template <class T, bool kScaled = false, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int64_t r0, int64_t r1,
                                             int64_t n0, int64_t n_total, Pair&& pair,
-                                            const float* row_scale = nullptr) {
+                                            uint32_t scale = 0) {
   const int t = static_cast<int>(threadIdx.x) % 128;
   const int row0 = (t / 32) * 16 + (t % 32) / 4, col = 4 * (t % 4);
   named_barrier_sync(1 + g, 128);  // every thread is done reading the previous piece
@@ -227,6 +252,7 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pair(jj, hr)) : "memory");
     }
   }
+  if constexpr (kScaled) cp_async_wait_all();  // this thread's scales; the barrier: everyone's
   named_barrier_sync(1 + g, 128);
 #pragma unroll
   for (int i = 0; i < 64 * 16 / 128; ++i) {
@@ -239,8 +265,9 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int
     const int64_t r = r0 + row, n = n0 + chunk * 8;
     // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
     if (r >= r1 || n >= n_total) continue;
-    if (row_scale != nullptr) {
-      const float w = row_scale[r];
+    if constexpr (kScaled) {
+      float w;
+      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(w) : "r"(scale + 4 * row) : "memory");
       uint32_t* u = reinterpret_cast<uint32_t*>(&v);
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
@@ -268,10 +295,12 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
 // columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
 // 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
 // go to c, c_up and c_h.
+// row_scales: the shared address of the warpgroup's 64 floats for row_w.
 template <class C, class T, bool kSwiglu>
 __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
-                                           T* c, T* c_up, T* c_h, const float* row_w, int64_t r0,
-                                           int64_t r1, int64_t n0, int64_t n_total) {
+                                           T* c, T* c_up, T* c_h, const float* row_w,
+                                           uint32_t row_scales, int64_t r0, int64_t r1, int64_t n0,
+                                           int64_t n_total) {
   auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
     return [&, j0](int jj, int hr) {
       const int j = j0 + jj;
@@ -279,18 +308,23 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
     };
   };
   if constexpr (kSwiglu) {
+    // Fetch the tile's weights while gate and up are stored, once every thread of the
+    // warpgroup is done reading the previous tile's (the barrier). Fetched after the gate piece
+    // instead, with no barrier of its own, the bf16 kernel spilled 8 bytes.
+    named_barrier_sync(1 + g, 128);
+    copy_row_scales(row_scales, row_w, r0, r1);
     store_piece(g, staging, c, r0, r1, n0, n_total, columns(0));
     store_piece(g, staging, c_up, r0, r1, n0, n_total, columns(16));
     // The routing weight is applied in store_piece's rows pass: holding the two rows' weights
     // through the pairs pass spilled (bf16: 132 bytes per thread).
-    store_piece(
+    store_piece<T, true>(
         g, staging, c_h, r0, r1, n0, n_total,
         [&](int jj, int hr) {
           const int jg = jj, ju = 16 + jj;
           return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1],
                                 acc[4 * ju + 2 * hr], acc[4 * ju + 2 * hr + 1]);
         },
-        row_w);
+        row_scales);
   } else {
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
@@ -365,6 +399,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       claim_registers<232>();
       const int g = wg - 1;
       const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
+      // kSwiglu: each math warpgroup's 64 routing weights, after the staging, in the 1 KiB kept
+      // for aligning the ring (unused: the dynamic shared memory starts 1024-aligned, as its
+      // declaration asks; the block is at the 227 KiB limit, and static shared memory for them
+      // would round the static part up by another KiB).
+      const uint32_t row_scales = ring.base + C::kStages * C::kStageBytes + kStagingBytes;
+      if (kSwiglu && ring.base - shared_addr(smem) > 1024 - 2 * 64 * 4) __trap();  // never
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, it += slices) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
@@ -372,8 +412,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int64_t n0 = (tile % n_tiles) * kTileN;
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
-        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, row_w, r0 + 64 * g, r1, n0,
-                                  n_total);
+        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, row_w, row_scales + 256 * g,
+                                  r0 + 64 * g, r1, n0, n_total);
       }
     }
   }
