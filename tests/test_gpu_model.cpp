@@ -9,6 +9,7 @@
 #include "gpu_test_util.hpp"
 #include "test_util.hpp"
 #include "moe/model.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/optim.hpp"
 #include "moe/rng.hpp"
 #include "moe/trainer.hpp"
@@ -124,6 +125,31 @@ TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[g
     }
     INFO(p.name << ": max diff " << diff << ", max |grad| " << scale);
     CHECK(diff <= 1e-4 * scale + 1e-9);
+  }
+}
+
+// After a step's gradients (and after garbage), zero_grads and a backward give the bits of a
+// fresh model's single backward: every gradient is cleared, and nothing of the zeroing runs after
+// the backward's first write.
+TEST_CASE("gpu model: zero_grads clears every gradient before the backward", "[gpu][model]") {
+  const ModelConfig m = model_config();
+  const int b = 3, t = 32;
+  const auto ids = tokens(b * t, m.vocab_size, 3), tg = tokens(b * t, m.vocab_size, 4);
+  Ctx gpu = gpu_ctx();
+  Model fresh(m, DType::bf16, gpu0(), b, t), reused(m, DType::bf16, gpu0(), b, t);
+  fresh.init_weights(12);
+  reused.init_weights(12);
+  fresh.zero_grads(gpu);
+  fresh.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+  const std::vector<unsigned char> want = bytes_of(fresh.grads());
+  reused.forward_backward(gpu, ids.data(), tg.data(), 1.0);  // gradients to clear
+  REQUIRE(bytes_of(reused.grads()) == want);
+  for (int round = 0; round < 2; ++round) {
+    INFO("round " << round);
+    if (round == 1) fill(gpu, reused.grads(), 3.0);  // queued just before the zeroing
+    reused.zero_grads(gpu);
+    reused.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+    CHECK(bytes_of(reused.grads()) == want);
   }
 }
 

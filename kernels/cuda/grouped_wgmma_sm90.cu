@@ -202,29 +202,6 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
   }
 }
 
-// Starts the copy of rows [r0, r0 + 64)'s routing weights (those before r1) into the 64 floats
-// at shared address `scale`, one per thread of the warpgroup's first 64, by cp.async: no
-// register waits for them. (Read in the rows pass, a global load per chunk waited behind the
-// chunk's shared-memory load, the asm volatile ordering memory accesses: 8 load latencies in a
-// row per piece: 0.71 ms of a moe-small step, measured.)
-__device__ __forceinline__ void copy_row_scales(uint32_t scale, const float* row_w, int64_t r0,
-                                                int64_t r1) {
-  const int t = static_cast<int>(threadIdx.x) % 128;
-  if (t >= 64) return;
-  const bool valid = r0 + t < r1;
-#if MOE_HAS_WGMMA
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(scale + 4 * t),
-               "l"(valid ? row_w + r0 + t : row_w), "r"(valid ? 4 : 0)
-               : "memory");
-#endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-#if MOE_HAS_WGMMA
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-#endif
-}
-
 // Stores a 64 x 128 piece of math warpgroup g's output (rows [r0, r1) of it are real) into dst
 // [*, n_total] at column n0 through the warpgroup's staging buffer: pair(jj, hr) gives the
 // thread's packed pair of columns 8 jj + 2 (t % 4) (+1) of the piece at its row + 8 hr (the
@@ -235,7 +212,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // round(v * scale[i]) on the way out, scale being the piece's 64 floats in shared memory at
 // `scale` (the rows pass: one row per 16-byte chunk, and the accumulators are no longer live, so
 // the scale costs no registers in the pairs pass); the caller's cp.async brings them
-// (copy_row_scales), and the piece waits for them before its rows pass.
+// (store_tile), and the piece waits for them before its rows pass.
 template <class T, bool kScaled = false, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int64_t r0, int64_t r1,
                                             int64_t n0, int64_t n_total, Pair&& pair,
@@ -311,8 +288,14 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
     // Fetch the tile's weights while gate and up are stored, once every thread of the
     // warpgroup is done reading the previous tile's (the barrier). Fetched after the gate piece
     // instead, with no barrier of its own, the bf16 kernel spilled 8 bytes.
+    // By cp.async, one per thread of the warpgroup's first 64: no register waits for them. (Read
+    // in the rows pass, a global load per chunk waited behind the chunk's shared-memory load,
+    // the asm volatile ordering memory accesses: 8 load latencies in a row per piece, 0.71 ms of
+    // a moe-small step, measured.)
     named_barrier_sync(1 + g, 128);
-    copy_row_scales(row_scales, row_w, r0, r1);
+    const int t = static_cast<int>(threadIdx.x) % 128;
+    const bool real = r0 + t < r1;
+    if (t < 64) cp_async4(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
     store_piece(g, staging, c, r0, r1, n0, n_total, columns(0));
     store_piece(g, staging, c_up, r0, r1, n0, n_total, columns(16));
     // The routing weight is applied in store_piece's rows pass: holding the two rows' weights

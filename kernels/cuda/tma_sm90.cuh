@@ -115,6 +115,22 @@ __device__ __forceinline__ void claim_registers() {
 #endif
 }
 
+// Copies the 4 bytes at global `src` to shared address `dst` asynchronously (cp.async, sm_80+);
+// with !valid it writes 4 zero bytes and reads nothing. cp_async_wait_all: this thread's copies
+// have landed (a barrier after it publishes them).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
 // Barrier `id` (1..15; 0 is __syncthreads) over `threads` threads of the block.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
