@@ -107,9 +107,10 @@ constexpr int kTmaThreads = 384;  // a producer warpgroup and two math warpgroup
 // Experts whose offsets the rows kernel keeps in shared memory (more: it reads them from global).
 constexpr int kSharedOffsets = 256;
 // The rows kernel's output staging, after its ring: a 64 x 128 piece of the tile per math
-// warpgroup, rows of 256 bytes with their 16-byte chunks swizzled (chunk ^ row % 8).
-constexpr int kStagingRowBytes = 256;
-constexpr int kStagingBytes = 2 * 64 * kStagingRowBytes;
+// warpgroup, as two 64 x 64 boxes of 128-byte lines with their 16-byte chunks swizzled
+// (chunk ^ line % 8: TMA's 128-byte swizzle; 1024-aligned, as that needs).
+constexpr int kStagingBoxBytes = 64 * 128;
+constexpr int kStagingBytes = 2 * 2 * kStagingBoxBytes;
 template <class C>
 constexpr size_t kRowsSmemBytes = C::kSmemBytes + kStagingBytes;
 // Shared memory per block on sm_90: 227 KiB, static and dynamic together.
@@ -205,29 +206,49 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
 // Stores a 64 x 128 piece of math warpgroup g's output (rows [r0, r1) of it are real) into dst
 // [*, n_total] at column n0 through the warpgroup's staging buffer: pair(jj, hr) gives the
 // thread's packed pair of columns 8 jj + 2 (t % 4) (+1) of the piece at its row + 8 hr (the
-// wgmma accumulator layout); the pairs (4 bytes per thread, 8 rows per warp instruction) go to
-// shared memory, then each warp stores whole 256-byte row pieces with 16-byte stores. Storing the
-// pairs straight to global memory touched 8 lines per warp instruction and took ~2 us of every
-// ~11 us tile at K = 1024. kScaled: each stored value v of the piece's row i becomes
-// round(v * scale[i]) on the way out, scale being the piece's 64 floats in shared memory at
-// `scale` (the rows pass: one row per 16-byte chunk, and the accumulators are no longer live, so
-// the scale costs no registers in the pairs pass); the caller's cp.async brings them
-// (store_tile), and the piece waits for them before its rows pass.
+// wgmma accumulator layout). The pairs (4 bytes per thread, 8 rows per warp instruction) go to
+// shared memory as two 64 x 64 boxes in TMA's 128-byte swizzle; then, when all 64 rows are real
+// and `map` (a tensor map over dst, boxes of 64 x 64) is given, one thread hands both boxes to
+// TMA stores and the warpgroup goes on (the next piece first waits until they have read the
+// staging); otherwise each warp stores 16-byte chunks of whole rows itself (the rows pass: a
+// tile cut at its expert's end must not write the next expert's rows). Storing the pairs
+// straight to global memory touched 8 lines per warp instruction and took ~2 us of every ~11 us
+// tile at K = 1024. kScaled (always the rows pass): each stored value v of the piece's row i
+// becomes round(v * scale[i]), scale being the piece's 64 floats in shared memory at `scale`
+// (the accumulators are no longer live there, so the scale costs no registers in the pairs
+// pass); the caller's cp.async brings them (store_tile), and the piece waits for them.
 template <class T, bool kScaled = false, class Pair>
-__device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int64_t r0, int64_t r1,
-                                            int64_t n0, int64_t n_total, Pair&& pair,
-                                            uint32_t scale = 0) {
+__device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, const CUtensorMap* map,
+                                            int64_t r0, int64_t r1, int64_t n0, int64_t n_total,
+                                            Pair&& pair, uint32_t scale = 0) {
   const int t = static_cast<int>(threadIdx.x) % 128;
   const int row0 = (t / 32) * 16 + (t % 32) / 4, col = 4 * (t % 4);
-  named_barrier_sync(1 + g, 128);  // every thread is done reading the previous piece
+  // Chunk c (0..15, 8 columns each) of row r: box c / 8, line r, 16-byte slot (c % 8) ^ (r % 8).
+  auto slot = [&](int r, int c) {
+    return staging + (c / 8) * kStagingBoxBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4);
+  };
+  if (t == 0) tma_store_wait_read();  // the previous piece's TMA stores have read the staging
+  named_barrier_sync(1 + g, 128);     // every thread is done reading the previous piece
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + 8 * hr;
-      const uint32_t at = staging + row * kStagingRowBytes + ((jj ^ (row & 7)) << 4) + col;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pair(jj, hr)) : "memory");
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot(row, jj) + col), "r"(pair(jj, hr))
+                   : "memory");
     }
+  }
+  if (!kScaled && map != nullptr && r0 + 64 <= r1) {
+    fence_proxy_async_smem();  // this thread's pairs, visible to the TMA unit
+    named_barrier_sync(1 + g, 128);
+    if (t == 0) {
+      tma_store_2d(map, staging, static_cast<int32_t>(n0), static_cast<int32_t>(r0));
+      if (n0 + 64 < n_total)
+        tma_store_2d(map, staging + kStagingBoxBytes, static_cast<int32_t>(n0 + 64),
+                     static_cast<int32_t>(r0));
+      tma_store_commit();
+    }
+    return;
   }
   if constexpr (kScaled) cp_async_wait_all();  // this thread's scales; the barrier: everyone's
   named_barrier_sync(1 + g, 128);
@@ -237,7 +258,7 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, int
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(staging + row * kStagingRowBytes + ((chunk ^ (row & 7)) << 4))
+                 : "r"(slot(row, chunk))
                  : "memory");
     const int64_t r = r0 + row, n = n0 + chunk * 8;
     // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
@@ -271,11 +292,12 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
 // The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
 // columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
 // 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
-// go to c, c_up and c_h.
+// go to c, c_up and c_h. map_c / map_up: tensor maps over c / c_up for store_piece's TMA stores.
 // row_scales: the shared address of the warpgroup's 64 floats for row_w.
 template <class C, class T, bool kSwiglu>
 __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
-                                           T* c, T* c_up, T* c_h, const float* row_w,
+                                           T* c, T* c_up, T* c_h, const CUtensorMap* map_c,
+                                           const CUtensorMap* map_up, const float* row_w,
                                            uint32_t row_scales, int64_t r0, int64_t r1, int64_t n0,
                                            int64_t n_total) {
   auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
@@ -286,22 +308,22 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   };
   if constexpr (kSwiglu) {
     // Fetch the tile's weights while gate and up are stored, once every thread of the
-    // warpgroup is done reading the previous tile's (the barrier). Fetched after the gate piece
-    // instead, with no barrier of its own, the bf16 kernel spilled 8 bytes.
-    // By cp.async, one per thread of the warpgroup's first 64: no register waits for them. (Read
-    // in the rows pass, a global load per chunk waited behind the chunk's shared-memory load,
-    // the asm volatile ordering memory accesses: 8 load latencies in a row per piece, 0.71 ms of
-    // a moe-small step, measured.)
+    // warpgroup is done reading the previous tile's (the barrier), by cp.async, one per thread
+    // of the warpgroup's first 64: no register waits for them. (Read in the rows pass, a global
+    // load per chunk waited behind the chunk's shared-memory load, the asm volatile ordering
+    // memory accesses: 8 load latencies in a row per piece, 0.71 ms of a moe-small step,
+    // measured. Fetched after the gate piece, with no barrier of its own, the bf16 kernel
+    // spilled 8 bytes.)
     named_barrier_sync(1 + g, 128);
     const int t = static_cast<int>(threadIdx.x) % 128;
     const bool real = r0 + t < r1;
     if (t < 64) cp_async4(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
-    store_piece(g, staging, c, r0, r1, n0, n_total, columns(0));
-    store_piece(g, staging, c_up, r0, r1, n0, n_total, columns(16));
+    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, columns(0));
+    store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, columns(16));
     // The routing weight is applied in store_piece's rows pass: holding the two rows' weights
     // through the pairs pass spilled (bf16: 132 bytes per thread).
     store_piece<T, true>(
-        g, staging, c_h, r0, r1, n0, n_total,
+        g, staging, c_h, nullptr, r0, r1, n0, n_total,
         [&](int jj, int hr) {
           const int jg = jj, ju = 16 + jj;
           return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1],
@@ -311,7 +333,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   } else {
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
-      store_piece(g, staging, c, r0, r1, n0 + 128 * h, n_total, columns(16 * h));
+      store_piece(g, staging, c, map_c, r0, r1, n0 + 128 * h, n_total, columns(16 * h));
   }
 }
 
@@ -328,7 +350,9 @@ template <class C, class T, bool kBKFast, bool kSwiglu>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
-                            const __grid_constant__ CUtensorMap map_b2, T* c, T* c_up, T* c_h,
+                            const __grid_constant__ CUtensorMap map_b2,
+                            const __grid_constant__ CUtensorMap map_c,
+                            const __grid_constant__ CUtensorMap map_up, T* c, T* c_up, T* c_h,
                             const float* row_w, const int32_t* offsets, int experts, int64_t rows,
                             int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
@@ -395,9 +419,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int64_t n0 = (tile % n_tiles) * kTileN;
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
-        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, row_w, row_scales + 256 * g,
-                                  r0 + 64 * g, r1, n0, n_total);
+        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, row_w,
+                                  row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
       }
+      if (threadIdx.x % 128 == 0) tma_store_wait_all();  // its TMA stores have landed
     }
   }
 }
@@ -616,12 +641,18 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(kTileN) : 64u, 1};
   const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
   const CUtensorMap map_b2 = kSwiglu ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
+  // The outputs [rows, n_total] for the epilogue's TMA stores, boxes of 64 x 64 (store_piece).
+  const uint64_t c_dims[2] = {uint64_t(n_total), uint64_t(rows)};
+  const uint64_t c_strides[1] = {uint64_t(n_total)};
+  const uint32_t c_box[2] = {64, 64};
+  const CUtensorMap map_c = tile_map(t, out.c, 2, c_dims, c_strides, c_box);
+  const CUtensorMap map_up = kSwiglu ? tile_map(t, out.up, 2, c_dims, c_strides, c_box) : map_c;
   const int n_tiles = static_cast<int>(blocks_for(n_total, kTileN));
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
-      map_a, map_b, map_b2, static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h),
-      out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles);
+      map_a, map_b, map_b2, map_c, map_up, static_cast<T*>(out.c), static_cast<T*>(out.up),
+      static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
 }
 

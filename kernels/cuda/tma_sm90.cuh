@@ -115,6 +115,38 @@ __device__ __forceinline__ void claim_registers() {
 #endif
 }
 
+// Stores the box at shared address `src` to coordinates (c0, c1) (innermost first) of `map`,
+// leaving out the parts outside the tensor; asynchronous, in this thread's bulk group. The
+// threads that wrote `src` must fence_proxy_async_smem() first (and a barrier must follow).
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int32_t c0,
+                                             int32_t c1) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(src), "r"(c0), "r"(c1)
+      : "memory");
+#endif
+}
+// Closes this thread's bulk group of TMA stores.
+__device__ __forceinline__ void tma_store_commit() {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until this thread's committed TMA stores have read their shared memory (it may be
+// written again) / have written global memory.
+__device__ __forceinline__ void tma_store_wait_read() {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void tma_store_wait_all() {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // Copies the 4 bytes at global `src` to shared address `dst` asynchronously (cp.async, sm_80+);
 // with !valid it writes 4 zero bytes and reads nothing. cp_async_wait_all: this thread's copies
 // have landed (a barrier after it publishes them).
