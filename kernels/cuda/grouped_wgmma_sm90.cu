@@ -213,10 +213,10 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
 // staging); otherwise each warp stores 16-byte chunks of whole rows itself (the rows pass: a
 // tile cut at its expert's end must not write the next expert's rows). Storing the pairs
 // straight to global memory touched 8 lines per warp instruction and took ~2 us of every ~11 us
-// tile at K = 1024. kScaled (always the rows pass): each stored value v of the piece's row i
-// becomes round(v * scale[i]), scale being the piece's 64 floats in shared memory at `scale`
-// (the accumulators are no longer live there, so the scale costs no registers in the pairs
-// pass); the caller's cp.async brings them (store_tile), and the piece waits for them.
+// tile at K = 1024. kScaled: each value v of the piece's row i becomes round(v * scale[i]) on its
+// way into the staging, scale being the piece's 64 floats in shared memory at `scale`; the
+// caller's cp.async brings them (store_tile), the piece waits for them, and each thread reads the
+// two it needs (its rows row0 and row0 + 8).
 template <class T, bool kScaled = false, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, const CUtensorMap* map,
                                             int64_t r0, int64_t r1, int64_t n0, int64_t n_total,
@@ -227,18 +227,32 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
   auto slot = [&](int r, int c) {
     return staging + (c / 8) * kStagingBoxBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4);
   };
-  if (t == 0) tma_store_wait_read();  // the previous piece's TMA stores have read the staging
-  named_barrier_sync(1 + g, 128);     // every thread is done reading the previous piece
+  if (t == 0) tma_store_wait_read();           // the previous piece's stores read the staging
+  if constexpr (kScaled) cp_async_wait_all();  // this thread's scales; the barrier: everyone's
+  named_barrier_sync(1 + g, 128);              // every thread is done reading the previous piece
+  float w[2] = {1.0f, 1.0f};                   // the scales of the thread's two rows
+  if constexpr (kScaled) {
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+      asm volatile("ld.shared.f32 %0, [%1];\n"
+                   : "=f"(w[hr])
+                   : "r"(scale + 4 * (row0 + 8 * hr))
+                   : "memory");
+  }
 #pragma unroll
   for (int jj = 0; jj < 16; ++jj) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + 8 * hr;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot(row, jj) + col), "r"(pair(jj, hr))
-                   : "memory");
+      uint32_t v = pair(jj, hr);
+      if constexpr (kScaled) {
+        const T* e = reinterpret_cast<const T*>(&v);
+        v = pack2<T>(load(e[0]) * w[hr], load(e[1]) * w[hr]);
+      }
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(slot(row, jj) + col), "r"(v) : "memory");
     }
   }
-  if (!kScaled && map != nullptr && r0 + 64 <= r1) {
+  if (map != nullptr && r0 + 64 <= r1) {
     fence_proxy_async_smem();  // this thread's pairs, visible to the TMA unit
     named_barrier_sync(1 + g, 128);
     if (t == 0) {
@@ -250,7 +264,6 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
     }
     return;
   }
-  if constexpr (kScaled) cp_async_wait_all();  // this thread's scales; the barrier: everyone's
   named_barrier_sync(1 + g, 128);
 #pragma unroll
   for (int i = 0; i < 64 * 16 / 128; ++i) {
@@ -263,16 +276,6 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
     const int64_t r = r0 + row, n = n0 + chunk * 8;
     // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
     if (r >= r1 || n >= n_total) continue;
-    if constexpr (kScaled) {
-      float w;
-      asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(w) : "r"(scale + 4 * row) : "memory");
-      uint32_t* u = reinterpret_cast<uint32_t*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const T* e = reinterpret_cast<const T*>(&u[q]);
-        u[q] = pack2<T>(load(e[0]) * w, load(e[1]) * w);
-      }
-    }
     *reinterpret_cast<uint4*>(dst + r * n_total + n) = v;
   }
 }
@@ -292,14 +295,15 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
 // The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
 // columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
 // 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
-// go to c, c_up and c_h. map_c / map_up: tensor maps over c / c_up for store_piece's TMA stores.
+// go to c, c_up and c_h. map_c, map_up, map_h: tensor maps over c, c_up and c_h for store_piece's
+// TMA stores.
 // row_scales: the shared address of the warpgroup's 64 floats for row_w.
 template <class C, class T, bool kSwiglu>
 __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
                                            T* c, T* c_up, T* c_h, const CUtensorMap* map_c,
-                                           const CUtensorMap* map_up, const float* row_w,
-                                           uint32_t row_scales, int64_t r0, int64_t r1, int64_t n0,
-                                           int64_t n_total) {
+                                           const CUtensorMap* map_up, const CUtensorMap* map_h,
+                                           const float* row_w, uint32_t row_scales, int64_t r0,
+                                           int64_t r1, int64_t n0, int64_t n_total) {
   auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
     return [&, j0](int jj, int hr) {
       const int j = j0 + jj;
@@ -320,10 +324,10 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
     if (t < 64) cp_async4(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
     store_piece(g, staging, c, map_c, r0, r1, n0, n_total, columns(0));
     store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, columns(16));
-    // The routing weight is applied in store_piece's rows pass: holding the two rows' weights
-    // through the pairs pass spilled (bf16: 132 bytes per thread).
+    // The routing weights come from shared memory just before h's pairs pass: loaded from
+    // global memory and held through the gate and up pieces, they spilled (bf16: 132 bytes).
     store_piece<T, true>(
-        g, staging, c_h, nullptr, r0, r1, n0, n_total,
+        g, staging, c_h, map_h, r0, r1, n0, n_total,
         [&](int jj, int hr) {
           const int jg = jj, ju = 16 + jj;
           return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1],
@@ -352,7 +356,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                             const __grid_constant__ CUtensorMap map_b,
                             const __grid_constant__ CUtensorMap map_b2,
                             const __grid_constant__ CUtensorMap map_c,
-                            const __grid_constant__ CUtensorMap map_up, T* c, T* c_up, T* c_h,
+                            const __grid_constant__ CUtensorMap map_up,
+                            const __grid_constant__ CUtensorMap map_h, T* c, T* c_up, T* c_h,
                             const float* row_w, const int32_t* offsets, int experts, int64_t rows,
                             int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
@@ -419,7 +424,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int64_t n0 = (tile % n_tiles) * kTileN;
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
-        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, row_w,
+        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
                                   row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
       }
       if (threadIdx.x % 128 == 0) tma_store_wait_all();  // its TMA stores have landed
@@ -647,11 +652,12 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   const uint32_t c_box[2] = {64, 64};
   const CUtensorMap map_c = tile_map(t, out.c, 2, c_dims, c_strides, c_box);
   const CUtensorMap map_up = kSwiglu ? tile_map(t, out.up, 2, c_dims, c_strides, c_box) : map_c;
+  const CUtensorMap map_h = kSwiglu ? tile_map(t, out.h, 2, c_dims, c_strides, c_box) : map_c;
   const int n_tiles = static_cast<int>(blocks_for(n_total, kTileN));
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
-      map_a, map_b, map_b2, map_c, map_up, static_cast<T*>(out.c), static_cast<T*>(out.up),
+      map_a, map_b, map_b2, map_c, map_up, map_h, static_cast<T*>(out.c), static_cast<T*>(out.up),
       static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles);
   MOE_CUDA_LAUNCH_CHECK();
 }
