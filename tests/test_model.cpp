@@ -229,11 +229,11 @@ TEST_CASE("model: recomputing gives bitwise the same losses and gradients", "[mo
   const int b = 2, t = 8;
   const std::string which = GENERATE(as<std::string>{}, "layers", "expert inputs", "both");
   INFO("recompute " << which);
-  const Recompute recompute{which != "expert inputs", which != "layers"};
+  const MemoryPlan recompute{which != "expert inputs", which != "layers"};
   Model stored(m, DType::f32, Device{}, b, t),
       recomputed(m, DType::f32, Device{}, b, t, true, recompute);
-  REQUIRE(recomputed.recomputes_layers() == recompute.layers);
-  REQUIRE(recomputed.recomputes_expert_inputs() == recompute.expert_inputs);
+  REQUIRE(recomputed.recomputes_layers() == recompute.recompute_layers);
+  REQUIRE(recomputed.recomputes_expert_inputs() == recompute.recompute_expert_inputs);
   CHECK(recomputed.activation_bytes() < stored.activation_bytes());
   stored.init_weights(3);
   recomputed.init_weights(3);
@@ -276,7 +276,7 @@ TEST_CASE("model: the head in chunks gives the whole head's losses and gradients
   m.tie_word_embeddings = tied;
   const int b = 2, t = 8;
   Model whole(m, DType::f64, Device{}, b, t),
-      chunked(m, DType::f64, Device{}, b, t, true, Recompute{false, false, chunk});
+      chunked(m, DType::f64, Device{}, b, t, true, MemoryPlan{false, false, chunk});
   REQUIRE(chunked.logits().size(0) == std::min<int64_t>(chunk, b * t));
   whole.init_weights(3);
   chunked.init_weights(3);

@@ -342,7 +342,7 @@ TEST_CASE("ZeRO-3 model on one rank: the gathered units give the unsharded step"
     const ZeroPartition part = ZeroPartition::per_unit(param_unit_bounds(table, m), 0, 1);
     const ParamSharding sharding{&part, comm.get()};
     Model plain(m, DType::f64, Device{}, 2, 8);
-    Model sharded(m, DType::f64, Device{}, 2, 8, true, Recompute{}, &sharding);
+    Model sharded(m, DType::f64, Device{}, 2, 8, true, MemoryPlan{}, &sharding);
     REQUIRE(sharded.params_sharded());
     plain.init_weights(11);
     sharded.init_weights(11);
@@ -670,7 +670,7 @@ TEST_CASE("offload: the in-place AdamW behind the forward waits range by range",
   const ZeroPartition part = ZeroPartition::per_unit(param_unit_bounds(table, m), 0, 1);
   ParamSharding sharding{&part, comm.get(), /*offload=*/true};
   Model ref(m, DType::f64, Device{}, 1, 4);
-  Model host(m, DType::f64, Device{}, 1, 4, true, Recompute{}, &sharding);
+  Model host(m, DType::f64, Device{}, 1, 4, true, MemoryPlan{}, &sharding);
   with_sine_gradient(ref);
   host.init_weights(5);
   // One rank: the local layout is the global one.
@@ -717,7 +717,7 @@ TEST_CASE("Model: the backward reports each gradient range once it is final", "[
       ModelConfig m = small_config();
       m.tie_word_embeddings = tied;
       const int t = 8;
-      Model model(m, DType::f64, Device{}, 2, t, true, Recompute{recompute, false});
+      Model model(m, DType::f64, Device{}, 2, t, true, MemoryPlan{recompute, false});
       model.init_weights(3);
       Ctx ctx;
       auto ids = tokens(2 * t, m.vocab_size, 5), tg = tokens(2 * t, m.vocab_size, 6);

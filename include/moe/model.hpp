@@ -88,15 +88,16 @@ struct ParamSharding {
   bool pin_memory = false;
 };
 
-// Which activations the backward rebuilds instead of keeping (train.recompute_layers and
-// train.recompute_expert_inputs), and how many tokens' logits the head holds at once
-// (train.head_chunk_tokens); Model's constructor says what each costs.
-struct Recompute {
-  bool layers = false;
-  bool expert_inputs = false;
+// The memory choices that trade compute or launches for activation memory: which activations
+// the backward rebuilds instead of keeping (train.recompute_layers, train.recompute_expert_inputs)
+// and how many tokens' logits the head holds at once (train.head_chunk_tokens); Model's
+// constructor says what each costs.
+struct MemoryPlan {
+  bool recompute_layers = false;
+  bool recompute_expert_inputs = false;
   int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
 };
-inline Recompute recompute_of(const TrainConfig& t) {
+inline MemoryPlan memory_plan_of(const TrainConfig& t) {
   return {t.recompute_layers, t.recompute_expert_inputs, t.head_chunk_tokens};
 }
 
@@ -108,12 +109,12 @@ class Model {
   // keep one copy of the weights; f16 / bf16 models keep fp32 master weights and gradients (what
   // the optimizer and checkpoints see) plus a compute copy refreshed by weights_changed(), and do
   // router, statistics and loss math in fp32.
-  // recompute.layers: keep only each layer's input between forward and backward and re-run the
-  // layer's forward just before its backward (activation recomputation): one layer's
+  // memory.recompute_layers: keep only each layer's input between forward and backward and re-run
+  // the layer's forward just before its backward (activation recomputation): one layer's
   // activations in memory instead of all of them, for about one more forward pass of compute.
-  // recompute.expert_inputs: the MoE layers keep neither their permuted rows nor the SwiGLU
+  // memory.recompute_expert_inputs: the MoE layers keep neither their permuted rows nor the SwiGLU
   // output; the backward rebuilds them (a permute and a SwiGLU pass per MoE layer).
-  // recompute.head_chunk_tokens (> 0): the LM head runs over chunks of that many tokens, and in
+  // memory.head_chunk_tokens (> 0): the LM head runs over chunks of that many tokens, and in
   // training each chunk's logits become their cross-entropy gradient and go through the head's
   // backward at once, so a [chunk, V] buffer replaces the [B*T, V] logits (same FLOPs; the head's
   // weight gradient is accumulated once per chunk).
@@ -121,7 +122,7 @@ class Model {
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.
   Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-        bool allocate = true, Recompute recompute = {}, const ParamSharding* sharding = nullptr);
+        bool allocate = true, MemoryPlan memory = {}, const ParamSharding* sharding = nullptr);
   ~Model();
 
   void init_weights(uint64_t seed);
@@ -206,8 +207,8 @@ class Model {
   size_t weight_bytes() const;
   int batch() const { return batch_; }
   int seq_len() const { return seq_len_; }
-  bool recomputes_layers() const { return recompute_.layers; }
-  bool recomputes_expert_inputs() const { return recompute_.expert_inputs; }
+  bool recomputes_layers() const { return memory_.recompute_layers; }
+  bool recomputes_expert_inputs() const { return memory_.recompute_expert_inputs; }
 
  private:
   friend struct LayerEnv;
@@ -230,7 +231,7 @@ class Model {
   Device dev_;
   int batch_, seq_len_;
   bool allocated_;
-  Recompute recompute_;
+  MemoryPlan memory_;
   ParamTable table_;
   // Where each layer's parameters start in the flat buffer; [L] = the final norm's offset.
   std::vector<size_t> layer_offsets_;

@@ -78,5 +78,7 @@ void check_same_dtype(const Tensor& a, const Tensor& b, const char* what);
 // stat.dtype == acc_dtype(x.dtype), else InternalError "<what>: dtype f16, expected f32 (the
 // accumulation dtype of f16)".
 void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what);
+// A per-row statistic (a routing weight, its gradient): stat is [rows] in acc_dtype(x).
+void check_row_stat(const Tensor& stat, int64_t rows, const Tensor& x, const char* what);
 
 }  // namespace moe

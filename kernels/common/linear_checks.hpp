@@ -89,8 +89,7 @@ inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor
   check_shape(h, {s.rows, s.out}, "grouped_swiglu_forward: h");
   check_same_dtype(up, x, "grouped_swiglu_forward: up, x");
   check_same_dtype(h, x, "grouped_swiglu_forward: h, x");
-  check_shape(row_w, {s.rows}, "grouped_swiglu_forward: row_w");
-  check_acc_dtype(row_w, x, "grouped_swiglu_forward: row_w");
+  check_row_stat(row_w, s.rows, x, "grouped_swiglu_forward: row_w");
 }
 
 // dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
@@ -127,10 +126,8 @@ inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const 
     check_shape(*feature_rows[i], {s.rows, s.in}, what.c_str());
     check_same_dtype(*feature_rows[i], h, (what + ", h").c_str());
   }
-  check_shape(row_w, {s.rows}, "grouped_swiglu_down_backward: row_w");
-  check_acc_dtype(row_w, h, "grouped_swiglu_down_backward: row_w");
-  check_shape(drow_w, {s.rows}, "grouped_swiglu_down_backward: drow_w");
-  check_acc_dtype(drow_w, h, "grouped_swiglu_down_backward: drow_w");
+  check_row_stat(row_w, s.rows, h, "grouped_swiglu_down_backward: row_w");
+  check_row_stat(drow_w, s.rows, h, "grouped_swiglu_down_backward: drow_w");
 }
 
 }  // namespace moe

@@ -42,8 +42,7 @@ inline int64_t check_swiglu_weighted_args(const Tensor& like,
   auto name = row_names.begin();
   for (const Tensor* t : row_stats) {
     const std::string what = std::string(op) + ": " + *name++;
-    check_shape(*t, {like.size(0)}, what.c_str());
-    check_acc_dtype(*t, like, what.c_str());
+    check_row_stat(*t, like.size(0), like, what.c_str());
   }
   return like.size(1);
 }

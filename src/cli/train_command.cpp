@@ -67,7 +67,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
   const double param_bytes = c.total * 4 + copy_bytes, grad_bytes = c.total * 4;
   const double optim_bytes = c.total * 8;
-  Model plan(m, compute, Device{}, b, t, /*allocate=*/false, recompute_of(cfg.train));
+  Model plan(m, compute, Device{}, b, t, /*allocate=*/false, memory_plan_of(cfg.train));
   const double act_bytes = static_cast<double>(plan.activation_bytes());
   const double scratch_bytes = static_cast<double>(plan.scratch_bytes());
   std::printf("%s\n", build_info().c_str());
@@ -126,7 +126,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const ZeroPartition part3 =
       ZeroPartition::per_unit(param_unit_bounds(plan.table(), m), 0, static_cast<int>(n));
   const ParamSharding sharding{&part3, nullptr};
-  const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, recompute_of(cfg.train),
+  const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, memory_plan_of(cfg.train),
                     &sharding);
   const double shard = static_cast<double>(part3.local());
   const double slots = static_cast<double>(plan3.weight_bytes()) - 8 * shard;

@@ -121,6 +121,11 @@ void check_same_dtype(const Tensor& a, const Tensor& b, const char* what) {
                         dtype_name(b.dtype));
 }
 
+void check_row_stat(const Tensor& stat, int64_t rows, const Tensor& x, const char* what) {
+  check_shape(stat, {rows}, what);
+  check_acc_dtype(stat, x, what);
+}
+
 void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what) {
   if (x.dtype == DType::i32)
     throw InternalError(std::string(what) + ": the compute dtype is i32, expected a float dtype");

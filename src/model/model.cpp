@@ -61,7 +61,7 @@ struct Model::Staging {
 };
 
 Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int seq_len,
-             bool allocate, Recompute recompute, const ParamSharding* sharding)
+             bool allocate, MemoryPlan memory, const ParamSharding* sharding)
     : cfg_(cfg),
       compute_(compute),
       param_dtype_(acc_dtype(compute)),
@@ -69,7 +69,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
       batch_(batch),
       seq_len_(seq_len),
       allocated_(allocate),
-      recompute_(recompute),
+      memory_(memory),
       table_(build_param_table(cfg)),
       acts_(dev),
       scratch_(dev) {
@@ -142,7 +142,7 @@ void Model::plan() {
   xf_ = acts_.alloc(dt, {n, d});
   rstdf_ = acts_.alloc(acc, {n});
   const int64_t chunk =
-      recompute_.head_chunk_tokens > 0 ? std::min<int64_t>(n, recompute_.head_chunk_tokens) : n;
+      memory_.head_chunk_tokens > 0 ? std::min<int64_t>(n, memory_.head_chunk_tokens) : n;
   logits_ = acts_.alloc(dt, {chunk, cfg_.vocab_size});
   losses_ = acts_.alloc(acc, {n});
   lse_ = acts_.alloc(acc, {n});
@@ -151,7 +151,7 @@ void Model::plan() {
   // (planned from the same mark; the arena keeps the largest).
   const size_t shared = acts_.mark();
   for (auto& layer : layers_) {
-    if (recompute_.layers) acts_.release(shared);
+    if (memory_.recompute_layers) acts_.release(shared);
     layer->plan(acts_);
   }
   loads_.clear();
@@ -476,7 +476,7 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const Gradien
       sharded_->begin_grads(ctx, unit);
       sharded_->prefetch(ctx, unit - 1);
     }
-    if (recompute_.layers) {  // rebuild this layer's activations from its saved input
+    if (memory_.recompute_layers) {  // rebuild this layer's activations from its saved input
       env_->recomputing = true;
       layers_[l]->forward(ctx, stream_[l + 1], stream_[l], pos_);
       env_->recomputing = false;

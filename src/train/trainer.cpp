@@ -259,7 +259,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         dp_owner ? dp_owner->partition() : ZeroPartition::whole(build_param_table(cfg.model).total);
     const ParamSharding sharding{&part, nullptr, cfg.zero_optimization.offloads_params()};
     const bool sharded = cfg.zero_optimization.stage == 3 && dp_owner;
-    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, recompute_of(cfg.train),
+    Model plan(cfg.model, compute, dev, b, t, /*allocate=*/false, memory_plan_of(cfg.train),
                sharded ? &sharding : nullptr);
     const double state_elems = static_cast<double>(part.local());
     const double optimizer_bytes = cfg.zero_optimization.offloads_optimizer() ? 0 : state_elems * 8;
@@ -291,7 +291,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const ParamSharding sharding = dp_owner->sharding(
         cfg.zero_optimization.offloads_params(), cfg.zero_optimization.offload_param.pin_memory);
     model_owner =
-        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, recompute_of(cfg.train),
+        std::make_unique<Model>(cfg.model, compute, dev, b, t, true, memory_plan_of(cfg.train),
                                 dp_owner->shards_params() ? &sharding : nullptr);
   } catch (const std::runtime_error& e) {
     if (dev.type != DeviceType::cuda) throw;
