@@ -108,6 +108,11 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Arena& s = env_.scratch;
   const size_t mark = s.mark();
   const DType dt = env_.dtype, acc = env_.acc;
+  // The router's gradients first: the experts' buffers below are released before the router's
+  // backward, which may take scratch of its own (the fp32 path: 128 MiB on moe-fine).
+  Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
+  Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
+  const size_t experts_mark = s.mark();
   const ExpertInputs in = expert_inputs(s);
   if (env_.model.recomputes_expert_inputs()) {  // rebuilt from the layer input and gate / up
     permute_forward(ctx, in.xp, x, row_token_);
@@ -116,14 +121,12 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   const int64_t r = in.xp.size(0);
   Tensor dyp = s.alloc(dt, {r, c.hidden_size});
   Tensor drow_w = s.alloc(acc, {r});
-  Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   // dyp is dead once the down projection's backward has run: w1's input gradient takes its
   // buffer (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine).
   Tensor dxp = dyp;
   Tensor dxp_up = s.alloc(dt, {r, in.xp.size(1)});
-  Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   // combine (a plain sum: each expert row's gradient is its token's)
   permute_forward(ctx, dyp, dy, row_token_);
   // experts (the SwiGLU backward gives the routing weights' gradient too)
@@ -134,6 +137,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // permute (the gather adds the two input gradients: no pass of its own)
   permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
   permute_weights_backward(ctx, dtopk_w, drow_w, slot_row_);
+  s.release(experts_mark);  // the experts' buffers are dead from here
   // route: through the combine weights, then the auxiliary losses
   router_topk_backward(ctx, dlogits, dtopk_w, probs_, topk_idx_, c.norm_topk_prob);
   router_aux_loss_backward(ctx, dlogits, logits_, probs_, counts_, c.num_experts_per_tok,
