@@ -140,6 +140,12 @@ TEST_CASE("whole-model gradient matches finite differences", "[model][gradcheck]
     m.norm_topk_prob = false;
     check_model_gradient(m, false, &checked);
   }
+  SECTION("experts wider than the model (F > d: w3's input gradient reuses dgate's buffer)") {
+    ModelConfig m = gradcheck_config();
+    m.mod.predictor_loss_coef = 0.0;
+    m.intermediate_size = 12;
+    check_model_gradient(m, false, &checked);
+  }
   SECTION("the causal predictors (they see stop-gradient x)") {
     check_model_gradient(gradcheck_config(), true, &checked);
     CHECK(checked == 2 * (4 * 8 + 4));

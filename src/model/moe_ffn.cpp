@@ -123,10 +123,12 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Tensor drow_w = s.alloc(acc, {r});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
-  // dyp is dead once the down projection's backward has run: w1's input gradient takes its
-  // buffer (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine).
+  // Buffers dead by then take the input gradients: dyp once the down projection's backward has
+  // run (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine), and dgate once w1's
+  // backward has, when it is large enough (F >= d; moe-small: 64 MiB fewer).
+  const int64_t d = in.xp.size(1), f = hgate_.size(1);
   Tensor dxp = dyp;
-  Tensor dxp_up = s.alloc(dt, {r, in.xp.size(1)});
+  Tensor dxp_up = f >= d ? dgate.view({r * f}).rows(0, r * d).view({r, d}) : s.alloc(dt, {r, d});
   // combine (a plain sum: each expert row's gradient is its token's)
   permute_forward(ctx, dyp, dy, row_token_);
   // experts (the SwiGLU backward gives the routing weights' gradient too)
