@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the H200, in one call (about 6-7 minutes from a cold machine): every GPU test in the sm_90
+# and PTX-only sm_75 builds (device_gpu_tests.sh --sm75), the kernel rows of `moe-train bench`
+# for moe-small and moe-fine, the peer table (device_bench.sh) and a moe-small profile. Prints
+# one summary last; logs under $OUT (default /tmp/session). The peer script is the one copied
+# from ../shared/peers into the checkout (an ignored folder named in the device call's carry).
+#   scripts/device_session.sh PEER_SCRIPT
+set -uo pipefail
+cd "$(dirname "$0")/.."
+peer=${1:?usage: scripts/device_session.sh PEER_SCRIPT}
+OUT=${OUT:-/tmp/session}
+mkdir -p "$OUT"
+OUT="$OUT/tests" scripts/device_gpu_tests.sh --sm75 >/dev/null 2>&1
+moe=build-gpu-sm90/moe-train
+for c in moe-small moe-fine; do
+  timeout 120 "$moe" bench --config "configs/$c.json" >"$OUT/bench.$c.log" 2>&1
+done
+OUT="$OUT/peer" RUN_TIMEOUT=100 scripts/device_bench.sh build-gpu-sm90 "$peer" \
+  moe-small moe-fine moe-t4 >/dev/null 2>&1
+timeout 120 "$moe" train --profile --config configs/moe-small.json \
+  --set train.out_dir=\""$OUT/profile-run"\" >"$OUT/profile.log" 2>&1
+{
+  echo "== GPU tests (rc 0 = pass)"
+  sed 's/  */ /g' "$OUT/tests/summary.txt"
+  for c in moe-small moe-fine; do
+    echo "== moe-train bench, $c (the rooflines and the rows with a target)"
+    grep -E "^(family|copy|dense_gemm |attention|.*>= )" "$OUT/bench.$c.log" | cut -c1-120
+  done
+  echo "== peer table"
+  cat "$OUT/peer/bench.txt"
+  echo "== moe-small profile (ms per step)"
+  sed -n '/profile:/,/total/p' "$OUT/profile.log" | head -14
+} | tee "$OUT/summary.txt"
