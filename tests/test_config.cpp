@@ -73,7 +73,8 @@ const char* kFullConfig = R"({
             "seed": 18446744073709551615, "device": "cuda:1", "out_dir": "runs/x",
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
-            "recompute_expert_inputs": true, "head_chunk_tokens": 512,
+            "recompute_expert_inputs": true, "recompute_expert_rows": true,
+            "head_chunk_tokens": 512,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -175,6 +176,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.gpu_memory_limit_gib == 15.5);
   CHECK(c.train.recompute_layers);
   CHECK(c.train.recompute_expert_inputs);
+  CHECK(c.train.recompute_expert_rows);
   CHECK(c.train.head_chunk_tokens == 512);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");

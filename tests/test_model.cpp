@@ -226,20 +226,26 @@ TEST_CASE("a tiny model overfits one fixed batch", "[model][train]") {
 }
 
 // Activation recomputation re-runs each layer's forward from its saved input just before its
-// backward (layers), or rebuilds the MoE layers' permuted rows and SwiGLU output (expert inputs):
-// the same arithmetic in the same order, so losses and every gradient are bitwise those of the
-// stored-activation model, with less activation memory and the losses counted once.
+// backward (layers), or rebuilds the MoE layers' permuted rows and SwiGLU output (expert inputs)
+// or their permuted rows only (expert rows): the same arithmetic in the same order, so losses and
+// every gradient are bitwise those of the stored-activation model, with less activation memory
+// and the losses counted once.
 TEST_CASE("model: recomputing gives bitwise the same losses and gradients", "[model]") {
   ModelConfig m = gradcheck_config();
   m.router_bias_update_rate = 0.01;  // the step loads feed the bias update: counted once
   const int b = 2, t = 8;
-  const std::string which = GENERATE(as<std::string>{}, "layers", "expert inputs", "both");
+  const std::string which =
+      GENERATE(as<std::string>{}, "layers", "expert inputs", "expert rows", "both");
   INFO("recompute " << which);
-  const MemoryPlan recompute{which != "expert inputs", which != "layers"};
+  MemoryPlan recompute;
+  recompute.recompute_layers = which == "layers" || which == "both";
+  recompute.recompute_expert_inputs = which == "expert inputs" || which == "both";
+  recompute.recompute_expert_rows = which == "expert rows";
   Model stored(m, DType::f32, Device{}, b, t),
       recomputed(m, DType::f32, Device{}, b, t, true, recompute);
   REQUIRE(recomputed.recomputes_layers() == recompute.recompute_layers);
   REQUIRE(recomputed.recomputes_expert_inputs() == recompute.recompute_expert_inputs);
+  REQUIRE(recomputed.recomputes_expert_rows() == (which != "layers"));
   CHECK(recomputed.activation_bytes() < stored.activation_bytes());
   stored.init_weights(3);
   recomputed.init_weights(3);

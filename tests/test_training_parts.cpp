@@ -780,9 +780,9 @@ TEST_CASE("GradientBuckets: adjacent ranges become buckets of at least the bucke
   CHECK(launched == std::vector<std::pair<size_t, size_t>>{{0, 10}});  // one bucket
 }
 
-// train.recompute_layers and train.recompute_expert_inputs change where activations live, not the
-// arithmetic: a short run (MoE, shared expert, MoD, router-bias updates) gives bitwise the same
-// per-step losses.
+// train.recompute_layers, train.recompute_expert_inputs and train.recompute_expert_rows change
+// where activations live, not the arithmetic: a short run (MoE, shared expert, MoD, router-bias
+// updates) gives bitwise the same per-step losses.
 TEST_CASE("train: recomputation gives bitwise the same run", "[train][recompute]") {
   const std::vector<std::string> base = {
       "train_micro_batch_size_per_gpu=2",
@@ -807,7 +807,8 @@ TEST_CASE("train: recomputation gives bitwise the same run", "[train][recompute]
       "train.device=\"cpu\""};
   std::vector<std::vector<double>> losses;
   for (const char* recompute :
-       {"", "train.recompute_layers=true", "train.recompute_expert_inputs=true"}) {
+       {"", "train.recompute_layers=true", "train.recompute_expert_inputs=true",
+        "train.recompute_expert_rows=true"}) {
     moe::test::TempDir dir;
     std::vector<std::string> o = base;
     if (*recompute) o.push_back(recompute);
@@ -818,4 +819,5 @@ TEST_CASE("train: recomputation gives bitwise the same run", "[train][recompute]
   REQUIRE(losses[0].size() == 6);
   CHECK(losses[1] == losses[0]);
   CHECK(losses[2] == losses[0]);
+  CHECK(losses[3] == losses[0]);
 }

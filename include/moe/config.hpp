@@ -146,6 +146,7 @@ struct TrainConfig {
   double comm_timeout_s = 600;           // collective watchdog (data parallel); 0 = off
   bool recompute_layers = false;         // activation recomputation, layer by layer
   bool recompute_expert_inputs = false;  // MoE layers: rebuild the expert GEMMs' inputs
+  bool recompute_expert_rows = false;    // MoE layers: rebuild the permuted rows only
   // Tokens whose logits ([tokens, V]) the head holds at once; each chunk's cross-entropy
   // gradient goes through the head's backward before the next chunk (0 = the whole micro-batch).
   int head_chunk_tokens = 2048;

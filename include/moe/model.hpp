@@ -89,16 +89,18 @@ struct ParamSharding {
 };
 
 // The memory choices that trade compute or launches for activation memory: which activations
-// the backward rebuilds instead of keeping (train.recompute_layers, train.recompute_expert_inputs)
-// and how many tokens' logits the head holds at once (train.head_chunk_tokens); Model's
-// constructor says what each costs.
+// the backward rebuilds instead of keeping (train.recompute_layers, train.recompute_expert_inputs,
+// train.recompute_expert_rows) and how many tokens' logits the head holds at once
+// (train.head_chunk_tokens); Model's constructor says what each costs.
 struct MemoryPlan {
   bool recompute_layers = false;
   bool recompute_expert_inputs = false;
   int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
+  bool recompute_expert_rows = false;
 };
 inline MemoryPlan memory_plan_of(const TrainConfig& t) {
-  return {t.recompute_layers, t.recompute_expert_inputs, t.head_chunk_tokens};
+  return {t.recompute_layers, t.recompute_expert_inputs, t.head_chunk_tokens,
+          t.recompute_expert_rows};
 }
 
 class Model {
@@ -114,6 +116,8 @@ class Model {
   // activations in memory instead of all of them, for about one more forward pass of compute.
   // memory.recompute_expert_inputs: the MoE layers keep neither their permuted rows nor the SwiGLU
   // output; the backward rebuilds them (a permute and a SwiGLU pass per MoE layer).
+  // memory.recompute_expert_rows: the permuted rows only (a permute per MoE layer); implied by
+  // recompute_expert_inputs.
   // memory.head_chunk_tokens (> 0): the LM head runs over chunks of that many tokens, and in
   // training each chunk's logits become their cross-entropy gradient and go through the head's
   // backward at once, so a [chunk, V] buffer replaces the [B*T, V] logits (same FLOPs; the head's
@@ -209,6 +213,9 @@ class Model {
   int seq_len() const { return seq_len_; }
   bool recomputes_layers() const { return memory_.recompute_layers; }
   bool recomputes_expert_inputs() const { return memory_.recompute_expert_inputs; }
+  bool recomputes_expert_rows() const {
+    return memory_.recompute_expert_rows || memory_.recompute_expert_inputs;
+  }
 
  private:
   friend struct LayerEnv;

@@ -88,6 +88,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
               mib(act_bytes), b,
               cfg.train.recompute_layers          ? ", layers recomputed"
               : cfg.train.recompute_expert_inputs ? ", expert inputs recomputed"
+              : cfg.train.recompute_expert_rows   ? ", expert rows recomputed"
                                                   : "");
   std::printf("  backward scratch  %10.1f MiB\n", mib(scratch_bytes));
   std::printf("  total             %10.1f MiB\n",

@@ -237,6 +237,7 @@ KeyNode train_section() {
        leaf("comm_timeout_s", AT(train.comm_timeout_s)),
        leaf("recompute_layers", AT(train.recompute_layers)),
        leaf("recompute_expert_inputs", AT(train.recompute_expert_inputs)),
+       leaf("recompute_expert_rows", AT(train.recompute_expert_rows)),
        leaf("head_chunk_tokens", AT(train.head_chunk_tokens)),
        leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }

@@ -92,8 +92,8 @@ class MoeFfn {
   Tensor xp_, hgate_, hup_, hact_;             // [R, d], [R, F] x3: compute dtype
 
   // The expert GEMMs' inputs: the permuted rows [R, d] and the SwiGLU output [R, F]. The kept
-  // activations, or (train.recompute_expert_inputs) fresh tensors in `scratch` that the caller
-  // fills and releases.
+  // activations, or (train.recompute_expert_rows: xp; train.recompute_expert_inputs: both) fresh
+  // tensors in `scratch` that the caller fills and releases.
   struct ExpertInputs {
     Tensor xp, hact;
   };

@@ -55,22 +55,23 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   slot_row_ = acts.alloc(DType::i32, {r});
   row_w_ = acts.alloc(acc, {r});
   // The expert GEMMs' inputs, xp and hact, are kept unless the backward rebuilds them
-  // (train.recompute_expert_inputs: then they live in scratch, see expert_inputs).
-  if (!env_.model.recomputes_expert_inputs()) {
-    xp_ = acts.alloc(dt, {r, d});
-    hact_ = acts.alloc(dt, {r, f});
-  }
+  // (train.recompute_expert_rows: xp, train.recompute_expert_inputs: both; the rebuilt ones live
+  // in scratch, see expert_inputs).
+  if (!env_.model.recomputes_expert_rows()) xp_ = acts.alloc(dt, {r, d});
+  if (!env_.model.recomputes_expert_inputs()) hact_ = acts.alloc(dt, {r, f});
   hgate_ = acts.alloc(dt, {r, f});
   hup_ = acts.alloc(dt, {r, f});
   for (auto& s : shared_) s->plan(acts, rows);
 }
 
 MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch) const {
-  if (!env_.model.recomputes_expert_inputs()) return {xp_, hact_};
   const auto& c = env_.cfg;
   const int64_t r = rows_ * c.num_experts_per_tok;
-  return {scratch.alloc(env_.dtype, {r, c.hidden_size}),
-          scratch.alloc(env_.dtype, {r, c.intermediate_size})};
+  ExpertInputs in{xp_, hact_};
+  if (env_.model.recomputes_expert_rows()) in.xp = scratch.alloc(env_.dtype, {r, c.hidden_size});
+  if (env_.model.recomputes_expert_inputs())
+    in.hact = scratch.alloc(env_.dtype, {r, c.intermediate_size});
+  return in;
 }
 
 void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
@@ -114,10 +115,10 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   const size_t experts_mark = s.mark();
   const ExpertInputs in = expert_inputs(s);
-  if (env_.model.recomputes_expert_inputs()) {  // rebuilt from the layer input and gate / up
-    permute_forward(ctx, in.xp, x, row_token_);
+  // rebuilt from the layer input and gate / up
+  if (env_.model.recomputes_expert_rows()) permute_forward(ctx, in.xp, x, row_token_);
+  if (env_.model.recomputes_expert_inputs())
     swiglu_weighted_forward(ctx, in.hact, hgate_, hup_, row_w_);
-  }
   const int64_t r = in.xp.size(0);
   Tensor dyp = s.alloc(dt, {r, c.hidden_size});
   Tensor drow_w = s.alloc(acc, {r});
