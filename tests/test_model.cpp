@@ -287,8 +287,9 @@ TEST_CASE("model: the head in chunks gives the whole head's losses and gradients
   ModelConfig m = gradcheck_config();
   m.tie_word_embeddings = tied;
   const int b = 2, t = 8;
-  Model whole(m, DType::f64, Device{}, b, t),
-      chunked(m, DType::f64, Device{}, b, t, true, MemoryPlan{false, false, chunk});
+  MemoryPlan plan;
+  plan.head_chunk_tokens = chunk;
+  Model whole(m, DType::f64, Device{}, b, t), chunked(m, DType::f64, Device{}, b, t, true, plan);
   REQUIRE(chunked.logits().size(0) == std::min<int64_t>(chunk, b * t));
   whole.init_weights(3);
   chunked.init_weights(3);

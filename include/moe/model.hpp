@@ -95,12 +95,12 @@ struct ParamSharding {
 struct MemoryPlan {
   bool recompute_layers = false;
   bool recompute_expert_inputs = false;
-  int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
   bool recompute_expert_rows = false;
+  int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
 };
 inline MemoryPlan memory_plan_of(const TrainConfig& t) {
-  return {t.recompute_layers, t.recompute_expert_inputs, t.head_chunk_tokens,
-          t.recompute_expert_rows};
+  return {t.recompute_layers, t.recompute_expert_inputs, t.recompute_expert_rows,
+          t.head_chunk_tokens};
 }
 
 class Model {

@@ -64,9 +64,9 @@ __global__ void swiglu_backward_kernel(T* dgate, T* dup, const T* dh, const T* g
 }
 
 // h = row_w[r] * silu(gate) * up, r = i / f, as round(w * round(silu(g) * u)) in the storage
-// dtype: the sm_90 fused epilogue (grouped_wgmma_sm90.cu) stores silu(g) * u through shared memory
-// and scales it by the row's weight on the way out, and this is its arithmetic, so both give the
-// same bits (for f32 / f64 it is the plain product). The vector path needs f % kVec == 0 (a
+// dtype: the sm_90 fused epilogue (grouped_wgmma_sm90.cu) rounds silu(g) * u, then scales it by
+// the row's weight on its way into the staging buffer, and this is its arithmetic, so both give
+// the same bits (for f32 / f64 it is the plain product). The vector path needs f % kVec == 0 (a
 // 16-byte chunk inside one row).
 template <class T>
 __device__ __forceinline__ T weighted_swiglu(T g, T u, acc_t<T> w) {
