@@ -40,7 +40,9 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-// Every key set to a non-default value (only the HF keys that are never printed are left out).
+// Every key set to a non-default value (only the HF keys that are never printed are left out;
+// train.split_master keeps its default, as true needs bf16 and ZeRO stage 0: the bad and fixed
+// cases below set it).
 const char* kFullConfig = R"({
   "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "train_batch_size": 12,
   "gradient_clipping": 0.5,
@@ -74,7 +76,7 @@ const char* kFullConfig = R"({
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
             "recompute_expert_inputs": true, "recompute_expert_rows": true,
-            "head_chunk_tokens": 512,
+            "head_chunk_tokens": 512, "split_master": false,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -692,6 +694,17 @@ const std::vector<BadCase>& bad_cases() {
       {"eval_batches 0", R"({"train": {"eval_batches": 0}})", {}, "train.eval_batches", {">= 1"}},
       {"device gpu", R"({"train": {"device": "gpu"}})", {}, "train.device", {"cuda:N", "gpu"}},
       {"device cuda:x", R"({"train": {"device": "cuda:x"}})", {}, "train.device", {"cuda:N"}},
+      {"split master without bf16",
+       R"({"train": {"split_master": true}})",
+       {},
+       "train.split_master",
+       {"bf16.enabled"}},
+      {"split master with ZeRO",
+       R"({"bf16": {"enabled": true}, "train": {"split_master": true},
+          "zero_optimization": {"stage": 1}})",
+       {},
+       "train.split_master",
+       {"stage 0", "stage 1"}},
   };
   return cases;
 }
@@ -730,6 +743,7 @@ TEST_CASE("config: the bad cases are good once the offending value is fixed") {
                           {"device": "cpu", "pin_memory": true}}})"));
   CHECK_NOTHROW(parse(R"({"train": {"comm_timeout_s": 0}})"));
   CHECK_NOTHROW(parse(R"({"train": {"device": "cuda:12"}})"));
+  CHECK_NOTHROW(parse(R"({"bf16": {"enabled": true}, "train": {"split_master": true}})"));
   CHECK_NOTHROW(parse(model(R"("hidden_size": 1000, "num_attention_heads": 8,
                                "num_key_value_heads": 8, "head_dim": 124)")));
 }

@@ -147,6 +147,9 @@ struct TrainConfig {
   bool recompute_layers = false;         // activation recomputation, layer by layer
   bool recompute_expert_inputs = false;  // MoE layers: rebuild the expert GEMMs' inputs
   bool recompute_expert_rows = false;    // MoE layers: rebuild the permuted rows only
+  // bf16 models: the fp32 master stored as the compute copy plus 16-bit low halves (4 bytes per
+  // parameter instead of 6); ZeRO stage 0 without offload.
+  bool split_master = false;
   // Tokens whose logits ([tokens, V]) the head holds at once; each chunk's cross-entropy
   // gradient goes through the head's backward before the next chunk (0 = the whole micro-batch).
   int head_chunk_tokens = 2048;

@@ -29,7 +29,10 @@ struct ParamInfo {
   int stack = 1;               // E for expert stacks, 1 otherwise
   std::vector<int64_t> shape;  // of one member of the stack
   size_t offset = 0;           // elements from the start of the parameter buffer
-  size_t numel() const;        // of the whole stack
+  // Read by fp32 ops (the MoE router and the MoD router and predictor run in fp32 on a
+  // mixed-precision model): a split master keeps a decoded fp32 copy of these.
+  bool fp32_reads = false;
+  size_t numel() const;  // of the whole stack
   // The tensor over `data` ([stack, shape...] for a stack, else shape) of dtype dt on dev.
   Tensor view(void* data, DType dt, Device dev) const;
 };
@@ -88,19 +91,21 @@ struct ParamSharding {
   bool pin_memory = false;
 };
 
-// The memory choices that trade compute or launches for activation memory: which activations
-// the backward rebuilds instead of keeping (train.recompute_layers, train.recompute_expert_inputs,
-// train.recompute_expert_rows) and how many tokens' logits the head holds at once
-// (train.head_chunk_tokens); Model's constructor says what each costs.
+// The memory choices: which activations the backward rebuilds instead of keeping
+// (train.recompute_layers, train.recompute_expert_inputs, train.recompute_expert_rows), how many
+// tokens' logits the head holds at once (train.head_chunk_tokens) and whether a bf16 model keeps
+// its fp32 master split into the compute copy and low halves (train.split_master); Model's
+// constructor says what each costs.
 struct MemoryPlan {
   bool recompute_layers = false;
   bool recompute_expert_inputs = false;
   bool recompute_expert_rows = false;
   int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
+  bool split_master = false;
 };
 inline MemoryPlan memory_plan_of(const TrainConfig& t) {
   return {t.recompute_layers, t.recompute_expert_inputs, t.recompute_expert_rows,
-          t.head_chunk_tokens};
+          t.head_chunk_tokens, t.split_master};
 }
 
 class Model {
@@ -122,6 +127,13 @@ class Model {
   // training each chunk's logits become their cross-entropy gradient and go through the head's
   // backward at once, so a [chunk, V] buffer replaces the [B*T, V] logits (same FLOPs; the head's
   // weight gradient is accumulated once per chunk).
+  // memory.split_master (bf16 compute, unsharded): the fp32 master is not a buffer of its own but
+  // the bf16 compute copy plus a u16 buffer of low halves (kernels/common/split_master.hpp), 4
+  // bytes per parameter instead of 6, read and written exactly by master_to_host /
+  // master_from_host and updated in place by AdamW (adamw_step_split). The compute copy rounds
+  // ties toward zero instead of to even (one fp32 pattern in 65536). params() is then not
+  // available, and param(p) only for the parameters fp32 ops read (ParamInfo::fp32_reads: a
+  // decoded copy that weights_changed refreshes).
   // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.
@@ -130,6 +142,15 @@ class Model {
   ~Model();
 
   void init_weights(uint64_t seed);
+  // Elements [begin, end) of the flat fp32 (master dtype) weights to or from host memory, exact
+  // whichever way the master is stored (not ZeRO-3: there params() holds this rank's chunks).
+  // After master_from_host the caller calls weights_changed, as after any write of the weights.
+  void master_to_host(size_t begin, size_t end, void* host) const;
+  void master_from_host(size_t begin, size_t end, const void* host);
+  bool splits_master() const { return memory_.split_master; }
+  // The split master's low halves ([P] u16; empty unless splits_master()); compute_params() is
+  // the other half.
+  Tensor master_low() const;
   // After anything wrote params() (optimizer step, checkpoint load): refresh the compute copy.
   // compute_copy_current: the writer kept compute_params() current itself (AdamW's fused
   // compute-copy output: AdamW::writes_compute_copy), so the whole-buffer convert is skipped;
@@ -175,7 +196,8 @@ class Model {
   const ParamTable& table() const { return table_; }
   DType dtype() const { return param_dtype_; }  // master weights, gradients, optimizer state
   DType compute_dtype() const { return compute_; }
-  Tensor params() const;  // master weights (ZeRO-3: this rank's chunks)
+  // Master weights (ZeRO-3: this rank's chunks); not with a split master (master_to_host).
+  Tensor params() const;
   Tensor grads() const;
   // The 16-bit compute copy of params() as one flat tensor of the compute dtype, laid out like
   // params(); empty when there is none to keep current from outside: an f32 / f64 model (the
@@ -243,6 +265,10 @@ class Model {
   // Where each layer's parameters start in the flat buffer; [L] = the final norm's offset.
   std::vector<size_t> layer_offsets_;
   Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
+  // Split master: the low halves (work_buf_ holds the high ones; no param_buf_) and the decoded
+  // fp32 copy of the fp32_reads parameters, each at fp32_slot_[index in table_.params].
+  Buffer low_buf_, fp32_copy_buf_;
+  std::vector<size_t> fp32_slot_;
   Arena acts_, scratch_;
   std::unique_ptr<ShardedParams> sharded_;  // ZeRO stage 3 only
   std::unique_ptr<LayerEnv> env_;

@@ -10,7 +10,8 @@
 
 namespace moe {
 
-enum class DType : uint8_t { f32, f64, f16, bf16, i32 };
+// u16: raw 16-bit words (the low halves of a split fp32 master, common/split_master.hpp).
+enum class DType : uint8_t { f32, f64, f16, bf16, i32, u16 };
 enum class DeviceType : uint8_t { cpu, cuda };
 
 struct Device {

@@ -2,6 +2,7 @@
 // (kernels/cuda/optim.cu) backends: shapes and dtypes only, nothing that reads tensor data or
 // depends on the device.
 #pragma once
+#include <initializer_list>
 #include <string>
 
 #include "moe/error.hpp"
@@ -40,6 +41,33 @@ inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor
     MOE_CHECK(c.device == p.device,
               "adamw_step: compute_out is on " + c.device.str() + ", p on " + p.device.str());
   }
+}
+
+// hi bf16 and lo u16 of one element count n, on one device, and (when given) f32 tensors of n
+// elements there too (the adamw_step_split and split_master_decode operands).
+inline void check_split_master_args(const Tensor& hi, const Tensor& lo,
+                                    std::initializer_list<const Tensor*> f32s, const char* op) {
+  const int64_t n = hi.numel();
+  MOE_CHECK(hi.dtype == DType::bf16 && lo.dtype == DType::u16,
+            std::string(op) + ": hi must be bf16 and lo u16, got " + dtype_name(hi.dtype) + ", " +
+                dtype_name(lo.dtype));
+  MOE_CHECK(lo.numel() == n && lo.device == hi.device,
+            std::string(op) + ": hi " + hi.shape_str() + " on " + hi.device.str() + ", lo " +
+                lo.shape_str() + " on " + lo.device.str());
+  for (const Tensor* t : f32s)
+    MOE_CHECK(t->dtype == DType::f32 && t->numel() == n && t->device == hi.device,
+              std::string(op) + ": expected f32 " + hi.shape_str() + " on " + hi.device.str() +
+                  ", got " + dtype_name(t->dtype) + " " + t->shape_str() + " on " +
+                  t->device.str());
+}
+
+// adamw_step_split: the split operands, f32 g, m, v, and adamw_step's own checks on g, m, v.
+inline void check_adamw_step_split_args(const Tensor& hi, const Tensor& lo, const Tensor& g,
+                                        const Tensor& m, const Tensor& v, const AdamWArgs& a) {
+  check_split_master_args(hi, lo, {&g, &m, &v}, "adamw_step_split");
+  MOE_CHECK(a.compute_out.empty(),
+            "adamw_step_split: compute_out must be empty (hi is the compute copy)");
+  check_adamw_step_args(g, g, m, v, a);
 }
 
 }  // namespace moe

@@ -27,6 +27,7 @@
 
 #include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
+#include "common/split_master.hpp"
 #include "cuda/convert_element.cuh"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/optim.hpp"
@@ -76,6 +77,26 @@ __device__ __forceinline__ bool step_scale(const AdamConsts<A>& c, A* grad_scale
   if (!adamw_clipped_scale(*c.norm_sq, c.grad_scale_d, c.max_norm, &s)) return false;
   *grad_scale = static_cast<A>(s);
   return true;
+}
+
+// The step's constants in A (the bias corrections computed on the host in double).
+template <class A>
+AdamConsts<A> adam_consts(const AdamWArgs& a) {
+  const double t = static_cast<double>(a.step);
+  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
+  return {static_cast<A>(a.lr),
+          static_cast<A>(a.beta1),
+          static_cast<A>(a.beta2),
+          static_cast<A>(1.0 - a.beta1),
+          static_cast<A>(1.0 - a.beta2),
+          static_cast<A>(a.eps),
+          static_cast<A>(a.weight_decay),
+          static_cast<A>(a.grad_scale),
+          static_cast<A>(bc1),
+          static_cast<A>(bc2),
+          static_cast<const double*>(a.norm_sq.data),
+          a.grad_scale,
+          a.max_norm};
 }
 
 // D: the storage type of the compute-copy output `out`, void when there is none.
@@ -153,25 +174,11 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
   check_adamw_step_args(p, g, m, v, a);
   check_on_gpu({&p, &g, &m, &v}, "adamw_step");  // compute_out: on p's device (checked above)
   if (n == 0) return;
-  const double t = static_cast<double>(a.step);
-  const double bc1 = 1.0 - std::pow(a.beta1, t), bc2 = 1.0 - std::pow(a.beta2, t);
   const int64_t blocks = std::min((n + kThreads - 1) / kThreads, kMaxBlocks);
   dispatch_storage(p.dtype, "adamw_step", [&](auto zero) {
     using T = decltype(zero);
     using A = acc_t<T>;
-    const AdamConsts<A> c{static_cast<A>(a.lr),
-                          static_cast<A>(a.beta1),
-                          static_cast<A>(a.beta2),
-                          static_cast<A>(1.0 - a.beta1),
-                          static_cast<A>(1.0 - a.beta2),
-                          static_cast<A>(a.eps),
-                          static_cast<A>(a.weight_decay),
-                          static_cast<A>(a.grad_scale),
-                          static_cast<A>(bc1),
-                          static_cast<A>(bc2),
-                          static_cast<const double*>(a.norm_sq.data),
-                          a.grad_scale,
-                          a.max_norm};
+    const AdamConsts<A> c = adam_consts<A>(a);
     auto launch = [&](auto* out) {
       using D = std::remove_pointer_t<decltype(out)>;
       T *pp = data_of<T>(p), *gp = data_of<T>(g), *mp = data_of<T>(m), *vp = data_of<T>(v);
@@ -207,7 +214,112 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
   });
 }
 
+// The split master (common/split_master.hpp): each thread decodes its element's p from hi and
+// lo, runs adam_element on it as the f32 kernels do (so the same bits) and encodes it back.
+// Four elements per thread in 8-byte hi / lo and 16-byte g / m / v accesses when every array
+// is aligned for them: 28 bytes per element (the f32 master with its bf16 copy moves 30).
+__device__ __forceinline__ void adam_split_element(uint16_t& hi, uint16_t& lo, float g, float& m,
+                                                   float& v, float grad_scale,
+                                                   const AdamConsts<float>& c) {
+  const float p = adam_element(split_master_decode_one(hi, lo), g, m, v, grad_scale, c);
+  split_master_encode_one(p, &hi, &lo);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_split_kernel(uint16_t* __restrict__ hi, uint16_t* __restrict__ lo,
+                       const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                       int64_t n, AdamConsts<float> c) {
+  float grad_scale;
+  if (!step_scale(c, &grad_scale)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += stride) {
+    uint16_t h = hi[i], l = lo[i];
+    float mi = m[i], vi = v[i];
+    adam_split_element(h, l, g[i], mi, vi, grad_scale, c);
+    hi[i] = h;
+    lo[i] = l;
+    m[i] = mi;
+    v[i] = vi;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_split_kernel_x4(ushort4* __restrict__ hi, ushort4* __restrict__ lo,
+                          const float4* __restrict__ g, float4* __restrict__ m,
+                          float4* __restrict__ v, int64_t quads, AdamConsts<float> c) {
+  float grad_scale;
+  if (!step_scale(c, &grad_scale)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += stride) {
+    ushort4 h = hi[i], l = lo[i];
+    float4 mq = m[i], vq = v[i];
+    const float4 gq = g[i];
+    adam_split_element(h.x, l.x, gq.x, mq.x, vq.x, grad_scale, c);
+    adam_split_element(h.y, l.y, gq.y, mq.y, vq.y, grad_scale, c);
+    adam_split_element(h.z, l.z, gq.z, mq.z, vq.z, grad_scale, c);
+    adam_split_element(h.w, l.w, gq.w, mq.w, vq.w, grad_scale, c);
+    hi[i] = h;
+    lo[i] = l;
+    m[i] = mq;
+    v[i] = vq;
+  }
+}
+
+void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
+                           const AdamWArgs& a) {
+  check_adamw_step_split_args(hi, lo, g, m, v, a);
+  check_on_gpu({&hi, &lo, &g, &m, &v}, "adamw_step_split");
+  const int64_t n = hi.numel();
+  if (n == 0) return;
+  const AdamConsts<float> c = adam_consts<float>(a);
+  auto* hp = data_of<uint16_t>(hi);
+  auto* lp = data_of<uint16_t>(lo);
+  const float* gp = data_of<float>(g);
+  float *mp = data_of<float>(m), *vp = data_of<float>(v);
+  int64_t done = 0;
+  if (aligned_to(hp, 8) && aligned_to(lp, 8) && aligned_to(gp, 16) && aligned_to(mp, 16) &&
+      aligned_to(vp, 16) && n >= 4) {
+    const int64_t quads = n / 4;
+    const int64_t blocks = std::min((quads + kThreads - 1) / kThreads, kMaxBlocks);
+    adamw_split_kernel_x4<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
+        reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
+        reinterpret_cast<const float4*>(gp), reinterpret_cast<float4*>(mp),
+        reinterpret_cast<float4*>(vp), quads, c);
+    MOE_CUDA_LAUNCH_CHECK();
+    done = quads * 4;
+  }
+  if (done == n) return;
+  const int64_t blocks = std::min((n - done + kThreads - 1) / kThreads, kMaxBlocks);
+  adamw_split_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
+      hp + done, lp + done, gp + done, mp + done, vp + done, n - done, c);
+  MOE_CUDA_LAUNCH_CHECK();
+}
+
+__global__ void __launch_bounds__(kThreads)
+    split_decode_kernel(float* __restrict__ out, const uint16_t* __restrict__ hi,
+                        const uint16_t* __restrict__ lo, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = split_master_decode_one(hi[i], lo[i]);
+}
+
+void split_master_decode_cuda(Ctx& ctx, Tensor master, Tensor hi, Tensor lo) {
+  check_split_master_args(hi, lo, {&master}, "split_master_decode");
+  check_on_gpu({&master, &hi, &lo}, "split_master_decode");
+  const int64_t n = hi.numel();
+  if (n == 0) return;
+  const int64_t blocks = std::min((n + kThreads - 1) / kThreads, kMaxBlocks);
+  split_decode_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
+      data_of<float>(master), data_of<uint16_t>(hi), data_of<uint16_t>(lo), n);
+  MOE_CUDA_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace moe::cuda_detail::optim_impl
 
 MOE_REGISTER_CUDA_OP(adamw_step, &::moe::cuda_detail::optim_impl::adamw_step_cuda);
+MOE_REGISTER_CUDA_OP(adamw_step_split, &::moe::cuda_detail::optim_impl::adamw_step_split_cuda);
+MOE_REGISTER_CUDA_OP(split_master_decode,
+                     &::moe::cuda_detail::optim_impl::split_master_decode_cuda);

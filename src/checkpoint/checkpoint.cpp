@@ -320,7 +320,7 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
     }
   } else {
     r.seek(l0.weights_at);
-    r.tensor(model.params());
+    r.master(model);
   }
   optimizer.params_written();  // an offloaded master copy is taken from the loaded weights
   for (const Copy& c : copies) {
@@ -333,7 +333,7 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
   }
   optimizer.set_steps_taken(adam_step);
   state = loaded;
-  Ctx ctx = make_ctx(model.params().device);
+  Ctx ctx = make_ctx(model.grads().device);
   model.weights_changed(ctx);
 }
 

@@ -67,6 +67,12 @@ void tensor_to_host_chunks(const Tensor& t, size_t chunk_bytes,
                            const std::function<void(const void*, size_t)>& sink);
 void tensor_from_host_chunks(const Tensor& t, size_t chunk_bytes,
                              const std::function<void(void*, size_t)>& source);
+// The same for the model's master weights [begin, end) (Model::master_to_host /
+// master_from_host: exact also for a split master); the caller then calls weights_changed.
+void master_to_host_chunks(const Model& model, size_t begin, size_t end, size_t chunk_bytes,
+                           const std::function<void(const void*, size_t)>& sink);
+void master_from_host_chunks(Model& model, size_t begin, size_t end, size_t chunk_bytes,
+                             const std::function<void(void*, size_t)>& source);
 
 // ---- checkpoint.cpp
 // Copies moe_tokenizer.json (required) and tokenizer.model (when present) from one directory to

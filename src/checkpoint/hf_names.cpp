@@ -31,14 +31,12 @@ std::string shape_text(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// The view of one Hugging Face tensor inside the parameter buffer.
-Tensor hf_tensor_view(const Model& model, const HfTensor& h) {
+// Where one Hugging Face tensor lies in the flat parameter buffer: elements [first, second).
+std::pair<size_t, size_t> hf_tensor_range(const Model& model, const HfTensor& h) {
   const ParamInfo& p = model.table().params[h.param];
-  Tensor t = model.param(p);
-  if (p.stack > 1) t = t.rows(h.member, h.member + 1);
-  t.ndim = static_cast<int>(h.shape.size());
-  for (size_t i = 0; i < h.shape.size(); ++i) t.shape[i] = h.shape[i];
-  return t;
+  const size_t member = p.numel() / static_cast<size_t>(p.stack);
+  const size_t begin = p.offset + static_cast<size_t>(h.member) * member;
+  return {begin, begin + member};
 }
 
 // The whole tensor as a 1-D view, so it can be cut into row ranges of any length.
@@ -88,6 +86,7 @@ void write_element(uint8_t* p, DType t, double v) {
       return;
     }
     case DType::i32:
+    case DType::u16:
       break;
   }
   throw InternalError("load_named_tensors: the model's dtype is not a float type");
@@ -133,6 +132,8 @@ std::string safetensors_dtype(DType t) {
       return "BF16";
     case DType::i32:
       return "I32";
+    case DType::u16:
+      return "U16";
   }
   return "?";
 }
@@ -160,6 +161,30 @@ void tensor_to_host_chunks(const Tensor& t, size_t chunk_bytes,
   }
 }
 
+void master_to_host_chunks(const Model& model, size_t begin, size_t end, size_t chunk_bytes,
+                           const std::function<void(const void*, size_t)>& sink) {
+  const size_t elem = dtype_size(model.dtype());
+  const size_t step = std::max<size_t>(1, chunk_bytes / elem);
+  std::vector<uint8_t> staging(std::min(end - begin, step) * elem);
+  for (size_t b = begin; b < end; b += step) {
+    const size_t e = std::min(end, b + step);
+    model.master_to_host(b, e, staging.data());
+    sink(staging.data(), (e - b) * elem);
+  }
+}
+
+void master_from_host_chunks(Model& model, size_t begin, size_t end, size_t chunk_bytes,
+                             const std::function<void(void*, size_t)>& source) {
+  const size_t elem = dtype_size(model.dtype());
+  const size_t step = std::max<size_t>(1, chunk_bytes / elem);
+  std::vector<uint8_t> staging(std::min(end - begin, step) * elem);
+  for (size_t b = begin; b < end; b += step) {
+    const size_t e = std::min(end, b + step);
+    source(staging.data(), (e - b) * elem);
+    model.master_from_host(b, e, staging.data());
+  }
+}
+
 void tensor_from_host_chunks(const Tensor& t, size_t chunk_bytes,
                              const std::function<void(void*, size_t)>& source) {
   const Tensor f = flat(t);
@@ -178,10 +203,11 @@ std::vector<SafetensorsEntry> model_safetensors_entries(const Model& model) {
   std::vector<SafetensorsEntry> entries;
   const std::string dtype = safetensors_dtype(model.dtype());
   for (const HfTensor& h : hf_tensors(model.table())) {
-    const Tensor view = hf_tensor_view(model, h);
-    SafetensorsEntry e{h.name, dtype, h.shape, view.nbytes(), nullptr};
-    e.write_data = [view](DurableFile& f) {
-      tensor_to_host_chunks(view, kChunkBytes, [&f](const void* p, size_t n) { f.write(p, n); });
+    const auto [begin, end] = hf_tensor_range(model, h);
+    SafetensorsEntry e{h.name, dtype, h.shape, (end - begin) * dtype_size(model.dtype()), nullptr};
+    e.write_data = [&model, begin = begin, end = end](DurableFile& f) {
+      master_to_host_chunks(model, begin, end, kChunkBytes,
+                            [&f](const void* p, size_t n) { f.write(p, n); });
     };
     entries.push_back(std::move(e));
   }
@@ -234,9 +260,10 @@ void load_named_tensors_from(Model& model, const std::vector<NamedTensor>& tenso
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (match[i] < 0) continue;
     const std::vector<uint8_t> bytes = converted_bytes(tensors[i], model.dtype());
-    copy_from_host(hf_tensor_view(model, expected[match[i]]), bytes.data());
+    const auto [begin, end] = hf_tensor_range(model, expected[match[i]]);
+    model.master_from_host(begin, end, bytes.data());
   }
-  Ctx ctx = make_ctx(model.params().device);
+  Ctx ctx = make_ctx(model.grads().device);
   model.weights_changed(ctx);
 }
 
@@ -248,9 +275,10 @@ std::vector<NamedTensor> model_to_named_tensors(const Model& model) {
   std::vector<NamedTensor> out;
   const std::string dtype = safetensors_dtype(model.dtype());
   for (const HfTensor& h : hf_tensors(model.table())) {
-    const Tensor view = hf_tensor_view(model, h);
-    NamedTensor t{h.name, dtype, h.shape, std::vector<uint8_t>(view.nbytes())};
-    copy_to_host(t.bytes.data(), view);
+    const auto [begin, end] = hf_tensor_range(model, h);
+    NamedTensor t{h.name, dtype, h.shape,
+                  std::vector<uint8_t>((end - begin) * dtype_size(model.dtype()))};
+    model.master_to_host(begin, end, t.bytes.data());
     out.push_back(std::move(t));
   }
   return out;

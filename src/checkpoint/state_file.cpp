@@ -215,6 +215,10 @@ class StateWriter {
   void tensor(const Tensor& t) {
     tensor_to_host_chunks(t, kChunkBytes, [this](const void* p, size_t n) { bytes(p, n); });
   }
+  void master(const Model& model) {
+    master_to_host_chunks(model, 0, model.table().total, kChunkBytes,
+                          [this](const void* p, size_t n) { bytes(p, n); });
+  }
   void finish() {
     const uint64_t c = sum_.value();
     file_.write(&c, 8);
@@ -259,7 +263,7 @@ void write_state_file(const std::string& path, const WriteHook& hook, const Save
   std::string count;
   put(count, uint64_t{weights ? h.param_count : 0});
   w.bytes(count);
-  if (weights) w.tensor(model.params());
+  if (weights) w.master(model);
   w.finish();
 }
 

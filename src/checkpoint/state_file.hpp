@@ -66,6 +66,12 @@ class StateReader {
       at_ += n;
     });
   }
+  void master(Model& model) {
+    master_from_host_chunks(model, 0, model.table().total, kChunkBytes, [this](void* p, size_t n) {
+      f_.read_at(at_, p, n);
+      at_ += n;
+    });
+  }
   void seek(uint64_t at) { at_ = at; }
 
  private:

@@ -64,10 +64,13 @@ void run_info(const ConfigFlags& f, int world_flag) {
   // fp32 master weights, gradients and both Adam moments; in bf16 / fp16 also a compute copy of
   // the weights, and activations in that dtype.
   const DType compute = requested_compute_dtype(cfg);
+  // (train.split_master: the master is the compute copy plus 2-byte low halves, and the fp32
+  // copies of the routers' weights; the model's own count.)
   const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
-  const double param_bytes = c.total * 4 + copy_bytes, grad_bytes = c.total * 4;
-  const double optim_bytes = c.total * 8;
   Model plan(m, compute, Device{}, b, t, /*allocate=*/false, memory_plan_of(cfg.train));
+  const double grad_bytes = c.total * 4;
+  const double param_bytes = static_cast<double>(plan.weight_bytes()) - grad_bytes;
+  const double optim_bytes = c.total * 8;
   const double act_bytes = static_cast<double>(plan.activation_bytes());
   const double scratch_bytes = static_cast<double>(plan.scratch_bytes());
   std::printf("%s\n", build_info().c_str());
@@ -81,7 +84,9 @@ void run_info(const ConfigFlags& f, int world_flag) {
               b * t * cfg.gradient_accumulation_steps);
   std::printf("memory (%s compute, per process):\n", dtype_name(compute));
   std::printf("  parameters        %10.1f MiB%s\n", mib(param_bytes),
-              copy_bytes > 0 ? " (fp32 master + compute copy)" : "");
+              plan.splits_master() ? " (split fp32 master: compute copy + low halves)"
+              : copy_bytes > 0     ? " (fp32 master + compute copy)"
+                                   : "");
   std::printf("  gradients         %10.1f MiB\n", mib(grad_bytes));
   std::printf("  optimizer state   %10.1f MiB (AdamW m, v)\n", mib(optim_bytes));
   std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d%s)\n",
@@ -127,8 +132,9 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const ZeroPartition part3 =
       ZeroPartition::per_unit(param_unit_bounds(plan.table(), m), 0, static_cast<int>(n));
   const ParamSharding sharding{&part3, nullptr};
-  const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, memory_plan_of(cfg.train),
-                    &sharding);
+  MemoryPlan memory3 = memory_plan_of(cfg.train);
+  memory3.split_master = false;  // stage 0 only (the other rows are what-ifs)
+  const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, memory3, &sharding);
   const double shard = static_cast<double>(part3.local());
   const double slots = static_cast<double>(plan3.weight_bytes()) - 8 * shard;
   // The offloaded update overlapped with the backward keeps a second copy of its state (the
@@ -143,7 +149,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
     const char* note;
   };
   const Row rows[] = {
-      {"0", (4 + cb) * p, 4 * p, 8 * p, 0, 0, ""},
+      {"0", param_bytes, 4 * p, 8 * p, 0, 0, plan.splits_master() ? "split master" : ""},
       {"1", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0, ""},
       {"2", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0,
        "full gradient buffer (DeepSpeed ideal: grads / N)"},

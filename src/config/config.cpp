@@ -238,6 +238,7 @@ KeyNode train_section() {
        leaf("recompute_layers", AT(train.recompute_layers)),
        leaf("recompute_expert_inputs", AT(train.recompute_expert_inputs)),
        leaf("recompute_expert_rows", AT(train.recompute_expert_rows)),
+       leaf("split_master", AT(train.split_master)),
        leaf("head_chunk_tokens", AT(train.head_chunk_tokens)),
        leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }

@@ -278,6 +278,16 @@ void reject_unavailable_features(const Config& c) {
   // (Mixed precision needs a GPU: the trainer checks that once the device is known.)
   if (c.fp16.enabled && c.bf16_enabled)
     fail("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one");
+  // The split master is the bf16 compute copy plus the low halves, updated in place: the ZeRO
+  // stages' fp32 all_gather of the master and the offloaded host master (stages 1-3 only) have
+  // no split form yet.
+  if (c.train.split_master) {
+    if (!c.bf16_enabled)
+      fail("train.split_master", "needs bf16.enabled (its high halves are the bf16 compute copy)");
+    if (c.zero_optimization.stage != 0)
+      fail("train.split_master", "needs zero_optimization.stage 0, got stage " +
+                                     std::to_string(c.zero_optimization.stage));
+  }
   if (!kHasTokenShards && c.data.source != "synthetic")
     fail("data.source",
          "got \"" + c.data.source + "\": token shards are not available yet; use \"synthetic\"");

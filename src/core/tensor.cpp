@@ -33,6 +33,8 @@ size_t dtype_size(DType t) {
       return 2;
     case DType::i32:
       return 4;
+    case DType::u16:
+      return 2;
   }
   return 0;
 }
@@ -49,6 +51,8 @@ const char* dtype_name(DType t) {
       return "bf16";
     case DType::i32:
       return "i32";
+    case DType::u16:
+      return "u16";
   }
   return "?";
 }
@@ -62,6 +66,7 @@ DType acc_dtype(DType t) {
     case DType::bf16:
       return DType::f32;
     case DType::i32:
+    case DType::u16:
       break;
   }
   throw InternalError(std::string("acc_dtype: ") + dtype_name(t) +

@@ -10,11 +10,13 @@
 #include "model/sharded_params.hpp"
 #include "moe/model.hpp"
 #include "moe/optim.hpp"
+#include "common/split_master.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/embedding.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/norm.hpp"
+#include "moe/ops/optim.hpp"
 #include "moe/ops/rope.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/rng.hpp"
@@ -85,9 +87,23 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
                                                sharding->comm, param_dtype_, compute_, dev,
                                                allocate, sharding->offload, sharding->pin_memory);
   } else if (allocate) {
-    param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
+    if (!memory_.split_master) param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
+  }
+  MOE_CHECK(!memory_.split_master || (compute_ == DType::bf16 && !sharded_),
+            std::string("Model: a split master needs bf16 compute and unsharded weights, got ") +
+                dtype_name(compute_) + (sharded_ ? ", ZeRO-3" : ""));
+  if (memory_.split_master) {
+    size_t fp32_elems = 0;
+    for (const ParamInfo& p : table_.params) {
+      fp32_slot_.push_back(fp32_elems);
+      if (p.fp32_reads) fp32_elems += p.numel();
+    }
+    if (allocate) {
+      low_buf_ = Buffer(dev, table_.total * dtype_size(DType::u16));
+      fp32_copy_buf_ = Buffer(dev, fp32_elems * dtype_size(param_dtype_));
+    }
   }
   env_ = std::make_unique<LayerEnv>(
       LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_, Tensor(), Tensor(), Tensor(), false});
@@ -160,14 +176,26 @@ void Model::plan() {
 
 size_t Model::weight_bytes() const {
   if (sharded_) return sharded_->device_bytes();
-  size_t per = 2 * dtype_size(param_dtype_);
+  size_t fp32_copies = 0;  // a split master's decoded fp32_reads parameters
+  for (const ParamInfo& p : table_.params)
+    if (memory_.split_master && p.fp32_reads) fp32_copies += p.numel() * dtype_size(param_dtype_);
+  // master (fp32, or split: the low halves beside the compute copy), gradient, compute copy
+  size_t per = (memory_.split_master ? dtype_size(DType::u16) : dtype_size(param_dtype_)) +
+               dtype_size(param_dtype_);
   if (compute_ != param_dtype_) per += dtype_size(compute_);
-  return table_.total * per;
+  return table_.total * per + fp32_copies;
 }
 
 Tensor Model::params() const {
   if (sharded_) return sharded_->master_shard();
+  MOE_CHECK(!memory_.split_master,
+            "Model::params: the master is split (bf16 compute copy + low halves); use "
+            "master_to_host / master_from_host");
   return param_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
+}
+Tensor Model::master_low() const {
+  if (!memory_.split_master || !allocated_) return Tensor();
+  return low_buf_.as(DType::u16, {static_cast<int64_t>(table_.total)});
 }
 Tensor Model::grads() const {
   if (sharded_) return sharded_->grad_shard();
@@ -186,6 +214,15 @@ static Tensor param_view(const Buffer& buf, bool allocated, DType dt, Device dev
 
 Tensor Model::param(const ParamInfo& p) const {
   if (sharded_) return sharded_->master(p);
+  if (memory_.split_master) {
+    // Only the fp32_reads parameters have an fp32 copy; the others' master views are never read
+    // (the layers read work()), so they get no storage: a null view.
+    if (!p.fp32_reads || !allocated_) return p.view(nullptr, param_dtype_, dev_);
+    const size_t index = static_cast<size_t>(&p - table_.params.data());
+    return p.view(
+        static_cast<char*>(fp32_copy_buf_.data()) + fp32_slot_.at(index) * dtype_size(param_dtype_),
+        param_dtype_, dev_);
+  }
   return param_view(param_buf_, allocated_, param_dtype_, dev_, p);
 }
 Tensor Model::grad(const ParamInfo& p) const {
@@ -212,9 +249,76 @@ void Model::weights_changed(Ctx& ctx, bool compute_copy_current) {
     sharded_->invalidate();
     return;
   }
+  if (memory_.split_master) {  // the compute copy is the master's high half: always current
+    const Tensor hi = compute_params(), lo = master_low();
+    for (const ParamInfo& p : table_.params) {
+      if (!p.fp32_reads) continue;
+      const auto b = static_cast<int64_t>(p.offset), e = b + static_cast<int64_t>(p.numel());
+      Tensor fp32 = param(p);
+      fp32.ndim = 1;
+      fp32.shape[0] = e - b;
+      split_master_decode(ctx, fp32, hi.rows(b, e), lo.rows(b, e));
+    }
+    return;
+  }
   const Tensor compute = compute_params();
   if (compute.empty() || compute_copy_current) return;
   convert(ctx, compute, params(), false);
+}
+
+namespace {
+
+// A split master's elements [begin, end) to / from host fp32, through bounded host staging.
+constexpr size_t kSplitPiece = size_t{1} << 22;
+
+void split_master_to_host(const Tensor& hi, const Tensor& lo, size_t begin, size_t end,
+                          float* out) {
+  std::vector<uint16_t> h(std::min(kSplitPiece, end - begin)), l(h.size());
+  for (size_t b = begin; b < end; b += kSplitPiece) {
+    const size_t e = std::min(end, b + kSplitPiece);
+    const auto rb = static_cast<int64_t>(b), re = static_cast<int64_t>(e);
+    copy_to_host(h.data(), hi.rows(rb, re));
+    copy_to_host(l.data(), lo.rows(rb, re));
+    for (size_t i = 0; i < e - b; ++i) out[b - begin + i] = split_master_decode_one(h[i], l[i]);
+  }
+}
+
+void split_master_from_host(const Tensor& hi, const Tensor& lo, size_t begin, size_t end,
+                            const float* in) {
+  std::vector<uint16_t> h(std::min(kSplitPiece, end - begin)), l(h.size());
+  for (size_t b = begin; b < end; b += kSplitPiece) {
+    const size_t e = std::min(end, b + kSplitPiece);
+    for (size_t i = 0; i < e - b; ++i) split_master_encode_one(in[b - begin + i], &h[i], &l[i]);
+    const auto rb = static_cast<int64_t>(b), re = static_cast<int64_t>(e);
+    copy_from_host(hi.rows(rb, re), h.data());
+    copy_from_host(lo.rows(rb, re), l.data());
+  }
+}
+
+}  // namespace
+
+void Model::master_to_host(size_t begin, size_t end, void* host) const {
+  MOE_CHECK(!sharded_ && begin <= end && end <= table_.total,
+            "Model::master_to_host: elements [" + std::to_string(begin) + ", " +
+                std::to_string(end) + ") of " + std::to_string(table_.total) +
+                (sharded_ ? " (ZeRO-3: gather_params)" : ""));
+  if (begin == end) return;
+  if (memory_.split_master)
+    return split_master_to_host(compute_params(), master_low(), begin, end,
+                                static_cast<float*>(host));
+  copy_to_host(host, params().rows(static_cast<int64_t>(begin), static_cast<int64_t>(end)));
+}
+
+void Model::master_from_host(size_t begin, size_t end, const void* host) {
+  MOE_CHECK(!sharded_ && begin <= end && end <= table_.total,
+            "Model::master_from_host: elements [" + std::to_string(begin) + ", " +
+                std::to_string(end) + ") of " + std::to_string(table_.total) +
+                (sharded_ ? " (ZeRO-3: scatter_params)" : ""));
+  if (memory_.split_master)
+    split_master_from_host(compute_params(), master_low(), begin, end,
+                           static_cast<const float*>(host));
+  else if (begin < end)
+    copy_from_host(params().rows(static_cast<int64_t>(begin), static_cast<int64_t>(end)), host);
 }
 
 // Normal(0, initializer_range) for matrices, scaled by 1/sqrt(2L) for residual output
@@ -269,6 +373,11 @@ void Model::write_param(const ParamInfo& p, const void* host) {
   auto put = [&](const Tensor& dst, size_t from) {  // dst <- host[from, from + dst.numel())
     copy_from_host(dst, static_cast<const char*>(host) + from * elem);
   };
+  if (memory_.split_master) {
+    split_master_from_host(compute_params(), master_low(), p.offset, p.offset + p.numel(),
+                           static_cast<const float*>(host));
+    return;
+  }
   if (!sharded_) {
     put(param(p), 0);
     return;

@@ -37,8 +37,9 @@ namespace {
 
 struct TableBuilder {
   ParamTable t;
-  void add(std::string name, ParamKind kind, std::vector<int64_t> shape, int stack = 1) {
-    ParamInfo p{std::move(name), kind, stack, std::move(shape), t.total};
+  void add(std::string name, ParamKind kind, std::vector<int64_t> shape, int stack = 1,
+           bool fp32_reads = false) {
+    ParamInfo p{std::move(name), kind, stack, std::move(shape), t.total, fp32_reads};
     t.total += p.numel();
     t.params.push_back(std::move(p));
   }
@@ -65,13 +66,17 @@ ParamTable build_param_table(const ModelConfig& m) {
     b.add(p + "self_attn.o_proj.weight", ParamKind::residual, {d, m.num_attention_heads * hd});
     b.add(p + "post_attention_layernorm.weight", ParamKind::norm, {d});
     if (m.is_mod_layer(l)) {
-      b.add(p + "mod.router.weight", ParamKind::matrix, {1, d});
-      b.add(p + "mod.predictor.fc1.weight", ParamKind::matrix, {m.mod.predictor_hidden_size, d});
-      b.add(p + "mod.predictor.fc2.weight", ParamKind::matrix, {1, m.mod.predictor_hidden_size});
+      // The MoD router and predictor run in fp32 (router_matmul, mod_block.cpp).
+      b.add(p + "mod.router.weight", ParamKind::matrix, {1, d}, 1, true);
+      b.add(p + "mod.predictor.fc1.weight", ParamKind::matrix, {m.mod.predictor_hidden_size, d}, 1,
+            true);
+      b.add(p + "mod.predictor.fc2.weight", ParamKind::matrix, {1, m.mod.predictor_hidden_size}, 1,
+            true);
     }
     if (m.is_moe_layer(l)) {
       const std::string moe = p + "block_sparse_moe.";
-      b.add(moe + "gate.weight", ParamKind::matrix, {m.num_local_experts, d});
+      b.add(moe + "gate.weight", ParamKind::matrix, {m.num_local_experts, d}, 1,
+            true);  // the router's logits are fp32 (moe_ffn.cpp)
       b.swiglu(moe + "experts.{j}.", "w1", "w3", "w2", d, m.intermediate_size, m.num_local_experts);
       for (int s = 0; s < m.num_shared_experts; ++s)
         b.swiglu(moe + "shared_experts." + std::to_string(s) + ".", "w1", "w3", "w2", d,

@@ -126,8 +126,8 @@ namespace {
 // The optimizer state buffer of `elems` elements: on the model's device, or on the host.
 Buffer state_buffer(const Model& model, size_t elems, const OffloadOptions& offload) {
   const size_t bytes = elems * dtype_size(model.dtype());
-  if (!offload.enabled) return Buffer(model.params().device, bytes);
-  const bool pinned = offload.pin_memory && model.params().device.type == DeviceType::cuda;
+  if (!offload.enabled) return Buffer(model.grads().device, bytes);
+  const bool pinned = offload.pin_memory && model.grads().device.type == DeviceType::cuda;
   return Buffer::host(bytes, pinned);
 }
 
@@ -145,6 +145,8 @@ AdamW::AdamW(const OptimizerConfig& cfg, const Model& model, const ZeroPartition
   MOE_CHECK(part.total == model.table().total, "AdamW: partition of another parameter buffer");
   MOE_CHECK(dtype_ == DType::f32 || dtype_ == DType::f64,
             "AdamW: master weights must be f32 or f64");
+  MOE_CHECK(!model.splits_master() || (!offload_.enabled && !part.sharded),
+            "AdamW: a split master is updated in place on the device, unsharded (ZeRO stage 0)");
   MOE_CHECK(!offload_.in_place || (offload_.enabled && part.local_buffers &&
                                    model.params().device.type == DeviceType::cpu &&
                                    model.params().numel() == static_cast<int64_t>(part.local())),
@@ -240,12 +242,15 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
     step_offloaded(ctx, model, lr, grad_scale, norm_sq, max_norm);
     return;
   }
-  Tensor p = model.params(), g = model.grads();
+  // A split master: its high halves are the compute copy, updated in place with the low ones.
+  const bool split = model.splits_master();
+  Tensor p = split ? model.compute_params() : model.params(), g = model.grads();
+  const Tensor low = model.master_low();
   Tensor m = moment1(), v = moment2();
   // Unsharded, the updates cover the whole buffer, so they also write the 16-bit compute copy
   // (the model then skips its convert: writes_compute_copy). ZeRO-1/2 keep the model's convert:
   // the other ranks' chunks arrive after the step, by the fp32 all_gather of the master weights.
-  const Tensor compute = writes_compute_copy(model) ? model.compute_params() : Tensor();
+  const Tensor compute = writes_compute_copy(model) && !split ? model.compute_params() : Tensor();
   // Every (owned range x decay segment) intersection is one fused update.
   for (const auto& r : part_.ranges())
     for (const auto& s : segments_) {
@@ -267,7 +272,11 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
       const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;
       const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
       if (!compute.empty()) a.compute_out = compute.rows(pb, pe);
-      adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
+      if (split)
+        adamw_step_split(ctx, p.rows(pb, pe), low.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le),
+                         v.rows(lb, le), a);
+      else
+        adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
     }
 }
 

@@ -42,6 +42,7 @@ MPI_Datatype mpi_type(DType t) {
       return MPI_INT32_T;
     case DType::f16:
     case DType::bf16:
+    case DType::u16:
       return MPI_UINT16_T;
   }
   throw InternalError("mpi_type: unknown dtype");

@@ -36,4 +36,16 @@ struct AdamWArgs {
 MOE_OP(adamw_step, (Ctx & ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a),
        (ctx, p, g, m, v, a))
 
+// AdamW over a split fp32 master (kernels/common/split_master.hpp, train.split_master): hi (bf16,
+// the model's compute copy) and lo (u16) hold p; g, m, v are f32, all of one element count. Each
+// element's p is decoded, updated by adamw_step's own element math (so the stored master is
+// bitwise what adamw_step would store from the same fp32 p, on the same backend) and encoded
+// back. a.compute_out must be empty: hi is the compute copy. A skipped step leaves everything.
+MOE_OP(adamw_step_split,
+       (Ctx & ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v, const AdamWArgs& a),
+       (ctx, hi, lo, g, m, v, a))
+
+// master[i] = the fp32 value that (hi[i], lo[i]) encode: master f32, hi bf16, lo u16, one count.
+MOE_OP(split_master_decode, (Ctx & ctx, Tensor master, Tensor hi, Tensor lo), (ctx, master, hi, lo))
+
 }  // namespace moe

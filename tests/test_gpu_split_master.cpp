@@ -1,0 +1,346 @@
+// The split fp32 master (train.split_master) on the GPU:
+//  - adamw_step_split stores bitwise the master, m and v of the CUDA adamw_step on the same fp32
+//    state, in the vectorised kernel (aligned arrays, n % 4 tail) and the one-element kernel (the
+//    arrays one element in), also clipped by norm_sq; a non-finite norm leaves hi, lo, m, v; it
+//    agrees with the CPU op within the AdamW tolerance (fp32 math against double);
+//  - split_master_decode is bitwise the host decode;
+//  - a bf16 Model with a split master holds bitwise the fp32 master of the plain model after the
+//    same init (master_to_host), its compute copy differs only at ties, and the decoded fp32
+//    copies of the routers are their master; from a master without ties a training step is
+//    bitwise the plain model's (loss, master, moments), later steps track it, and
+//    master_to_host / master_from_host move it exactly into a fresh split model and a plain one;
+//  - a training run with a split master tracks the plain bf16 run and resumes from its checkpoint
+//    bitwise.
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <vector>
+
+#include "catch.hpp"
+#include "common/split_master.hpp"
+#include "gpu_test_util.hpp"
+#include "moe/model.hpp"
+#include "moe/ops/elementwise.hpp"
+#include "moe/ops/optim.hpp"
+#include "moe/optim.hpp"
+#include "moe/rng.hpp"
+#include "moe/trainer.hpp"
+#include "test_util.hpp"
+
+using namespace moe;
+using namespace moe::test;
+
+namespace {
+
+// hi / lo device tensors encoding p (n values), placed `shift` elements into their buffers.
+struct DeviceSplit {
+  Buffer hi_buf, lo_buf;
+  Tensor hi, lo;
+  DeviceSplit(const std::vector<float>& p, int64_t shift)
+      : hi_buf(gpu0(), (p.size() + shift) * 2), lo_buf(gpu0(), (p.size() + shift) * 2) {
+    std::vector<uint16_t> h(p.size() + shift, 0x7FC0), l(p.size() + shift, 0x1234);
+    for (size_t i = 0; i < p.size(); ++i)
+      split_master_encode_one(p[i], &h[i + shift], &l[i + shift]);
+    const auto total = static_cast<int64_t>(h.size()), n = static_cast<int64_t>(p.size());
+    hi = Tensor(hi_buf.data(), DType::bf16, gpu0(), {total}).rows(shift, shift + n);
+    lo = Tensor(lo_buf.data(), DType::u16, gpu0(), {total}).rows(shift, shift + n);
+    copy_from_host(Tensor(hi_buf.data(), DType::bf16, gpu0(), {total}), h.data());
+    copy_from_host(Tensor(lo_buf.data(), DType::u16, gpu0(), {total}), l.data());
+  }
+  std::vector<float> decoded() const {
+    std::vector<uint16_t> h(static_cast<size_t>(hi.numel())), l(h.size());
+    copy_to_host(h.data(), hi);
+    copy_to_host(l.data(), lo);
+    std::vector<float> p(h.size());
+    for (size_t i = 0; i < p.size(); ++i) p[i] = split_master_decode_one(h[i], l[i]);
+    return p;
+  }
+};
+
+std::vector<float> as_floats(const std::vector<double>& v) {
+  return std::vector<float>(v.begin(), v.end());
+}
+
+std::vector<float> downloaded_floats(Tensor t) {
+  return as_floats(download(t));
+}
+
+}  // namespace
+
+TEST_CASE("gpu adamw_step_split: the CUDA adamw_step's master bit for bit", "[gpu][optim]") {
+  const int64_t n = 4099;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
+  const std::vector<double> p0 = round_to(DType::f32, random_values(n, 81, -2.0, 2.0));
+  const std::vector<double> g = round_to(DType::f32, random_values(n, 82, -3.0, 3.0));
+  const std::vector<double> m0 = round_to(DType::f32, random_values(n, 83, -0.1, 0.1));
+  const std::vector<double> v0 = round_to(DType::f32, random_values(n, 84, 1e-3, 0.1));
+  for (int64_t shift : {0, 1}) {  // vectorised (+ tail), one element per thread
+    for (double max_norm : {0.0, 1.0}) {
+      INFO("shift " << shift << " max_norm " << max_norm);
+      Ctx ctx = gpu_ctx();
+      DeviceTensor p = on_device(DType::f32, {n}, p0), gd = on_device(DType::f32, {n}, g);
+      DeviceTensor m = on_device(DType::f32, {n}, m0), v = on_device(DType::f32, {n}, v0);
+      DeviceTensor sm = on_device(DType::f32, {n}, m0), sv = on_device(DType::f32, {n}, v0);
+      DeviceTensor norm_sq = on_device(DType::f64, {1}, {0.0});
+      AdamWArgs aa = a;
+      if (max_norm > 0) {
+        sum_squares(ctx, norm_sq, gd);
+        aa.norm_sq = norm_sq;
+        aa.max_norm = max_norm;
+      }
+      DeviceSplit s(as_floats(p0), shift);
+      adamw_step(ctx, p, gd, m, v, aa);
+      adamw_step_split(ctx, s.hi, s.lo, gd, sm, sv, aa);
+      gpu::synchronize();
+      CHECK(s.decoded() == downloaded_floats(p));
+      CHECK(download(sm) == download(m));
+      CHECK(download(sv) == download(v));
+
+      // The CPU split op on the same state: fp32 against double math (rtol 1e-6 as for AdamW).
+      Ctx cpu = make_ctx(Device{});
+      std::vector<uint16_t> h(n), l(n);
+      for (int64_t i = 0; i < n; ++i)
+        split_master_encode_one(static_cast<float>(p0[i]), &h[i], &l[i]);
+      std::vector<float> cg = as_floats(g), cm = as_floats(m0), cv = as_floats(v0);
+      Buf<double> cnorm({1});
+      AdamWArgs ca = a;
+      if (max_norm > 0) {
+        cnorm.v[0] = download(norm_sq)[0];
+        ca.norm_sq = cnorm;
+        ca.max_norm = max_norm;
+      }
+      adamw_step_split(cpu, Tensor(h.data(), DType::bf16, Device{}, {n}),
+                       Tensor(l.data(), DType::u16, Device{}, {n}),
+                       Tensor(cg.data(), DType::f32, Device{}, {n}),
+                       Tensor(cm.data(), DType::f32, Device{}, {n}),
+                       Tensor(cv.data(), DType::f32, Device{}, {n}), ca);
+      std::vector<double> cpu_p(n);
+      for (int64_t i = 0; i < n; ++i) cpu_p[i] = split_master_decode_one(h[i], l[i]);
+      const std::vector<float> gpu_p = s.decoded();
+      CHECK(worst_ratio(std::vector<double>(gpu_p.begin(), gpu_p.end()), cpu_p, 1e-6, 1e-9) <= 1);
+    }
+  }
+}
+
+TEST_CASE("gpu adamw_step_split: a non-finite norm leaves everything; decode is the host's",
+          "[gpu][optim]") {
+  const int64_t n = 1027;
+  Ctx ctx = gpu_ctx();
+  const std::vector<float> p0 = as_floats(round_to(DType::f32, random_values(n, 91, -4.0, 4.0)));
+  DeviceSplit s(p0, 0);
+  DeviceTensor g = on_device(DType::f32, {n}, random_values(n, 92));
+  DeviceTensor m = on_device(DType::f32, {n}, random_values(n, 93, -0.1, 0.1));
+  DeviceTensor v = on_device(DType::f32, {n}, random_values(n, 94, 1e-3, 0.1));
+  DeviceTensor norm_sq = on_device(DType::f64, {1}, {std::numeric_limits<double>::infinity()});
+  const std::vector<unsigned char> hi0 = bytes_of(s.hi), lo0 = bytes_of(s.lo);
+  const std::vector<double> m0 = download(m), v0 = download(v);
+  AdamWArgs a;
+  a.step = 3, a.norm_sq = norm_sq, a.max_norm = 1.0;
+  adamw_step_split(ctx, s.hi, s.lo, g, m, v, a);
+  gpu::synchronize();
+  CHECK(bytes_of(s.hi) == hi0);
+  CHECK(bytes_of(s.lo) == lo0);
+  CHECK(download(m) == m0);
+  CHECK(download(v) == v0);
+
+  DeviceTensor out = poisoned(DType::f32, {n});
+  split_master_decode(ctx, out, s.hi, s.lo);
+  gpu::synchronize();
+  CHECK(downloaded_floats(out) == p0);
+  CHECK(s.decoded() == p0);
+}
+
+namespace {
+
+ModelConfig tiny_model() {
+  ModelConfig m;
+  m.vocab_size = 61;
+  m.hidden_size = 64;
+  m.intermediate_size = 48;
+  m.dense_intermediate_size = 80;
+  m.num_hidden_layers = 4;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 2;
+  m.max_position_embeddings = 64;
+  m.num_local_experts = 8;
+  m.num_experts_per_tok = 2;
+  m.num_shared_experts = 1;
+  m.shared_expert_intermediate_size = 32;
+  m.moe_layer_freq = 2;
+  m.mod.enabled = true;
+  m.mod.every = 2;
+  m.mod.capacity = 0.5;
+  m.mod.predictor_hidden_size = 16;
+  return m;
+}
+
+std::vector<int32_t> tokens(size_t n, int vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = static_cast<int32_t>(rng.below(vocab));
+  return v;
+}
+
+std::vector<float> master_of(const Model& model) {
+  std::vector<float> v(model.table().total);
+  model.master_to_host(0, v.size(), v.data());
+  return v;
+}
+
+std::vector<uint16_t> compute_copy_of(const Model& model) {
+  std::vector<uint16_t> v(model.table().total);
+  copy_to_host(v.data(), model.compute_params());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("gpu model: a split master is the plain model's master, and moves exactly",
+          "[gpu][model][mixed]") {
+  const ModelConfig m = tiny_model();
+  const int b = 2, t = 32;
+  MemoryPlan split_plan;
+  split_plan.split_master = true;
+  Ctx ctx = gpu_ctx();
+  Model split(m, DType::bf16, gpu0(), b, t, true, split_plan), plain(m, DType::bf16, gpu0(), b, t);
+  split.init_weights(5);
+  plain.init_weights(5);
+  REQUIRE(split.splits_master());
+  CHECK(split.weight_bytes() < plain.weight_bytes());
+  std::vector<float> master0 = master_of(plain);
+  CHECK(master_of(split) == master0);
+  // The compute copies differ exactly where the master's low half is a tie.
+  auto check_copies_differ_at_ties_only = [&](const std::vector<float>& master) {
+    const std::vector<uint16_t> sc = compute_copy_of(split), pc = compute_copy_of(plain);
+    size_t ties = 0, differ = 0, differ_off_tie = 0;
+    for (size_t i = 0; i < master.size(); ++i) {
+      const bool tie = (split_float_bits(master[i]) & 0xFFFFu) == 0x8000u;
+      ties += tie;
+      differ += sc[i] != pc[i];
+      differ_off_tie += sc[i] != pc[i] && !tie;
+    }
+    INFO(ties << " ties among " << master.size() << " weights");
+    CHECK(differ_off_tie == 0);
+    CHECK(differ <= ties);
+    return ties;
+  };
+  check_copies_differ_at_ties_only(master0);
+  // The routers' fp32 copies are their master.
+  for (const ParamInfo& p : split.table().params) {
+    if (!p.fp32_reads) continue;
+    INFO(p.name);
+    const std::vector<float> copy = downloaded_floats(split.param(p));
+    CHECK(copy ==
+          std::vector<float>(master0.begin() + p.offset, master0.begin() + p.offset + p.numel()));
+  }
+
+  // Without ties the two compute copies are equal, so one step is bitwise the plain model's.
+  for (float& x : master0)
+    if ((split_float_bits(x) & 0xFFFFu) == 0x8000u) x = split_bits_float(split_float_bits(x) + 1);
+  for (Model* to : {&split, &plain}) {
+    to->master_from_host(0, master0.size(), master0.data());
+    to->weights_changed(ctx);
+  }
+  REQUIRE(check_copies_differ_at_ties_only(master0) == 0);
+  REQUIRE(bytes_of(split.compute_params()) == bytes_of(plain.compute_params()));
+
+  OptimizerConfig oc;
+  AdamW split_opt(oc, split), plain_opt(oc, plain);
+  Buffer norm(gpu0(), sizeof(double));
+  for (int step = 0; step < 3; ++step) {
+    const auto ids = tokens(b * t, m.vocab_size, 40 + step);
+    const auto tg = tokens(b * t, m.vocab_size, 50 + step);
+    auto run = [&](Model& model, AdamW& opt) {
+      model.zero_grads(ctx);
+      model.reset_stats(ctx);
+      model.upload_batch(ctx, ids.data(), tg.data());
+      model.queue_forward_backward(ctx, 1.0);
+      queue_grad_norm_sq(ctx, model, norm.as(DType::f64, {1}));
+      opt.step(ctx, model, 1e-3, 1.0, norm.as(DType::f64, {1}), 1.0);
+      model.weights_changed(ctx, opt.writes_compute_copy(model));
+      return model.read_stats(ctx);
+    };
+    const Losses ls = run(split, split_opt), lp = run(plain, plain_opt);
+    INFO("step " << step << ": loss " << ls.lm << " vs " << lp.lm);
+    if (step == 0) {
+      CHECK(ls.lm == lp.lm);
+      const std::vector<float> ms = master_of(split);
+      CHECK(ms == master_of(plain));
+      CHECK(bytes_of(split_opt.moment1()) == bytes_of(plain_opt.moment1()));
+      CHECK(bytes_of(split_opt.moment2()) == bytes_of(plain_opt.moment2()));
+      REQUIRE(ms != master0);  // the step moved the weights
+      check_copies_differ_at_ties_only(ms);
+    } else {
+      // New ties make the forwards differ a little (Adam's first steps move a weight by about
+      // lr whatever its gradient's size, so the masters are compared through the loss).
+      CHECK(std::fabs(ls.lm - lp.lm) <= 1e-3 * lp.lm);
+    }
+  }
+
+  // master_to_host -> master_from_host: bitwise into a fresh split model and a plain one.
+  const std::vector<float> ms = master_of(split);
+  Model split2(m, DType::bf16, gpu0(), b, t, true, split_plan),
+      plain2(m, DType::bf16, gpu0(), b, t);
+  for (Model* to : {&split2, &plain2}) {
+    const size_t half = ms.size() / 2;  // in two ranges, as checkpoints move it in chunks
+    to->master_from_host(0, half, ms.data());
+    to->master_from_host(half, ms.size(), ms.data() + half);
+    to->weights_changed(ctx);
+    CHECK(master_of(*to) == ms);
+  }
+  CHECK(bytes_of(split2.compute_params()) == bytes_of(split.compute_params()));
+  CHECK(bytes_of(split2.master_low()) == bytes_of(split.master_low()));
+  CHECK_THROWS_WITH(split.params(), Catch::Contains("the master is split"));
+}
+
+namespace {
+
+Config split_run(const std::string& out_dir, bool split) {
+  Config c = parse_config(
+      "{}",
+      {"train_micro_batch_size_per_gpu=4", "model.vocab_size=61", "model.hidden_size=64",
+       "model.intermediate_size=48", "model.num_hidden_layers=4", "model.num_attention_heads=4",
+       "model.num_key_value_heads=2", "model.max_position_embeddings=64",
+       "model.num_local_experts=8", "model.num_shared_experts=1", "model.moe_layer_freq=2",
+       "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}", "data.seq_len=32",
+       "optimizer.params.lr=3e-3", "train.max_steps=8", "train.log_interval=10",
+       "train.eval_batches=1", "train.save_interval=4", "bf16.enabled=true"},
+      "test");
+  c.train.device = "cuda";
+  c.train.out_dir = out_dir;
+  c.train.split_master = split;
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("gpu train: a split master tracks the plain bf16 run and resumes bitwise",
+          "[gpu][train][mixed]") {
+  TempDir plain_dir, split_dir, resumed_dir;
+  std::ostringstream log;
+  const TrainResult rp = train(split_run(plain_dir.path.string(), false), log);
+  const TrainResult rs = train(split_run(split_dir.path.string(), true), log);
+  REQUIRE(rp.losses.size() == 8);
+  REQUIRE(rs.losses.size() == 8);
+  double worst = 0;
+  for (size_t i = 0; i < 8; ++i)
+    worst = std::max(worst, std::fabs(rs.losses[i] - rp.losses[i]) / rp.losses[i]);
+  INFO("worst relative loss difference " << worst << "\n" << log.str());
+  CHECK(worst < 1e-3);
+  CHECK(rs.losses.back() < rs.losses.front() - 0.02);  // it learns
+
+  TrainOptions stop;
+  stop.stop_after_step = 4;  // killed right after the step-4 checkpoint
+  train(split_run(resumed_dir.path.string(), true), log, stop);
+  Config again = split_run(resumed_dir.path.string(), true);
+  again.train.resume = "auto";
+  const TrainResult resumed = train(again, log);
+  CHECK(resumed.resumed_from == 4);
+  REQUIRE(resumed.losses.size() == 4);
+  for (int i = 0; i < 4; ++i) {
+    INFO("step " << i + 5);
+    CHECK(resumed.losses[i] == rs.losses[i + 4]);  // bitwise
+  }
+}
