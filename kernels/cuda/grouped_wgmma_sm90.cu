@@ -189,6 +189,19 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
   if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
 }
 
+// A math warpgroup with nothing to compute in slices it0 .. it0 + slices - 1: it waits for each
+// to land and frees it, as tma_math_loop does, so the ring's barriers see every math warp's
+// arrival in every phase (an arrival before its stage is full could count toward the phase
+// before).
+template <class C>
+__device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0, int slices) {
+  const bool signals = (threadIdx.x % 32) == 0;
+  for (int t = 0; t < slices; ++t) {
+    mbar_wait(ring.full(it0 + t), TmaRing<C>::parity(it0 + t));
+    if (signals) mbar_arrive(ring.empty(it0 + t));
+  }
+}
+
 // Hands math warpgroup g's accumulator pairs to out(row, col, v0, v1) (col even), row and col
 // relative to the block tile (the wgmma accumulator layout of wgmma_sm90.cuh).
 template <class C, class Out>
@@ -422,6 +435,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int64_t r0 = 0, r1 = 0;
         if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
         const int64_t n0 = (tile % n_tiles) * kTileN;
+        // A tile cut at its expert's end with no real rows in this warpgroup's half (an expert's
+        // last 1-64 rows, or a cold expert's few) leaves its wgmma to the other warpgroup, which
+        // then has the SM's tensor cores to itself: the stages are still waited for and freed.
+        const bool real = r0 + 64 * g < r1;
+        if (!real) {
+          skip_slices(ring, it, slices);
+          continue;
+        }
         float acc[C::kAcc];
         tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
         store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
