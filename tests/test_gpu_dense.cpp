@@ -900,6 +900,20 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
                          dw_before.begin() + (i + 1) * per_expert,
                          dw_after.begin() + i * per_expert));
       }
+      // dw_overwrite over a poisoned dw: the CPU's dw from zero, the empty experts exactly 0.
+      Buf<double> hdx_o({r, in}), hdw_o({e, out, in});
+      cpu::grouped_linear_backward(cpu, hdx_o, hdw_o, hdy, hx, hw, hoff);
+      DeviceTensor gdw_o = poisoned(acc, {e, out, in});
+      grouped_linear_backward(gpu, gdx, gdw_o, gdy, gx, gw, goff, true);
+      const std::vector<double> over = download(gdw_o);
+      check_close("grouped_linear_backward dw overwrite" + tag, acc, over, hdw_o.v,
+                  sum_tol(acc, max_rows));
+      for (int64_t i = 0; i < e; ++i) {
+        if (gc.offsets[i + 1] != gc.offsets[i]) continue;
+        INFO("empty expert " << i << " overwritten" << tag << " [" << dtype_name(dt) << "]");
+        CHECK(std::all_of(over.begin() + i * out * in, over.begin() + (i + 1) * out * in,
+                          [](double v) { return v == 0.0; }));
+      }
       // The offsets are never modified.
       CHECK(download_i32(goff) == gc.offsets);
     }
@@ -946,6 +960,17 @@ TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed ord
   check_close("grouped_linear_backward dw, hot expert", acc, download(gdw), hdw.v,
               sum_tol(acc, hot));
   check_close("grouped_linear_backward dx, hot expert", dt, download(gdx), hdx.v, sum_tol(dt, out));
+  // dw_overwrite: the first chunk of each tile stores, the others add behind it; over a poisoned
+  // dw that is the sum onto zeros (the same values: x + 0 = x but for -0), every run.
+  DeviceTensor gdw_zero = on_device(acc, {e, out, in}, std::vector<double>(e * out * in, 0.0));
+  grouped_linear_backward(gpu, gdx, gdw_zero, gdy, gx, gw, goff);
+  const std::vector<double> from_zero = download(gdw_zero);
+  for (int run = 0; run < 2; ++run) {
+    DeviceTensor gdw_o = poisoned(acc, {e, out, in});
+    grouped_linear_backward(gpu, gdx, gdw_o, gdy, gx, gw, goff, true);
+    INFO("overwrite run " << run);
+    CHECK(download(gdw_o) == from_zero);
+  }
   unsetenv("MOE_GROUPED_SM90");
 }
 

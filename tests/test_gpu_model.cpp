@@ -155,6 +155,13 @@ TEST_CASE("gpu model: zero_grads clears every gradient before the backward", "[g
     reused.forward_backward(gpu, ids.data(), tg.data(), 1.0);
     CHECK(bytes_of(reused.grads()) == want);
   }
+  // The trainer's zeroing leaves the expert stacks to the backward (dw_overwrite): over garbage
+  // (NaN) the same gradient values (a store in place of an add onto zero: -0 may read +0).
+  const std::vector<double> want_values = download(fresh.grads());
+  fill(gpu, reused.grads(), std::nan(""));
+  reused.zero_grads(gpu, true);
+  reused.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+  CHECK(download(reused.grads()) == want_values);
 }
 
 TEST_CASE("gpu model: a training run tracks the CPU run", "[gpu][train]") {

@@ -520,6 +520,21 @@ TEST_CASE("grouped_linear_backward: empty experts get zero dw, others match", "[
   }
 }
 
+TEST_CASE("grouped_linear_backward with dw_overwrite: dw = dy^T x whatever dw held",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> gy = random_buf({c.kRows, c.kOut}, 78);
+  Buf<double> dx({c.kRows, c.kIn}), dx2({c.kRows, c.kIn});
+  Buf<double> from_zero({c.kExperts, c.kOut, c.kIn});
+  grouped_linear_backward(ctx, dx, from_zero, gy, c.x, c.w, c.offsets);
+  Buf<double> garbage = random_buf({c.kExperts, c.kOut, c.kIn}, 79);
+  garbage.v[0] = std::nan("");  // an empty expert's element: NaN must not survive
+  grouped_linear_backward(ctx, dx2, garbage, gy, c.x, c.w, c.offsets, true);
+  CHECK(garbage.v == from_zero.v);  // empty experts (0 and 2) zero, the others written
+  CHECK(dx2.v == dx.v);
+}
+
 TEST_CASE("grouped_linear_backward matches finite differences and accumulates dw",
           "[linear][grouped][grad]") {
   Ctx ctx = cpu_ctx();
@@ -617,6 +632,15 @@ TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and Sw
     const double g = gate.v[i], w = row_w.v[i / c.kIn];
     CHECK(dup.v[i] == Approx(w * dh.v[i] * g / (1 + std::exp(-g))).epsilon(1e-12));
   }
+  // dw_overwrite: dw2 written whatever it held, the rest as before.
+  Buf<double> dw2_over = random_buf({c.kExperts, c.kOut, c.kIn}, 91),
+              want_over({c.kExperts, c.kOut, c.kIn});
+  grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2_over, dy, c.x, c.w, gate, up, row_w,
+                               c.offsets, true);
+  grouped_linear_backward(ctx, dh, want_over, dy, c.x, c.w, c.offsets);
+  CHECK(dw2_over.v == want_over.v);
+  CHECK(dgate.v == want_dgate.v);
+  CHECK(drow_w.v == want_drow_w.v);
   Buf<double> up_bad({c.kRows, c.kIn + 1});
   CHECK_THROWS_AS(grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dy, c.x, c.w, gate,
                                                up_bad, row_w, c.offsets),

@@ -218,8 +218,11 @@ class Model {
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
   // The next backward starts the gradients from zero. (With ZeRO-3 parameter offload the host
-  // chunks keep their old values until that backward overwrites them.)
-  void zero_grads(Ctx& ctx);
+  // chunks keep their old values until that backward overwrites them.) experts_by_backward
+  // (unsharded models; the trainer, whose every step starts with a backward): the experts' weight
+  // stacks are not cleared but written (=) by that backward's grouped dw ops (dw_overwrite), which
+  // saves a pass over most of a MoE model's gradients; until then they hold stale values.
+  void zero_grads(Ctx& ctx, bool experts_by_backward = false);
   const RoutingStats& routing() const { return routing_; }
   // Logits of the last forward(): [B*T, V], or with head chunks the last chunk's rows
   // (forward_backward overwrites them with gradients).
@@ -276,6 +279,8 @@ class Model {
   RoutingStats routing_;
   int64_t valid_targets_ = 0;  // of the uploaded micro-batch
   int micro_batches_ = 0;      // since reset_stats
+  // zero_grads(ctx, true) left the expert stacks' gradients for the next backward to write.
+  bool experts_overwrite_ = false;
   // Model-level activations: the residual stream between layers and the head.
   Tensor ids_, targets_, pos_, rope_cos_, rope_sin_;
   std::vector<Tensor> stream_;    // L+1 tensors [N, d]: input of each layer, then the output

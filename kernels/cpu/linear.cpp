@@ -3,6 +3,7 @@
 // not the inner sums, so results should not depend on the thread count. The grouped variant runs
 // the experts' matmuls one after another over the row ranges given by offsets; an expert with no
 // rows is skipped, which is exactly "+= 0" for its weight gradient and writes no rows.
+#include <algorithm>
 #include <string>
 
 #include "common/linear_checks.hpp"
@@ -74,9 +75,9 @@ void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offse
   });
 }
 
-// dx: [R, in] (overwritten), dw: [E, out, in] (+=), dy: [R, out]
+// dx: [R, in] (overwritten), dw: [E, out, in] (+=, or = with dw_overwrite), dy: [R, out]
 void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                             Tensor offsets) {
+                             Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = linear_grouped_dims(x, w, "grouped_linear_backward");
   check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
   const int32_t* off = checked_offsets(offsets, s.experts, s.rows, "grouped_linear_backward");
@@ -84,6 +85,9 @@ void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x
     using T = decltype(zero);
     for (int64_t e = 0; e < s.experts; ++e) {
       const int64_t r0 = off[e], m = off[e + 1] - off[e];
+      T* dw_e = dw.ptr<T>() + e * s.out * s.in;
+      // dw_overwrite: from zero (whatever dw held, NaN included), then as +=
+      if (dw_overwrite) std::fill(dw_e, dw_e + s.out * s.in, T(0));
       if (m == 0) continue;  // no rows: dw[e] += 0
       const T* dy_e = dy.ptr<T>() + r0 * s.out;
       const T* x_e = x.ptr<T>() + r0 * s.in;
@@ -92,8 +96,7 @@ void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x
       gemm(false, false, m, s.in, s.out, T(1), dy_e, s.out, w_e, s.in, T(0),
            dx.ptr<T>() + r0 * s.in, s.in);
       // dw[e] += dy_e^T x_e
-      gemm(true, false, s.out, s.in, m, T(1), dy_e, s.out, x_e, s.in, T(1),
-           dw.ptr<T>() + e * s.out * s.in, s.in);
+      gemm(true, false, s.out, s.in, m, T(1), dy_e, s.out, x_e, s.in, T(1), dw_e, s.in);
     }
   });
 }
@@ -112,10 +115,10 @@ void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x
 // element's inputs before writing its outputs).
 void grouped_swiglu_down_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2,
                                   Tensor dy, Tensor h, Tensor w2, Tensor gate, Tensor up,
-                                  Tensor row_w, Tensor offsets) {
+                                  Tensor row_w, Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = linear_grouped_dims(h, w2, "grouped_swiglu_down_backward");
   check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w);
-  cpu::grouped_linear_backward(ctx, dgate, dw2, dy, h, w2, offsets);
+  cpu::grouped_linear_backward(ctx, dgate, dw2, dy, h, w2, offsets, dw_overwrite);
   cpu::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 

@@ -254,10 +254,13 @@ void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 }
 
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
-                    const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in) {
-  if (grouped_sm90_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in) ||
-      grouped_sm80_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in))
-    return;
+                    const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
+                    bool overwrite) {
+  if (grouped_sm90_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite)) return;
+  if (overwrite)  // the other kernels add: onto zeros
+    MOE_CUDA_CHECK(
+        cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));
+  if (grouped_sm80_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in)) return;
   if (t == DType::f16)
     launch_dw<__half>(ctx, dw, dy, x, offsets, experts, rows, out, in);
   else if (t == DType::bf16)

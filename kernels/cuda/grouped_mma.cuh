@@ -37,8 +37,10 @@ bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast);
+// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=.
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
-                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
+                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
+                     bool overwrite);
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,
@@ -49,8 +51,10 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
                          int experts, int64_t rows, int64_t features, int64_t in);
 
 // dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
-// An expert without rows leaves dw[e] untouched.
+// An expert without rows leaves dw[e] untouched. overwrite: dw[e] = dy_e^T x_e (zeros for an
+// expert without rows); the sm_90 kernel stores instead of adding, the others run on a zeroed dw.
 void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
-                    const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in);
+                    const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
+                    bool overwrite = false);
 
 }  // namespace moe::cuda_detail

@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x, float* dw,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
-                          int64_t in, int64_t chunk) {
+                          int64_t in, int64_t chunk, bool overwrite) {
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -595,12 +595,20 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           named_barrier_sync(1 + g, 128);
         }
         float* dw_e = dw + int64_t(e) * out * in;
+        // overwrite: the tile's first chunk stores (dw is neither zeroed before nor read), the
+        // later ones add behind it in chunk order as always.
+        const bool store = overwrite && c == 0;
         for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
           const int64_t o = m0 + row, i = n0 + col;
           // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
           // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
           // flush to zero).
-          if (o < out && i < in)
+          if (o >= out || i >= in) return;
+          if (store)
+            asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
+                         "f"(v1)
+                         : "memory");
+          else
             asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i),
                          "f"(v0), "f"(v1)
                          : "memory");
@@ -683,9 +691,22 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   MOE_CUDA_LAUNCH_CHECK();
 }
 
+// overwrite: the experts without rows get zeros here (the dw kernel has no units for them).
+// Grid row e checks expert e's count; an empty expert's blocks clear dw[e] (a grid-stride loop;
+// few experts are empty, and the others' blocks return at once).
+__global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int64_t rows,
+                                          int64_t per_expert) {
+  const int e = static_cast<int>(blockIdx.y);
+  if (clamp_offset(offsets[e + 1], rows) > clamp_offset(offsets[e], rows)) return;
+  float* d = dw + int64_t(e) * per_expert;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert; i += stride)
+    d[i] = 0.0f;
+}
+
 template <class C, class T>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
-               int experts, int64_t rows, int64_t out, int64_t in) {
+               int experts, int64_t rows, int64_t out, int64_t in, bool overwrite) {
   auto kernel = grouped_tma_dw_kernel<C, T>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
@@ -702,8 +723,14 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
                             : rows;
   const int64_t most_units = tiles * ((rows + chunk - 1) / chunk + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(most_units, device_sm_count()));
+  if (overwrite) {
+    const dim3 zgrid(static_cast<unsigned>(std::min<int64_t>(blocks_for(out * in, 256), 64)),
+                     static_cast<unsigned>(experts));
+    zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
+    MOE_CUDA_LAUNCH_CHECK();
+  }
   kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(map_dy, map_x, dw, offsets, experts,
-                                                               rows, out, in, chunk);
+                                                               rows, out, in, chunk, overwrite);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -811,16 +838,23 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
 }
 
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
-                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in) {
+                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
+                     bool overwrite) {
   const Mode m = mode();
   // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels.
   if (m == Mode::off || !sm90_available(t) || !aligned16_rows(dy, out) || !aligned16_rows(x, in) ||
       out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0 ||
       experts > kSharedOffsets)
     return false;
-  if (rows == 0 || experts == 0) return true;  // every dw[e] += 0
+  if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0)
+    if (overwrite)
+      MOE_CUDA_CHECK(
+          cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));
+    return true;
+  }
   with_config(t, m, [&](auto cfg, auto zero) {
-    launch_dw<decltype(cfg), decltype(zero)>(ctx, t, dw, dy, x, offsets, experts, rows, out, in);
+    launch_dw<decltype(cfg), decltype(zero)>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                             overwrite);
   });
   return true;
 }

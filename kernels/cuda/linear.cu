@@ -37,6 +37,7 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/swiglu.hpp"
 
@@ -299,21 +300,25 @@ void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor 
   });
 }
 
-// dx: [R, in] (overwritten), dw: [E, out, in] (+=), dy: [R, out]
+// dx: [R, in] (overwritten), dw: [E, out, in] (+=, or = with dw_overwrite), dy: [R, out]
 void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
-                                  Tensor offsets) {
+                                  Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_backward");
   check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
-  if (s.rows == 0 || s.experts == 0 || s.in == 0) return;  // nothing to write; dw += 0
+  if (s.rows == 0 || s.experts == 0 || s.in == 0) {  // nothing to write; dw += 0
+    if (dw_overwrite) cuda::fill(ctx, dw, 0.0);
+    return;
+  }
   if (grouped_mma_available(x.dtype)) {  // tensor cores (f16 / bf16); dw is fp32 (acc dtype)
     const int32_t* off = data_of<int32_t>(offsets);
     grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
                      s.rows, s.in, s.out, s.out * s.in, false);
     if (s.out > 0)
       grouped_mma_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
-                     static_cast<int>(s.experts), s.rows, s.out, s.in);
+                     static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
     return;
   }
+  if (dw_overwrite) cuda::fill(ctx, dw, 0.0);  // then += as below
   dispatch_storage(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);
     // dx = dy w[e] per expert row tile (k = out; out = 0 gives zeros).
@@ -359,10 +364,10 @@ void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Ten
 // 816 us per moe-small layer: its gate / up loads sit between two tiles' main loops).
 void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
                                        Tensor dw2, Tensor dy, Tensor h, Tensor w2, Tensor gate,
-                                       Tensor up, Tensor row_w, Tensor offsets) {
+                                       Tensor up, Tensor row_w, Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = grouped_dims(h, w2, offsets, "grouped_swiglu_down_backward");
   check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w);
-  grouped_linear_backward_cuda(ctx, dgate, dw2, dy, h, w2, offsets);
+  grouped_linear_backward_cuda(ctx, dgate, dw2, dy, h, w2, offsets, dw_overwrite);
   cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 

@@ -235,13 +235,30 @@ Tensor Model::work(const ParamInfo& p) const {
   return param_view(work_buf_, allocated_, compute_, dev_, p);
 }
 
-void Model::zero_grads(Ctx& ctx) {
+void Model::zero_grads(Ctx& ctx, bool experts_by_backward) {
+  experts_overwrite_ = false;
   if (sharded_ && sharded_->offloaded()) {
     // Host chunks: the step's first backward overwrites them (no pass over host memory here).
     sharded_->grads_zeroed();
     return;
   }
-  fill(ctx, grads(), 0.0);
+  if (!experts_by_backward || sharded_) {
+    fill(ctx, grads(), 0.0);
+    return;
+  }
+  // Everything but the expert stacks (the only parameters with stack > 1), in runs of adjacent
+  // parameters.
+  const Tensor g = grads();
+  size_t begin = 0;
+  for (const ParamInfo& p : table_.params) {
+    if (p.stack == 1) continue;
+    if (p.offset > begin)
+      fill(ctx, g.rows(static_cast<int64_t>(begin), static_cast<int64_t>(p.offset)), 0.0);
+    begin = p.offset + p.numel();
+  }
+  if (table_.total > begin)
+    fill(ctx, g.rows(static_cast<int64_t>(begin), static_cast<int64_t>(table_.total)), 0.0);
+  experts_overwrite_ = true;
 }
 
 void Model::weights_changed(Ctx& ctx, bool compute_copy_current) {
@@ -526,7 +543,12 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const Gra
   rmsnorm_forward(ctx, xf_, rstdf_, stream_.back(), work(normf), cfg_.rms_norm_eps);
   const double per_valid = valid_targets_ > 0 ? 1.0 / static_cast<double>(valid_targets_) : 0.0;
   if (backward_too) {  // the head's forward runs chunk by chunk with its backward
+    // The first backward after zero_grads(ctx, true) writes the experts' weight gradients (a dry
+    // run, which measures scratch, leaves that to the real one).
+    env_->experts_overwrite = experts_overwrite_;
     backward(ctx, grad_scale, grad_scale * per_valid, ready);
+    env_->experts_overwrite = false;
+    if (!ctx.dry_run) experts_overwrite_ = false;
   } else {
     head_chunks(ctx, false, 0.0);
     if (sharded_) sharded_->flush(ctx);

@@ -133,10 +133,11 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // combine (a plain sum: each expert row's gradient is its token's)
   permute_forward(ctx, dyp, dy, row_token_);
   // experts (the SwiGLU backward gives the routing weights' gradient too)
+  const bool dw_overwrite = env_.experts_overwrite;
   grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
-                               row_w_, offsets_);
-  grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_);
-  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_);
+                               row_w_, offsets_, dw_overwrite);
+  grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
+  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_, dw_overwrite);
   // permute (the gather adds the two input gradients: no pass of its own)
   permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
   permute_weights_backward(ctx, dtopk_w, drow_w, slot_row_);

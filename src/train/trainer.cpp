@@ -431,7 +431,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
     // end (one wait per optimizer step, after all of its work is queued).
-    model.zero_grads(ctx);
+    model.zero_grads(ctx, /*experts_by_backward=*/true);  // the step's first backward writes them
     model.reset_stats(ctx);
     const double loss_scale = scaler.scale();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);

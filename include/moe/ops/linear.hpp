@@ -19,10 +19,14 @@ MOE_OP(linear_backward,
 MOE_OP(grouped_linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor offsets),
        (ctx, y, x, w, offsets))
 // dx = dy w[e] per group (overwritten), dw[e] += dy_e^T x_e (an expert with no rows gets += 0),
-// dw in acc_dtype(x).
+// dw in acc_dtype(x). dw_overwrite: dw[e] = dy_e^T x_e instead (0 for an expert with no rows),
+// whatever dw held: the first backward after the gradients were cleared, which so needs no
+// zeroing pass over the experts' gradients (Model::zero_grads leaves them) and, on sm_90, no read
+// of them either. The one exception to the ops' parameter-gradient convention (+=).
 MOE_OP(grouped_linear_backward,
-       (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets),
-       (ctx, dx, dw, dy, x, w, offsets))
+       (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
+        bool dw_overwrite = false),
+       (ctx, dx, dw, dy, x, w, offsets, dw_overwrite))
 // The experts' gate and up projections and SwiGLU in one call: gate = x w1[e]^T, up = x w3[e]^T
 // per group, h = row_w * silu(gate) * up of the rounded gate and up (bitwise grouped_linear_forward
 // twice and swiglu_weighted_forward; the CUDA backend fuses them on sm_90). gate, up, h: [R, F];
@@ -37,11 +41,11 @@ MOE_OP(grouped_swiglu_forward,
 // gradient drow_w); dw2[e] += dy_e^T h_e. Bitwise grouped_linear_backward into dh followed by
 // swiglu_weighted_backward; dh lives in dgate (the elementwise backward runs in place), so the
 // caller keeps no dh buffer. dgate, dup (overwritten), gate, up, h: [R, F]; dy: [R, d]; w2: [E, d,
-// F]; dw2 (+=): [E, d, F] in acc_dtype; row_w, drow_w (overwritten): [R] in acc_dtype; offsets as
-// above.
+// F]; dw2 (+=, or = with dw_overwrite as above): [E, d, F] in acc_dtype; row_w, drow_w
+// (overwritten): [R] in acc_dtype; offsets as above.
 MOE_OP(grouped_swiglu_down_backward,
        (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
-        Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets),
-       (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets))
+        Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets, bool dw_overwrite = false),
+       (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets, dw_overwrite))
 
 }  // namespace moe
