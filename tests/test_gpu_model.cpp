@@ -44,13 +44,6 @@ ModelConfig model_config() {
   return m;
 }
 
-std::vector<int32_t> tokens(size_t n, int vocab, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng.below(vocab));
-  return v;
-}
-
 std::vector<float> host_copy(Tensor t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   copy_to_host(v.data(), t);

@@ -176,13 +176,6 @@ ModelConfig tiny_model() {
   return m;
 }
 
-std::vector<int32_t> tokens(size_t n, int vocab, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng.below(vocab));
-  return v;
-}
-
 std::vector<float> master_of(const Model& model) {
   std::vector<float> v(model.table().total);
   model.master_to_host(0, v.size(), v.data());

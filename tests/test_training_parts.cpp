@@ -23,6 +23,7 @@
 #include "moe/trainer.hpp"
 
 using namespace moe;
+using moe::test::tokens;
 
 TEST_CASE("learning-rate schedules", "[optim]") {
   SchedulerConfig s;
@@ -71,13 +72,6 @@ ModelConfig small_config() {
   m.mod.every = 2;
   m.mod.capacity = 0.5;
   return m;
-}
-
-std::vector<int32_t> tokens(int n, int vocab, uint64_t seed) {
-  Rng rng(seed);
-  std::vector<int32_t> v(n);
-  for (auto& x : v) x = static_cast<int32_t>(rng.below(vocab));
-  return v;
 }
 
 }  // namespace

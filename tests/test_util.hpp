@@ -19,8 +19,17 @@
 #include "catch.hpp"
 #include "moe/error.hpp"
 #include "moe/ops/common.hpp"
+#include "moe/rng.hpp"
 
 namespace moe::test {
+
+// n token ids below `vocab`, seeded (moe::Rng): the model and trainer tests' batches.
+inline std::vector<int32_t> tokens(size_t n, int vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> v(n);
+  for (auto& x : v) x = static_cast<int32_t>(rng.below(vocab));
+  return v;
+}
 
 inline Ctx cpu_ctx() {
   return Ctx{};

@@ -148,6 +148,9 @@ class Model {
   void master_to_host(size_t begin, size_t end, void* host) const;
   void master_from_host(size_t begin, size_t end, const void* host);
   bool splits_master() const { return memory_.split_master; }
+  // Whether the next backward writes (=) the experts' weight gradients: zero_grads(ctx, true)
+  // left them (the MoE layers pass it to the grouped ops as dw_overwrite).
+  bool backward_writes_expert_grads() const { return experts_overwrite_; }
   // The split master's low halves ([P] u16; empty unless splits_master()); compute_params() is
   // the other half.
   Tensor master_low() const;
@@ -272,6 +275,7 @@ class Model {
   // fp32 copy of the fp32_reads parameters, each at fp32_slot_[index in table_.params].
   Buffer low_buf_, fp32_copy_buf_;
   std::vector<size_t> fp32_slot_;
+  size_t fp32_copy_elems_ = 0;
   Arena acts_, scratch_;
   std::unique_ptr<ShardedParams> sharded_;  // ZeRO stage 3 only
   std::unique_ptr<LayerEnv> env_;

@@ -16,7 +16,8 @@
 // round over into the sign bit and give hi = -0, hiding the NaN from the forward).
 #pragma once
 #include <cstdint>
-#include <cstring>
+
+#include "common/float16.hpp"
 
 #if defined(__CUDACC__)
 #define MOE_SPLIT_HD __host__ __device__ __forceinline__
@@ -26,13 +27,12 @@
 
 namespace moe {
 
+// The bit casts on both sides (the host's are float16.hpp's).
 MOE_SPLIT_HD uint32_t split_float_bits(float x) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(x);
 #else
-  uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
+  return float16::float_bits(x);
 #endif
 }
 
@@ -40,9 +40,7 @@ MOE_SPLIT_HD float split_bits_float(uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return __uint_as_float(b);
 #else
-  float x;
-  std::memcpy(&x, &b, 4);
-  return x;
+  return float16::float_from_bits(b);
 #endif
 }
 

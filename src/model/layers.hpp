@@ -29,9 +29,6 @@ struct LayerEnv {
   // Set while backward re-runs a layer's forward (activation recomputation): the forward then
   // only rebuilds activations and must not count its losses or loads a second time.
   bool recomputing = false;
-  // Set during a backward that writes (=) the experts' weight gradients instead of adding to
-  // them: Model::zero_grads(ctx, true) left them (the grouped ops' dw_overwrite).
-  bool experts_overwrite = false;
   ParamView param(const std::string& name) const;
   RoutingStats& routing() const { return model.routing_; }
   bool mixed() const { return dtype != acc; }

@@ -81,6 +81,9 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   layer_offsets_.push_back(table_.find("model.norm.weight").offset);
   MOE_CHECK(!allocate || compute_ == param_dtype_ || dev.type == DeviceType::cuda,
             std::string("Model: ") + dtype_name(compute_) + " compute needs a GPU");
+  MOE_CHECK(!memory_.split_master || (compute_ == DType::bf16 && sharding == nullptr),
+            std::string("Model: a split master needs bf16 compute and unsharded weights, got ") +
+                dtype_name(compute_) + (sharding != nullptr ? ", ZeRO-3" : ""));
   if (sharding != nullptr) {
     MOE_CHECK(sharding->partition != nullptr, "Model: sharding without a partition");
     sharded_ = std::make_unique<ShardedParams>(param_unit_bounds(table_, cfg), *sharding->partition,
@@ -91,18 +94,14 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
     grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
     if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
   }
-  MOE_CHECK(!memory_.split_master || (compute_ == DType::bf16 && !sharded_),
-            std::string("Model: a split master needs bf16 compute and unsharded weights, got ") +
-                dtype_name(compute_) + (sharded_ ? ", ZeRO-3" : ""));
   if (memory_.split_master) {
-    size_t fp32_elems = 0;
     for (const ParamInfo& p : table_.params) {
-      fp32_slot_.push_back(fp32_elems);
-      if (p.fp32_reads) fp32_elems += p.numel();
+      fp32_slot_.push_back(fp32_copy_elems_);
+      if (p.fp32_reads) fp32_copy_elems_ += p.numel();
     }
     if (allocate) {
       low_buf_ = Buffer(dev, table_.total * dtype_size(DType::u16));
-      fp32_copy_buf_ = Buffer(dev, fp32_elems * dtype_size(param_dtype_));
+      fp32_copy_buf_ = Buffer(dev, fp32_copy_elems_ * dtype_size(param_dtype_));
     }
   }
   env_ = std::make_unique<LayerEnv>(
@@ -176,14 +175,12 @@ void Model::plan() {
 
 size_t Model::weight_bytes() const {
   if (sharded_) return sharded_->device_bytes();
-  size_t fp32_copies = 0;  // a split master's decoded fp32_reads parameters
-  for (const ParamInfo& p : table_.params)
-    if (memory_.split_master && p.fp32_reads) fp32_copies += p.numel() * dtype_size(param_dtype_);
-  // master (fp32, or split: the low halves beside the compute copy), gradient, compute copy
+  // master (fp32, or split: the low halves beside the compute copy), gradient, compute copy, and
+  // a split master's decoded fp32_reads parameters
   size_t per = (memory_.split_master ? dtype_size(DType::u16) : dtype_size(param_dtype_)) +
                dtype_size(param_dtype_);
   if (compute_ != param_dtype_) per += dtype_size(compute_);
-  return table_.total * per + fp32_copies;
+  return table_.total * per + fp32_copy_elems_ * dtype_size(param_dtype_);
 }
 
 Tensor Model::params() const {
@@ -271,10 +268,7 @@ void Model::weights_changed(Ctx& ctx, bool compute_copy_current) {
     for (const ParamInfo& p : table_.params) {
       if (!p.fp32_reads) continue;
       const auto b = static_cast<int64_t>(p.offset), e = b + static_cast<int64_t>(p.numel());
-      Tensor fp32 = param(p);
-      fp32.ndim = 1;
-      fp32.shape[0] = e - b;
-      split_master_decode(ctx, fp32, hi.rows(b, e), lo.rows(b, e));
+      split_master_decode(ctx, param(p).view({e - b}), hi.rows(b, e), lo.rows(b, e));
     }
     return;
   }
@@ -545,9 +539,7 @@ void Model::run_layers(Ctx& ctx, bool backward_too, double grad_scale, const Gra
   if (backward_too) {  // the head's forward runs chunk by chunk with its backward
     // The first backward after zero_grads(ctx, true) writes the experts' weight gradients (a dry
     // run, which measures scratch, leaves that to the real one).
-    env_->experts_overwrite = experts_overwrite_;
     backward(ctx, grad_scale, grad_scale * per_valid, ready);
-    env_->experts_overwrite = false;
     if (!ctx.dry_run) experts_overwrite_ = false;
   } else {
     head_chunks(ctx, false, 0.0);

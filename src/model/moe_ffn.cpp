@@ -133,7 +133,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // combine (a plain sum: each expert row's gradient is its token's)
   permute_forward(ctx, dyp, dy, row_token_);
   // experts (the SwiGLU backward gives the routing weights' gradient too)
-  const bool dw_overwrite = env_.experts_overwrite;
+  const bool dw_overwrite = env_.model.backward_writes_expert_grads();
   grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
                                row_w_, offsets_, dw_overwrite);
   grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
