@@ -128,6 +128,12 @@ std::vector<double> download(Tensor t) {
       out.assign(h.begin(), h.end());
       break;
     }
+    case DType::u16: {  // the split master's low halves, as their integer values
+      std::vector<uint16_t> h(out.size());
+      copy_to_host(h.data(), t);
+      out.assign(h.begin(), h.end());
+      break;
+    }
   }
   return out;
 }

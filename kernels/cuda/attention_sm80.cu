@@ -10,7 +10,7 @@
 //
 // A block: 8 warps, 128 query rows of one (b, h), 16 rows per warp, its Q fragments loaded once
 // (ldmatrix). Key tiles of 64 up to the block's last row (causal), longest query tiles first.
-// Softmax in the log2 domain (exp2f; scale folded with log2 e); lse = (m + log2 l) ln 2 in fp32.
+// Softmax in the log2 domain (exp2_ftz; scale folded with log2 e); lse = (m + log2 l) ln 2 in fp32.
 // Keys past the row (causal) or past T are -inf; rows past T are computed and not stored.
 #include <cmath>
 #include <mutex>
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
         // A row with no visible key yet keeps m = -inf: subtract 0 so nothing becomes NaN.
         base[hr] = mx[hr] == -INFINITY ? 0.0f : mx[hr];
-        const float alpha = exp2f(m[hr] - base[hr]);
+        const float alpha = exp2_ftz(m[hr] - base[hr]);
         m[hr] = mx[hr];
         l[hr] *= alpha;
 #pragma unroll
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       // P = exp2(S - m); l sums it in fp32 before cb() rounds it to T, as FlashAttention does
       for_each(s, [&](int hr, int, float& x) {
-        x = exp2f(x - base[hr]);
+        x = exp2_ftz(x - base[hr]);
         l[hr] += x;
       });
       cb(o, s, vs);  // O += P V

@@ -10,7 +10,7 @@
 //   dP^T = V dO^T, P^T and dS^T as above, dV += P^T dO, dK += dS^T Q; dK = scale dK.
 // Scores, P and dS stay in registers (attention_sm80.cuh); the staged tiles stream through
 // two-stage cp.async rings. D is computed where it is needed from dO and O rows (the ops have no
-// scratch memory to keep it in), lse is used in the log2 domain (exp2f).
+// scratch memory to keep it in), lse is used in the log2 domain (exp2_ftz).
 #include <cmath>
 #include <mutex>
 
@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads)
           const int hr = e >> 1;
           const int64_t key = j0 + 8 * j + 2 * t4 + (e & 1), row = warp_first + g + 8 * hr;
           const float p =
-              edge && (key > row || key >= seq) ? 0.0f : exp2f(s[j][e] * scale_log2 - lse2[hr]);
+              edge && (key > row || key >= seq) ? 0.0f : exp2_ftz(s[j][e] * scale_log2 - lse2[hr]);
           s[j][e] = p * (dp[j][e] - d_row[hr]);  // dS
         }
       cb(dqa, s, ks);  // dQ += dS K
@@ -235,7 +235,7 @@ __global__ void __launch_bounds__(kThreads)
           const int64_t query = i0 + c, key = warp_key + g + 8 * (e >> 1);
           const float p = edge && (query < key || query >= seq)
                               ? 0.0f
-                              : exp2f(s[j][e] * scale_log2 - st.lse2[c]);
+                              : exp2_ftz(s[j][e] * scale_log2 - st.lse2[c]);
           s[j][e] = p;                          // P^T
           dp[j][e] = p * (dp[j][e] - st.d[c]);  // dS^T
         }

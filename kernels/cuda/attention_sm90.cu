@@ -15,18 +15,25 @@
 // A block: 3 warpgroups (384 threads). Warpgroup 0 produces (one thread issues the TMA loads into
 // mbarrier full / empty rings, tma_sm90.cuh; the dk/dv kernel's warps 2-3 also compute lse and D
 // per query). Warpgroups 1 and 2 compute, 64 rows each (m64 wgmma), and only wait and issue.
+// Every kernel pipelines the same way: step j's first products are issued, then step j - 1's
+// second products right behind them, so the tensor cores run those while the elementwise part
+// of step j does; a stage is freed once its second products have retired.
 // - forward: 128 query rows of one (b, h), key tiles of 128 (K and V rings of their own, so
 //   S = Q K^T of a tile starts before its V lands), up to the block's last row (causal), longest
-//   query tiles first over the whole grid. Online softmax in registers in the log2 domain (exp2f,
-//   scale folded with log2 e); while the softmax of tile j runs, the wgmma of O += P V for tile
-//   j - 1 already does (issued right behind S_j), so the tensor cores do not idle over the
-//   softmax. lse = (m + log2 l) ln 2.
+//   query tiles first over the whole grid. Online softmax in registers on the raw scores, P =
+//   2^(S scale log2e - m scale log2e) in one FFMA and one ex2.approx.ftz (exp2_ftz) per element;
+//   O += P V of tile j - 1 runs under tile j's softmax. lse = (m scale log2e + log2 l) ln 2.
 // - dq kernel: 128 query rows of one (b, h), Q and dO loaded once; key tiles of 64 (K and V in one
 //   stage): S = Q K^T, dP = dO V^T, P = exp2(S scale log2e - lse log2e), dS = P (dP - D) with
 //   D_i = <dO_i, O_i>, dQ += dS K; dQ = scale dQ.
 // - dk/dv kernel: 128 keys of one (b, kv head), K and V loaded once; for each query head of the
 //   group and each query tile of 64 that sees the keys: S^T = K Q^T, dP^T = V dO^T, P^T, dS^T as
-//   above, dV += P^T dO, dK += dS^T Q; dK = scale dK.
+//   above, dV += P^T dO, dK += dS^T Q; dK = scale dK. The TMA brings Q, dO and O per step, and
+//   the helper warps read D off the landed dO and O tiles.
+// The elementwise parts are the kernels' bottleneck (ncu: issue-bound on dependent ALU work with
+// 8 math warps per SM), so only tiles that reach the causal diagonal or T evaluate a mask, in
+// 32-bit offsets; a tile no row of a warpgroup sees is computed like any other (it adds zeros),
+// so the loop bodies have no branch around a wgmma.
 // Every output element is written by one thread of one block: deterministic, no atomics. Rows
 // past T are zero-filled on load, computed and not stored; keys past T and causal-future keys are
 // masked (-inf before the softmax, P = 0 in the backward).
@@ -49,8 +56,8 @@
 //
 // Which code runs: as grouped_wgmma_sm90.cu (the bodies exist only in sm_90a code, kHasWgmma; the
 // host launches them only on an sm_90 device whose code for these kernels is version 9.0 under
-// MOE_WITH_SM90A). MOE_ATTENTION_SM90 picks per direction (enabled() below; the backward runs the
-// sm_80 kernels unless it is "1"), so the tests compare both paths in one process.
+// MOE_WITH_SM90A). MOE_ATTENTION_SM90=0 declines both directions (enabled() below), so the tests
+// compare both paths in one process.
 #include <cudaTypedefs.h>
 
 #include <cmath>
@@ -266,35 +273,42 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     float o[32];
     zero(o);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // log2 domain
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // m: raw scores
     float s[C::kBN / 2];
     uint32_t p[C::kBN / 16][4];  // P of the previous tile, rounded: O += P V's A operand
 
-    // Tile j's S (landed in s): mask, scale to the log2 domain, the running row maxima, then
-    // P = exp2(S - m) in place; alpha = how much the old O and l shrink.
+    // Tile j's S (landed in s): mask, the running row maxima (of the raw scores), then
+    // P = 2^(S scale log2e - m scale log2e) in place, one FFMA and one MUFU per element; alpha =
+    // how much the old O and l shrink. Only tiles that reach the causal diagonal or T mask.
     auto softmax = [&](int j, float(&alpha)[2]) {
       const int64_t j0 = int64_t(j) * C::kBN;
-      const bool edge = j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq;
       float mx[2] = {m[0], m[1]};
+      if (j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq) {
+        // d = key - row of element (jj, e) is rel + 8 jj + (e & 1) (for row + 8: minus 8), in
+        // 32 bits (shape_fits: T < 2^31); keys from T on have d >= lim
+        const int rel = static_cast<int>(j0 - row) + 2 * (lane & 3);
+        const int lim = static_cast<int>(seq - row);
 #pragma unroll
-      for (int jj = 0; jj < C::kBN / 8; ++jj)
+        for (int jj = 0; jj < C::kBN / 8; ++jj)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int hr = e >> 1;
-          const int64_t key = j0 + 8 * jj + 2 * (lane & 3) + (e & 1);
-          float& x = s[4 * jj + e];
-          x *= scale_log2;
-          if (edge && (key > row + 8 * hr || key >= seq)) x = -INFINITY;
-          mx[hr] = fmaxf(mx[hr], x);
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int hr = e >> 1, d = rel + 8 * jj + (e & 1);  // key - row
+            float& x = s[4 * jj + e];
+            if (d > 8 * hr || d >= lim) x = -INFINITY;
+            mx[hr] = fmaxf(mx[hr], x);
+          }
+      } else {
+#pragma unroll
+        for (int i = 0; i < C::kBN / 2; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+      }
       float base_m[2];
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 1));
         mx[hr] = fmaxf(mx[hr], __shfl_xor_sync(0xffffffffu, mx[hr], 2));
         // A row with no visible key yet keeps m = -inf: subtract 0 so nothing becomes NaN.
-        base_m[hr] = mx[hr] == -INFINITY ? 0.0f : mx[hr];
-        alpha[hr] = exp2f(m[hr] - base_m[hr]);
+        base_m[hr] = mx[hr] == -INFINITY ? 0.0f : mx[hr] * scale_log2;
+        alpha[hr] = exp2_ftz(m[hr] * scale_log2 - base_m[hr]);
         m[hr] = mx[hr];
         l[hr] *= alpha[hr];
       }
@@ -302,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < C::kBN / 2; ++i) {
         const int hr = (i >> 1) & 1;
-        s[i] = exp2f(s[i] - base_m[hr]);
+        s[i] = exp2_ftz(fmaf(s[i], scale_log2, -base_m[hr]));
         l[hr] += s[i];
       }
     };
@@ -365,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       inv[hr] = 1.0f / l[hr];
       const int64_t r = row + 8 * hr;
       if ((lane & 3) == 0 && r < seq)
-        lse[(int64_t(b) * heads + h) * seq + r] = (m[hr] + log2f(l[hr])) * kLn2;
+        lse[(int64_t(b) * heads + h) * seq + r] = (m[hr] * scale_log2 + log2f(l[hr])) * kLn2;
     }
     const int64_t first = q0 + g * kWgRows;
     store_tile<T>(o, inv, q_tile, out + ((int64_t(b) * seq + first) * heads + h) * kD,
@@ -378,7 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 struct Dq {
   static constexpr int kBM = 128;  // query rows per block
   static constexpr int kBN = 64;   // keys per tile
-  static constexpr int kStages = 3;
+  static constexpr int kStages =
+      4;  // a stage is freed a tile late (its K is the next step's dQ operand)
   static constexpr int kQBytes = kBM * kRowBytes;     // Q, then dO
   static constexpr int kTileBytes = kBN * kRowBytes;  // a K or V tile; a stage holds K then V
   static constexpr int kStageBytes = 2 * kTileBytes;
@@ -437,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     claim_registers<232>();
     const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32, t4 = lane & 3;
     const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
-    const int64_t wg_first = q0 + g * kWgRows, wg_last = wg_first + kWgRows - 1;
+    const int64_t wg_first = q0 + g * kWgRows;
     const int64_t warp_first = wg_first + warp * 16, row = warp_first + lane / 4;
     const bool signals = lane == 0;
     const int64_t q_stride = int64_t(heads) * kD;
@@ -466,43 +481,84 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t q_desc = kmajor_desc(q_tile), do_desc = kmajor_desc(q_tile + C::kQBytes);
     float dqa[32], s[32], dp[32];
     zero(dqa);
-    uint32_t ds[C::kBN / 16][4];
-    mbar_wait(qd_full, 0);
-    for (int j = 0; j < n_tiles; ++j) {
-      const int st = j % kS;
-      mbar_wait(full + 8 * st, (j / kS) & 1);
+    uint32_t ds[C::kBN / 16][4];  // dS of the previous tile, rounded: dQ += dS K's A operand
+    auto k_tile = [&](int st) { return base + C::kRing0 + st * C::kStageBytes; };
+    // S = Q K^T and dP = dO V^T of the tile in stage st (issued, not committed).
+    auto scores = [&](int st) {
+      product_abt<T, C::kBN>(s, q_desc, kmajor_desc(k_tile(st)));
+      product_abt<T, C::kBN>(dp, do_desc, kmajor_desc(k_tile(st) + C::kTileBytes));
+    };
+    // Tile j's S and dP (landed) -> dS = P (dP - D) in s. Keys no row of the warpgroup sees
+    // (the causal future, past T) and rows past T (lse = +inf) give P = 0: such a tile is
+    // computed like any other and adds zeros, so the loop body has no branch.
+    auto grads = [&](int j) {
       const int64_t j0 = int64_t(j) * C::kBN;
-      // Some key of the tile is visible to a row of the warpgroup before T (uniform).
-      if (j0 <= wg_last && wg_first < seq) {
-        const uint32_t k_tile = base + C::kRing0 + st * C::kStageBytes;
-        wgmma_fence();
-        product_abt<T, C::kBN>(s, q_desc, kmajor_desc(k_tile));                    // S = Q K^T
-        product_abt<T, C::kBN>(dp, do_desc, kmajor_desc(k_tile + C::kTileBytes));  // dP = dO V^T
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(s);
-        fence_accumulators(dp);
-        const bool edge = j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq;
+      float nl[2];  // -lse in the log2 domain: P = 2^(S scale log2e - lse log2e), one FFMA
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) nl[hr] = -lse2[hr];
+      if (j0 + C::kBN - 1 > warp_first || j0 + C::kBN > seq) {
+        // d = key - row of element (jj, e) is rel + 8 jj + (e & 1) (for row + 8: minus 8);
+        // keys from T on have d >= lim
+        const int rel = static_cast<int>(j0 - row) + 2 * t4;
+        const int lim = static_cast<int>(seq - row);
 #pragma unroll
         for (int jj = 0; jj < C::kBN / 8; ++jj)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int hr = e >> 1, i = 4 * jj + e;
-            const int64_t key = j0 + 8 * jj + 2 * t4 + (e & 1);
-            const float pr = edge && (key > row + 8 * hr || key >= seq)
-                                 ? 0.0f
-                                 : exp2f(s[i] * scale_log2 - lse2[hr]);
-            s[i] = pr * (dp[i] - d_row[hr]);  // dS
+            const int hr = e >> 1, i = 4 * jj + e, d = rel + 8 * jj + (e & 1);
+            const float pr =
+                d > 8 * hr || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, nl[hr]));
+            s[i] = pr * (dp[i] - d_row[hr]);
           }
-        pack_a<T, C::kBN>(ds, s);
-        wgmma_fence();
-        product_cb<T, C::kBN>(dqa, ds, mnmajor_desc(k_tile));  // dQ += dS K
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(dqa);
-        fence_fragments(ds);
+      } else {
+#pragma unroll
+        for (int i = 0; i < C::kBN / 2; ++i) {
+          const int hr = (i >> 1) & 1;
+          s[i] = exp2_ftz(fmaf(s[i], scale_log2, nl[hr])) * (dp[i] - d_row[hr]);
+        }
       }
-      if (signals) mbar_arrive(empty + 8 * st);
+    };
+    mbar_wait(qd_full, 0);
+    {  // tile 0
+      mbar_wait(full, 0);
+      wgmma_fence();
+      scores(0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(s);
+      fence_accumulators(dp);
+      grads(0);
+      pack_a<T, C::kBN>(ds, s);
+    }
+    // Tile j: S_j and dP_j, then dQ += dS_{j-1} K_{j-1} right behind them, which runs while the
+    // elementwise part of tile j does (as the forward's P V); stage j - 1 is freed after it.
+    for (int j = 1; j < n_tiles; ++j) {
+      const int st = j % kS, prev = (j - 1) % kS;
+      mbar_wait(full + 8 * st, (j / kS) & 1);
+      wgmma_fence();
+      scores(st);
+      wgmma_commit();
+      product_cb<T, C::kBN>(dqa, ds, mnmajor_desc(k_tile(prev)));
+      wgmma_commit();
+      wgmma_wait<1>();  // S and dP have retired
+      fence_accumulators(s);
+      fence_accumulators(dp);
+      grads(j);
+      wgmma_wait<0>();
+      fence_accumulators(dqa);
+      fence_fragments(ds);
+      if (signals) mbar_arrive(empty + 8 * prev);
+      pack_a<T, C::kBN>(ds, s);
+    }
+    {  // the last tile's dQ += dS K
+      const int last = (n_tiles - 1) % kS;
+      wgmma_fence();
+      product_cb<T, C::kBN>(dqa, ds, mnmajor_desc(k_tile(last)));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(dqa);
+      fence_fragments(ds);
+      if (signals) mbar_arrive(empty + 8 * last);
     }
     const float sc[2] = {scale, scale};
     store_tile<T>(dqa, sc, q_tile, dq + q_off + wg_first * q_stride, q_stride, seq - wg_first, g);
@@ -514,19 +570,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 struct Dkdv {
   static constexpr int kBN = 128;  // keys per block
   static constexpr int kBM = 64;   // queries per step
-  static constexpr int kStages = 3;
+  static constexpr int kStages =
+      4;  // a stage is freed a step late (the next step's dV, dK operands)
   static constexpr int kKVBytes = kBN * kRowBytes;    // K, then V
-  static constexpr int kTileBytes = kBM * kRowBytes;  // a Q or dO tile
-  // A stage: Q, dO, then lse (log2 domain) and D of the 64 queries; 1024-byte aligned stages.
-  static constexpr int kLse = 2 * kTileBytes, kDsum = kLse + kBM * 4;
-  static constexpr int kStageBytes = 2 * kTileBytes + 1024;
+  static constexpr int kTileBytes = kBM * kRowBytes;  // a Q, dO or O tile
+  // A stage: Q, dO, O (TMA), then lse (log2 domain) and D of the 64 queries; 1024-byte aligned.
+  static constexpr int kDo = kTileBytes, kO = 2 * kTileBytes;
+  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kBM * 4;
+  static constexpr int kStageBytes = 3 * kTileBytes + 1024;
   static constexpr int kRing0 = 2 * kKVBytes;
   static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
-  // Full barrier arrivals: the TMA thread and the 64 threads (warps 2-3) that write lse and D.
+  // Full barrier arrivals: the 64 threads (warps 2-3, one query row each) that write lse and D
+  // once the stage's tiles have landed (the `landed` barrier, which the TMA completes).
   static constexpr int kHelpers = 64;
-  // The register split (per thread; 2 x 128 x math + 128 x producer <= 64 Ki): the lse / D
-  // threads keep a step's 16 chunks of dO and O in flight; the math needs <= 168 (ptxas).
-  static constexpr int kProducerRegs = 120, kMathRegs = 192;
+  // The register split (per thread; 2 x 128 x math + 128 x producer <= 64 Ki): the math keeps
+  // dK, dV, S^T, dP^T and the previous step's P^T, dS^T fragments (ptxas: no spills at 232).
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;
 };
 static_assert(2 * 128 * Dkdv::kMathRegs + 128 * Dkdv::kProducerRegs <= 65536, "register file");
 // Shared memory per block on sm_90: 227 KiB, static and dynamic together (the static barriers
@@ -548,21 +607,24 @@ __global__ void __launch_bounds__(kThreads, 1)
     flash_dkdv_sm90_kernel(const __grid_constant__ CUtensorMap map_q,
                            const __grid_constant__ CUtensorMap map_do,
                            const __grid_constant__ CUtensorMap map_k,
-                           const __grid_constant__ CUtensorMap map_v, T* dk, T* dv, const T* dout,
-                           const T* out, const float* lse, int64_t seq, int batch, int heads,
-                           int kv_heads, float scale, float scale_log2) {
+                           const __grid_constant__ CUtensorMap map_v,
+                           const __grid_constant__ CUtensorMap map_o, T* dk, T* dv,
+                           const float* lse, int64_t seq, int batch, int heads, int kv_heads,
+                           float scale, float scale_log2) {
   if constexpr (kHasWgmma) {
     using C = Dkdv;
     constexpr int kS = C::kStages;
     extern __shared__ __align__(1024) unsigned char smem[];
-    __shared__ __align__(8) uint64_t bars[1 + 2 * kS];  // kv_full, then full[], empty[]
+    __shared__ __align__(8) uint64_t bars[1 + 3 * kS];  // kv_full, then landed[], full[], empty[]
     const uint32_t base = align1024(shared_addr(smem));
     unsigned char* base_ptr = smem + (base - shared_addr(smem));
-    const uint32_t kv_full = shared_addr(bars), full = kv_full + 8, empty = full + 8 * kS;
+    const uint32_t kv_full = shared_addr(bars), landed = kv_full + 8, full = landed + 8 * kS,
+                   empty = full + 8 * kS;
     if (threadIdx.x == 0) {
       mbar_init(kv_full, 1);
       for (int s = 0; s < kS; ++s) {
-        mbar_init(full + 8 * s, 1 + C::kHelpers);
+        mbar_init(landed + 8 * s, 1);
+        mbar_init(full + 8 * s, C::kHelpers);
         mbar_init(empty + 8 * s, kMathWarps);
       }
       mbar_init_fence();
@@ -587,57 +649,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int it = 0; it < steps; ++it) {
           const int s = it % kS;
           if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
-          mbar_arrive_expect_tx(full + 8 * s, 2 * C::kTileBytes);
+          mbar_arrive_expect_tx(landed + 8 * s, 3 * C::kTileBytes);
           const int h = kvh * group + it / per_head;
           const int32_t i0 = static_cast<int32_t>((first_tile + it % per_head) * C::kBM);
           const uint32_t stage = base + C::kRing0 + s * C::kStageBytes;
-          tma_load_3d(stage, &map_q, full + 8 * s, h * kD, i0, b);
-          tma_load_3d(stage + C::kTileBytes, &map_do, full + 8 * s, h * kD, i0, b);
+          tma_load_3d(stage, &map_q, landed + 8 * s, h * kD, i0, b);
+          tma_load_3d(stage + C::kDo, &map_do, landed + 8 * s, h * kD, i0, b);
+          tma_load_3d(stage + C::kO, &map_o, landed + 8 * s, h * kD, i0, b);
         }
       } else if (threadIdx.x >= 64) {
-        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries:
-        // 8 lanes per row (one 16-byte chunk each), 8 rows per pass of the two warps. All of a
-        // step's loads are issued before waiting for its stage to be free, so one memory latency
-        // per step overlaps the math of the steps in the ring (hence the producer's registers).
-        const int ht = static_cast<int>(threadIdx.x) - 64, sub = ht % 8;
-        const int64_t q_stride = int64_t(heads) * kD;
-        constexpr int kPasses = C::kBM / 8;
+        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries,
+        // one row per thread: lse is loaded before the stage's tiles land (its latency hides
+        // behind the TMA's), D is read off the landed dO and O tiles (zero past T), the 16-byte
+        // chunk c of row r at r * 128 + (c ^ r % 8) * 16 in the swizzle.
+        const int r = static_cast<int>(threadIdx.x) - 64;
         for (int it = 0; it < steps; ++it) {
           const int s = it % kS;
           const int h = kvh * group + it / per_head;
-          const int64_t i0 = (first_tile + it % per_head) * C::kBM;
-          const int64_t q_off = (int64_t(b) * seq * heads + h) * kD;
-          uint4 a[kPasses], c[kPasses];
-          float row_lse[kPasses];
+          const int64_t i = (first_tile + it % per_head) * C::kBM + r;
+          const float row_lse =
+              i < seq ? lse[(int64_t(b) * heads + h) * seq + i] * kLog2e : INFINITY;
+          unsigned char* stage = base_ptr + C::kRing0 + s * C::kStageBytes;
+          mbar_wait(landed + 8 * s, (it / kS) & 1);
+          float part = 0.0f;
 #pragma unroll
-          for (int pass = 0; pass < kPasses; ++pass) {
-            const int64_t i = i0 + pass * 8 + ht / 8;
-            a[pass] = c[pass] = make_uint4(0, 0, 0, 0);
-            row_lse[pass] = INFINITY;
-            if (i < seq) {
-              const int64_t at = q_off + i * q_stride + sub * 8;
-              a[pass] = *reinterpret_cast<const uint4*>(dout + at);
-              c[pass] = *reinterpret_cast<const uint4*>(out + at);
-              if (sub == 0) row_lse[pass] = lse[(int64_t(b) * heads + h) * seq + i] * kLog2e;
-            }
+          for (int c = 0; c < 8; ++c) {
+            const int at = r * kRowBytes + ((c ^ (r & 7)) << 4);
+            part += dot8<T>(*reinterpret_cast<const uint4*>(stage + C::kDo + at),
+                            *reinterpret_cast<const uint4*>(stage + C::kO + at));
           }
-          if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
-          float* lse2 =
-              reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kLse);
-          float* dsum =
-              reinterpret_cast<float*>(base_ptr + C::kRing0 + s * C::kStageBytes + C::kDsum);
-#pragma unroll
-          for (int pass = 0; pass < kPasses; ++pass) {
-            float part = dot8<T>(a[pass], c[pass]);
-            part += __shfl_xor_sync(0xffffffffu, part, 1);
-            part += __shfl_xor_sync(0xffffffffu, part, 2);
-            part += __shfl_xor_sync(0xffffffffu, part, 4);
-            if (sub == 0) {
-              const int r = pass * 8 + ht / 8;
-              dsum[r] = part;
-              lse2[r] = row_lse[pass];
-            }
-          }
+          reinterpret_cast<float*>(stage + C::kDsum)[r] = part;
+          reinterpret_cast<float*>(stage + C::kLse)[r] = row_lse;
           mbar_arrive(full + 8 * s);  // each thread's arrive releases its own writes
         }
       }
@@ -649,59 +691,112 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t wg_key = k0 + g * kWgRows;            // the warpgroup's first key
     const int64_t key = wg_key + warp * 16 + lane / 4;  // this thread's keys: key and key + 8
     const bool signals = lane == 0;
-    const bool active = wg_key < seq;  // keys past T are never stored: skip their math
     const uint32_t k_rows = base + g * kWgBytes, v_rows = base + C::kKVBytes + g * kWgBytes;
     const uint64_t k_desc = kmajor_desc(k_rows), v_desc = kmajor_desc(v_rows);
     float dka[32], dva[32], s[32], dp[32];
     zero(dka);
     zero(dva);
+    // P^T and dS^T of the previous step, rounded: the A operands of dV += P^T dO, dK += dS^T Q
     uint32_t pa[C::kBM / 16][4], dsa[C::kBM / 16][4];
-    mbar_wait(kv_full, 0);
-    for (int it = 0; it < steps; ++it) {
-      const int st = it % kS;
-      mbar_wait(full + 8 * st, (it / kS) & 1);
+    auto q_tile = [&](int st) { return base + C::kRing0 + st * C::kStageBytes; };
+    // S^T = K Q^T and dP^T = V dO^T of the step in stage st (issued, not committed).
+    auto scores = [&](int st) {
+      product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile(st)));
+      product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(q_tile(st) + C::kTileBytes));
+    };
+    // Step it's S^T and dP^T (landed) -> P^T in s, dS^T in dp. Queries that see no key of the
+    // warpgroup (the causal past of its keys, past T) give P = 0, and keys past T are never
+    // stored: such a step is computed like any other and adds zeros, so the loop body has no
+    // branch.
+    auto grads = [&](int it, int st) {
       const int64_t i0 = (first_tile + it % per_head) * C::kBM;
-      // Some query of the tile sees some key of the warpgroup (uniform over the warpgroup).
-      if (active && i0 + C::kBM - 1 >= wg_key) {
-        const uint32_t q_tile = base + C::kRing0 + st * C::kStageBytes;
-        const uint32_t do_tile = q_tile + C::kTileBytes;
-        const float* lse2 =
-            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kLse);
-        const float* dsum =
-            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kDsum);
-        wgmma_fence();
-        product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile));    // S^T = K Q^T
-        product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(do_tile));  // dP^T = V dO^T
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(s);
-        fence_accumulators(dp);
-        const bool edge = i0 < wg_key + kWgRows || i0 + C::kBM > seq;
+      const float* lse2 =
+          reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kLse);
+      const float* dsum =
+          reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kDsum);
+      if (i0 < wg_key + kWgRows || i0 + C::kBM > seq) {
+        // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8);
+        // queries from T on have d >= lim
+        const int rel = static_cast<int>(i0 - key) + 2 * t4;
+        const int lim = static_cast<int>(seq - key);
 #pragma unroll
         for (int jj = 0; jj < C::kBM / 8; ++jj)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-            const int64_t query = i0 + c;
-            const float pr = edge && (query < key + 8 * (e >> 1) || query >= seq)
-                                 ? 0.0f
-                                 : exp2f(s[i] * scale_log2 - lse2[c]);
-            s[i] = pr;                       // P^T
-            dp[i] = pr * (dp[i] - dsum[c]);  // dS^T
+            const int d = rel + 8 * jj + (e & 1);
+            const float pr =
+                d < 8 * (e >> 1) || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
+            s[i] = pr;
+            dp[i] = pr * (dp[i] - dsum[c]);
           }
-        pack_a<T, C::kBM>(pa, s);
-        pack_a<T, C::kBM>(dsa, dp);
-        wgmma_fence();
-        product_cb<T, C::kBM>(dva, pa, mnmajor_desc(do_tile));  // dV += P^T dO
-        product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(q_tile));  // dK += dS^T Q
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_accumulators(dka);
-        fence_accumulators(dva);
-        fence_fragments(pa);
-        fence_fragments(dsa);
+      } else {
+#pragma unroll
+        for (int jj = 0; jj < C::kBM / 8; ++jj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
+            const float pr = exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
+            s[i] = pr;
+            dp[i] = pr * (dp[i] - dsum[c]);
+          }
       }
-      if (signals) mbar_arrive(empty + 8 * st);
+    };
+    // dV += P^T dO, dK += dS^T Q of the step in stage st (issued, not committed).
+    auto accumulate = [&](int st) {
+      product_cb<T, C::kBM>(dva, pa, mnmajor_desc(q_tile(st) + C::kTileBytes));
+      product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(q_tile(st)));
+    };
+    mbar_wait(kv_full, 0);
+    {                        // step 0
+      mbar_wait(landed, 0);  // the helpers' arrivals follow the TMA's; this keeps it explicit
+      mbar_wait(full, 0);
+      wgmma_fence();
+      scores(0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(s);
+      fence_accumulators(dp);
+      grads(0, 0);
+      pack_a<T, C::kBM>(pa, s);
+      pack_a<T, C::kBM>(dsa, dp);
+    }
+    // Step it: S^T and dP^T, then the previous step's dV and dK products right behind them,
+    // which run while the elementwise part of step it does (as the forward's P V); the previous
+    // step's stage is freed after them.
+    for (int it = 1; it < steps; ++it) {
+      const int st = it % kS, prev = (it - 1) % kS;
+      mbar_wait(landed + 8 * st, (it / kS) & 1);
+      mbar_wait(full + 8 * st, (it / kS) & 1);
+      wgmma_fence();
+      scores(st);
+      wgmma_commit();
+      accumulate(prev);
+      wgmma_commit();
+      wgmma_wait<1>();  // S^T and dP^T have retired
+      fence_accumulators(s);
+      fence_accumulators(dp);
+      grads(it, st);
+      wgmma_wait<0>();
+      fence_accumulators(dka);
+      fence_accumulators(dva);
+      fence_fragments(pa);
+      fence_fragments(dsa);
+      if (signals) mbar_arrive(empty + 8 * prev);
+      pack_a<T, C::kBM>(pa, s);
+      pack_a<T, C::kBM>(dsa, dp);
+    }
+    {  // the last step's dV and dK products
+      const int last = (steps - 1) % kS;
+      wgmma_fence();
+      accumulate(last);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_accumulators(dka);
+      fence_accumulators(dva);
+      fence_fragments(pa);
+      fence_fragments(dsa);
+      if (signals) mbar_arrive(empty + 8 * last);
     }
     const int64_t kv_stride = int64_t(kv_heads) * kD;
     const int64_t kv_off = ((int64_t(b) * seq + wg_key) * kv_heads + kvh) * kD;
@@ -784,12 +879,13 @@ void launch_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void
     const CUtensorMap mdo = head_rows_map(t, dout, s, s.heads, Dkdv::kBM);
     const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, Dkdv::kBN);
     const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, Dkdv::kBN);
+    const CUtensorMap mo = head_rows_map(t, out, s, s.heads, Dkdv::kBM);
     const int64_t k_tiles = blocks_for(s.seq, Dkdv::kBN);
     const unsigned grid = static_cast<unsigned>(k_tiles * s.batch * s.kv_heads);
     flash_dkdv_sm90_kernel<T><<<grid, kThreads, Dkdv::kSmem, stream_of(ctx)>>>(
-        mq, mdo, mk, mv, static_cast<T*>(dk), static_cast<T*>(dv), static_cast<const T*>(dout),
-        static_cast<const T*>(out), lse, s.seq, static_cast<int>(s.batch),
-        static_cast<int>(s.heads), static_cast<int>(s.kv_heads), scale, scale_log2);
+        mq, mdo, mk, mv, mo, static_cast<T*>(dk), static_cast<T*>(dv), lse, s.seq,
+        static_cast<int>(s.batch), static_cast<int>(s.heads), static_cast<int>(s.kv_heads), scale,
+        scale_log2);
     MOE_CUDA_LAUNCH_CHECK();
   }
 }
@@ -824,15 +920,12 @@ bool sm90_available(DType t) {
 }
 
 // MOE_ATTENTION_SM90 (read at every call): "0" declines both directions (the sm_80 kernels
-// run), "1" takes both. Unset, the forward takes these and the backward declines: on the H200
-// the sm_80 backward is the faster one (B x T x H x hd = 16 x 1024 x 16 x 64: 776 against 921
-// us; 4 x 4096 x 16 x 64: 2657 against 2840 us), the forward these (230 against 243 us and 715
-// against 860 us; docs/perf.md).
-enum class Direction { forward, backward };
-bool enabled(Direction d) {
+// run); unset or anything else takes both. On the H200 these are the faster kernels in both
+// directions (B x T x H x hd = 16 x 1024 x 16 x 64: forward 136 against 245 us, backward 475
+// against 684; 4 x 4096 x 16 x 64: 347 against 879 and 1241 against 2318; docs/perf.md).
+bool enabled() {
   const char* v = std::getenv("MOE_ATTENTION_SM90");
-  if (v == nullptr) return d == Direction::forward;
-  return std::string(v) != "0";
+  return v == nullptr || std::string(v) != "0";
 }
 
 // The shapes the kernels index with 32-bit block and TMA coordinates.
@@ -846,8 +939,7 @@ bool shape_fits(const AttentionShape& s) {
 
 bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                             const void* v, const AttentionShape& s) {
-  if (!enabled(Direction::forward) || !sm90_available(t) || !aligned16({out, q, k, v}) ||
-      !shape_fits(s))
+  if (!enabled() || !sm90_available(t) || !aligned16({out, q, k, v}) || !shape_fits(s))
     return false;
   if (t == DType::f16)
     launch_forward<__half>(ctx, t, out, lse, q, k, v, s);
@@ -859,8 +951,8 @@ bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void
 bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                              const void* q, const void* k, const void* v, const void* out,
                              const float* lse, const AttentionShape& s) {
-  if (!enabled(Direction::backward) || !sm90_available(t) ||
-      !aligned16({dq, dk, dv, dout, q, k, v, out}) || !shape_fits(s))
+  if (!enabled() || !sm90_available(t) || !aligned16({dq, dk, dv, dout, q, k, v, out}) ||
+      !shape_fits(s))
     return false;
   if (t == DType::f16)
     launch_backward<__half>(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s);

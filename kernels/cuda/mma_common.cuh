@@ -23,6 +23,15 @@ template <>
 struct HasMma<__nv_bfloat16> : std::true_type {};
 #endif
 
+// 2^x in one MUFU instruction (ex2.approx.ftz: max relative error ~2^-22; -inf gives 0; results
+// below 2^-126 flush to 0, which no softmax weight or its gradient notices). exp2f without
+// fast-math adds a range test and two multiplies around the same instruction.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // The virtual architecture (e.g. 75 for the PTX-only sm_75 build JIT-run on a newer GPU) of the
 // code the current device runs for `kernel`: decides whether HasMma held there, so the host
 // launches a tensor-core kernel only where its body was compiled.

@@ -134,6 +134,14 @@ std::string shape(std::initializer_list<int64_t> dims) {
   return s;
 }
 
+// Whether `family` is one of the rows asked for (see BenchOptions::families).
+bool selected(const std::string& family, const std::vector<std::string>& families) {
+  if (families.empty() || family == "copy" || family.rfind("dense_gemm", 0) == 0) return true;
+  for (const std::string& f : families)
+    if (family.rfind(f, 0) == 0) return true;
+  return false;
+}
+
 }  // namespace
 
 std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_len, DType dt,
@@ -149,6 +157,7 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   std::vector<BenchRow> rows;
   auto add = [&](std::string family, std::string detail, double work, bool flops, double roof,
                  double target, const std::function<void()>& fn) {
+    if (!selected(family, opt.families)) return BenchRow{};
     BenchRow row{
         std::move(family), std::move(detail), median_ms(ctx, iters, fn), work, flops, roof, target};
     rows.push_back(row);

@@ -17,6 +17,9 @@ struct BenchOptions {
   // Expert-load skews for the grouped GEMM rows: maxvio = max load / mean load - 1 (0 =
   // balanced). Values above E - 1 are capped (one expert takes every row).
   std::vector<double> skews = {0, 1, 10};
+  // Families to time (a row runs when its family starts with one of these); empty = all. The
+  // references (copy, dense_gemm, dense_gemm_bwd) always run: the other rows are set against them.
+  std::vector<std::string> families;
 };
 
 struct BenchRow {

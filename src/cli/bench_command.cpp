@@ -18,6 +18,7 @@ struct BenchFlags {
   std::string device;
   int iters = 20;
   std::vector<double> skews;
+  std::vector<std::string> families;
 };
 
 void run_bench(const BenchFlags& f) {
@@ -30,6 +31,7 @@ void run_bench(const BenchFlags& f) {
   BenchOptions opt;
   opt.iters = f.iters;
   if (!f.skews.empty()) opt.skews = f.skews;
+  opt.families = f.families;
   std::printf("%s\nbench: %s, %s, micro-batch %d x %d tokens, median of %d\n", build_info().c_str(),
               dev.str().c_str(), dtype_name(dt), cfg.train_micro_batch_size_per_gpu,
               cfg.data.seq_len, opt.iters);
@@ -52,6 +54,9 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--skew", flags->skews,
                   "expert-load skews (maxvio) for the grouped GEMM rows (default 0 1 10)")
       ->check(CLI::Range(0.0, 1e6));
+  cmd->add_option("--family", flags->families,
+                  "time only the families starting with these names (e.g. attention grouped_gemm); "
+                  "the copy and dense_gemm references always run");
   register_runner("bench", [flags] { run_bench(*flags); });
 }
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `moe-train bench` on the CPU at configs/tiny.json's shapes: every kernel family gets a row with a
-# time and a roofline fraction, and an expert-load skew above E - 1 is capped (E = 4 here).
+# time and a roofline fraction, an expert-load skew above E - 1 is capped (E = 4 here), and
+# --family keeps only the families named (and the references).
 # Usage: bench_smoke.sh MOE_TRAIN_BINARY SOURCE_DIR
 set -u
 bin=$1
@@ -23,6 +24,14 @@ for family in copy dense_gemm dense_gemm_bwd router permute combine grouped_gemm
 done
 grep -q "maxvio 0 " <<<"$out" || { echo "FAIL no balanced grouped_gemm row"; failures=$((failures + 1)); }
 grep -q "maxvio 3 " <<<"$out" || { echo "FAIL skew 10 not capped to E-1 = 3"; failures=$((failures + 1)); }
+# --family: only the named families, plus the references they are set against
+out=$(OMP_NUM_THREADS=1 "$bin" bench --config "$src/configs/tiny.json" --device cpu --iters 1 \
+  --family attention 2>&1)
+rows=$(grep -Ec "^[a-z_]+ +.+ [0-9.]+%" <<<"$out")
+for family in copy dense_gemm dense_gemm_bwd attention_fwd attention_bwd; do
+  grep -Eq "^$family +.+ [0-9.]+%" <<<"$out" || { echo "FAIL --family: no row for $family"; failures=$((failures + 1)); }
+done
+[ "$rows" -eq 5 ] || { echo "FAIL --family attention gave $rows rows: $out"; failures=$((failures + 1)); }
 out=$("$bin" bench --config "$src/configs/tiny.json" --iters 0 2>&1)
 [ $? -eq 2 ] || { echo "FAIL --iters 0 accepted: $out"; failures=$((failures + 1)); }
 [ "$failures" -eq 0 ] && echo "bench smoke test passed"
