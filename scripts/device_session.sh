@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On the H200, in one call (about 6-7 minutes from a cold machine): every GPU test in the sm_90
+# On the H200, in one call (about 7-8 minutes from a cold machine): every GPU test in the sm_90
 # and PTX-only sm_75 builds (device_gpu_tests.sh --sm75), the kernel rows of `moe-train bench`
-# for moe-small and moe-fine, the peer table (device_bench.sh), a moe-small profile and the MoD
-# step ratio (moe-small with model.mod.enabled against the table's plain run). Prints
+# for moe-small and moe-fine, the peer table (device_bench.sh), a moe-small profile, the MoD
+# step ratio (moe-small with model.mod.enabled against the table's plain run) with a profile of
+# the MoD run, and moe-fine with MOE_ROUTER_SPLIT_BF16=1 against the table's run. Prints
 # one summary last; logs under $OUT (default /tmp/session). The peer script is the one copied
 # from ../shared/peers into the checkout (an ignored folder named in the device call's carry).
 #   scripts/device_session.sh PEER_SCRIPT
@@ -20,9 +21,15 @@ OUT="$OUT/peer" RUN_TIMEOUT=100 scripts/device_bench.sh build-gpu-sm90 "$peer" \
   moe-small moe-fine moe-t4 >/dev/null 2>&1
 timeout 120 "$moe" train --profile --config configs/moe-small.json \
   --set train.out_dir=\""$OUT/profile-run"\" >"$OUT/profile.log" 2>&1
-# The MoD bar: moe-small with mod {capacity 0.125, every 2} against the plain run of the table.
+# The MoD bar: moe-small with mod {capacity 0.125, every 2} against the plain run of the table,
+# with a profile of that run (where the MoD step's time goes).
 timeout 120 "$moe" train --config configs/moe-small.json --set model.mod.enabled=true \
   --set train.out_dir=\""$OUT/mod-run"\" >"$OUT/mod.log" 2>&1
+timeout 120 "$moe" train --profile --config configs/moe-small.json --set model.mod.enabled=true \
+  --set train.out_dir=\""$OUT/mod-profile-run"\" >"$OUT/mod.profile.log" 2>&1
+# The router's bf16 split (MOE_ROUTER_SPLIT_BF16=1) on moe-fine, against the table's run.
+MOE_ROUTER_SPLIT_BF16=1 timeout 120 "$moe" train --config configs/moe-fine.json \
+  --set train.out_dir=\""$OUT/split-run"\" >"$OUT/split.log" 2>&1
 {
   echo "== GPU tests (rc 0 = pass)"
   sed 's/  */ /g' "$OUT/tests/summary.txt"
@@ -39,4 +46,11 @@ timeout 120 "$moe" train --config configs/moe-small.json --set model.mod.enabled
   echo "== MoD (moe-small, model.mod.enabled): ${mod:-?} tok/s against ${plain:-?}: a step in" \
     "$(awk -v a="${plain:-0}" -v b="${mod:-0}" 'BEGIN {if (b > 0) printf "%.3f", a / b; else print "?"}')x" \
     "the time (bar 0.65x)"
+  echo "== MoD profile (ms per step)"
+  sed -n '/profile:/,/total/p' "$OUT/mod.profile.log" | head -16
+  fine=$(grep -o 'tok/s [0-9]*' "$OUT/peer/ours.moe-fine.log" | tail -1 | awk '{print $2}')
+  split=$(grep -o 'tok/s [0-9]*' "$OUT/split.log" | tail -1 | awk '{print $2}')
+  echo "== moe-fine with MOE_ROUTER_SPLIT_BF16=1: ${split:-?} tok/s against ${fine:-?}" \
+    "($(grep -o 'loss [0-9.]*' "$OUT/split.log" | tail -1) against" \
+    "$(grep -o 'loss [0-9.]*' "$OUT/peer/ours.moe-fine.log" | tail -1))"
 } | tee "$OUT/summary.txt"

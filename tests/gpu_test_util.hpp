@@ -14,6 +14,7 @@
 #include "moe/cuda_runtime.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/common.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "test_util.hpp"
 
 namespace moe::test {
@@ -41,6 +42,26 @@ inline float bf16_to_float(uint16_t h) {
 }
 uint16_t float_to_half(float f);
 float half_to_float(uint16_t h);
+
+// A host tensor of any float dtype, filled from doubles that dt represents exactly (through the CPU
+// convert op from an f64 tensor: exact for such values) and read back as doubles.
+struct HostAny {
+  std::vector<double> storage;  // enough bytes for any dtype
+  Tensor t;
+  HostAny(DType dt, const std::vector<double>& values) : storage(values.size()) {
+    const int64_t n = static_cast<int64_t>(values.size());
+    t = Tensor(storage.data(), dt, Device{}, {n});
+    std::vector<double> copy = values;
+    Ctx cpu{};
+    cpu::convert(cpu, t, Tensor(copy.data(), DType::f64, Device{}, {n}), false);
+  }
+  std::vector<double> values() const {
+    std::vector<double> out(static_cast<size_t>(t.numel()));
+    Ctx cpu{};
+    cpu::convert(cpu, Tensor(out.data(), DType::f64, Device{}, {t.numel()}), t, false);
+    return out;
+  }
+};
 
 // A device tensor that owns its memory.
 struct DeviceTensor {

@@ -6,8 +6,10 @@
 // (where rounding twice through f32 would differ), f16 overflow and subnormals.
 // accumulate_sum: |gpu - cpu| <= 1e-12 (|out0| + |scale| sum|x|) (both sum in double, in different
 // orders) and bitwise repeatable.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -21,26 +23,6 @@ using namespace moe::test;
 namespace {
 
 const DType kDtypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16};
-
-// A host tensor of any float dtype, filled from doubles that dt represents exactly (through the CPU
-// convert op from an f64 tensor: exact for such values) and read back as doubles.
-struct HostAny {
-  std::vector<double> storage;  // enough bytes for any dtype
-  Tensor t;
-  HostAny(DType dt, const std::vector<double>& values) : storage(values.size()) {
-    const int64_t n = static_cast<int64_t>(values.size());
-    t = Tensor(storage.data(), dt, Device{}, {n});
-    std::vector<double> copy = values;
-    Ctx cpu{};
-    cpu::convert(cpu, t, Tensor(copy.data(), DType::f64, Device{}, {n}), false);
-  }
-  std::vector<double> values() const {
-    std::vector<double> out(static_cast<size_t>(t.numel()));
-    Ctx cpu{};
-    cpu::convert(cpu, Tensor(out.data(), DType::f64, Device{}, {t.numel()}), t, false);
-    return out;
-  }
-};
 
 double p2(int e) {
   return std::ldexp(1.0, e);
@@ -120,6 +102,53 @@ TEST_CASE("gpu convert: every dtype pair, = and +=, bitwise equal to the CPU", "
       }
     }
   }
+}
+
+// The kernel's 16-byte path takes groups of 8 elements when both pointers are 16-byte aligned,
+// the scalar loop the rest: a tail of 1-7 elements, and whole tensors whose view starts one
+// element into a buffer (so one side or both are misaligned). Every case bitwise the CPU op.
+TEST_CASE("gpu convert: 16-byte groups, tails and misaligned views, bitwise equal to the CPU",
+          "[gpu][convert]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  uint64_t seed = 100;
+  const std::pair<int64_t, int64_t> views[] = {{0, 0}, {1, 0}, {0, 1}, {1, 1}};  // src, dst at
+  for (DType src_dt : kDtypes)
+    for (DType dst_dt : kDtypes)
+      for (bool accumulate : {false, true})
+        for (int64_t n : {int64_t{4021}, int64_t{4024}, int64_t{5}})
+          for (auto [src_at, dst_at] : views) {
+            INFO("convert " << dtype_name(src_dt) << " -> " << dtype_name(dst_dt)
+                            << (accumulate ? " (+=)" : " (=)") << ", n " << n << ", src at "
+                            << src_at << ", dst at " << dst_at);
+            std::vector<double> src = convert_inputs(src_dt, seed++);
+            src.resize(static_cast<size_t>(n));
+            const std::vector<double> dst0 = rounded_random_values(dst_dt, src.size(), seed++);
+            HostAny hsrc(src_dt, src),
+                hdst(dst_dt, accumulate ? dst0 : std::vector<double>(src.size()));
+            cpu::convert(cpu, hdst.t, hsrc.t, accumulate);
+            const std::vector<double> want = hdst.values();
+
+            // buffers one element longer, viewed from element src_at / dst_at
+            std::vector<double> src_buf(src.size() + 1, 0.5), dst_buf(src.size() + 1, 0.25);
+            std::copy(src.begin(), src.end(), src_buf.begin() + src_at);
+            std::copy(dst0.begin(), dst0.end(), dst_buf.begin() + dst_at);
+            DeviceTensor gsrc = on_device(src_dt, {n + 1}, src_buf);
+            DeviceTensor gdst =
+                accumulate ? on_device(dst_dt, {n + 1}, dst_buf) : poisoned(dst_dt, {n + 1});
+            convert(gpu, gdst.t.rows(dst_at, dst_at + n), gsrc.t.rows(src_at, src_at + n),
+                    accumulate);
+            const std::vector<double> all = download(gdst);
+            const std::vector<double> got(all.begin() + dst_at, all.begin() + dst_at + n);
+            size_t mismatches = 0;
+            for (size_t i = 0; i < got.size(); ++i) mismatches += !(got[i] == want[i]);
+            CHECK(mismatches == 0);
+            // the element outside the view is left alone (the poison's NaN or dst_buf's 0.25)
+            const double outside = all[dst_at == 0 ? static_cast<size_t>(n) : 0];
+            if (accumulate)
+              CHECK(outside == round_to(dst_dt, {0.25})[0]);
+            else
+              CHECK(std::isnan(outside));
+          }
 }
 
 TEST_CASE("gpu convert: the 16-bit rounding of chosen f64 values", "[gpu][convert]") {

@@ -1,6 +1,7 @@
 // The whole model on the GPU (fp32) against the CPU model on the same weights: losses and every
 // gradient of one forward/backward, and a short training run whose loss curve tracks the CPU's.
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 #include <cuda_runtime.h>
@@ -237,6 +238,53 @@ TEST_CASE("gpu model: bf16 and fp16 gradients track the fp32 model", "[gpu][mode
       INFO(p.name << ": relative error " << e);
       CHECK(e < 10 * bound);
     }
+  }
+}
+
+// MOE_ROUTER_SPLIT_BF16=1: the router matmuls past 16 outputs (20 experts, a 24-wide MoD
+// predictor) on bf16 tensor cores with w and dy split into bf16 parts (router_matmul.cpp), against
+// the fp32 copy through cuBLAS. Both compute the fp32 products to fp32 accuracy, so the losses
+// agree to fp32 rounding and the gradients to what bf16 activations make of logits that differ
+// in the last fp32 bits (bound: the mixed-precision test's bf16 bound over 30). The switch is read
+// at every call; it is set before the model is built, so its planning pass measures the same path.
+TEST_CASE("gpu model: the bf16-split router matmuls track the fp32-copy path",
+          "[gpu][model][mixed]") {
+  ModelConfig m = model_config();
+  m.num_local_experts = 20;
+  m.mod.predictor_hidden_size = 24;
+  const int b = 3, t = 32;
+  const auto ids = tokens(b * t, m.vocab_size, 1), tg = tokens(b * t, m.vocab_size, 2);
+  Ctx gpu = gpu_ctx();
+  auto run = [&](bool split) {
+    if (split)
+      setenv("MOE_ROUTER_SPLIT_BF16", "1", 1);
+    else
+      unsetenv("MOE_ROUTER_SPLIT_BF16");
+    Model model(m, DType::bf16, gpu0(), b, t);
+    model.init_weights(11);
+    model.zero_grads(gpu);
+    const Losses l = model.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+    auto g = host_copy(model.grads());
+    unsetenv("MOE_ROUTER_SPLIT_BF16");
+    return std::make_pair(l, g);
+  };
+  const auto [l_copy, g_copy] = run(false);
+  const auto [l_split, g_split] = run(true);
+  CHECK(l_split.lm == Approx(l_copy.lm).epsilon(1e-5));
+  CHECK(l_split.aux == Approx(l_copy.aux).epsilon(1e-5));
+  CHECK(l_split.mod_pred == Approx(l_copy.mod_pred).epsilon(1e-5));
+  const double all = relative_error(g_split, g_copy, 0, g_copy.size());
+  INFO("all gradients: relative error " << all);
+  CHECK(all < 1e-3);
+  Model shapes(m, DType::bf16, gpu0(), b, t);
+  for (const auto& p : shapes.table().params) {
+    if (p.name.find("router") == std::string::npos &&
+        p.name.find("gate.weight") == std::string::npos &&
+        p.name.find("predictor") == std::string::npos)
+      continue;
+    const double e = relative_error(g_split, g_copy, p.offset, p.offset + p.numel());
+    INFO(p.name << ": relative error " << e);
+    CHECK(e < 1e-3);
   }
 }
 

@@ -11,11 +11,19 @@
 // The kernels' summation orders depend on the shape only, so results must also be bitwise the
 // same on a second run and for views of every input one element off 16-byte alignment (the
 // element-by-element path).
+//
+// Also the bf16 split behind the wider router matmuls (split_bf16, sum_column_blocks bitwise the
+// CPU ops; linear_forward's fp32 y from bf16 operands against a double reference).
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "gpu_test_util.hpp"
+#include "moe/ops/bf16_split.hpp"
+#include "moe/ops/linear.hpp"
 #include "moe/ops/router.hpp"
 #include "test_util.hpp"
 
@@ -161,5 +169,76 @@ TEST_CASE("gpu router_logits: host tensors are rejected by name", "[gpu][router_
   } catch (const InternalError& err) {
     CHECK_THAT(std::string(err.what()),
                Catch::Contains("router_logits_forward: w is on cpu, the op runs on cuda:0"));
+  }
+}
+
+// ---- the bf16 split of the wider router matmuls (moe/ops/bf16_split.hpp) ----
+
+// split_bf16 and sum_column_blocks: bitwise the CPU ops on random fp32 values over many binades
+// (the kernels do the same fp32 operations in the same order), with odd shapes and part lists.
+TEST_CASE("gpu split_bf16 and sum_column_blocks are bitwise the CPU ops", "[gpu][bf16_split]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 1}, {7, 13}, {300, 64}, {1, 70001}}) {
+    INFO(rows << " x " << cols);
+    std::vector<double> src = rounded_random_values(DType::f32, size_t(rows * cols), rows + cols);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = std::ldexp(src[i], int(i % 61) - 30);
+    for (const std::vector<int>& parts :
+         {std::vector<int>{1, 2, 3}, std::vector<int>{1, 1, 2, 1, 2, 3}, std::vector<int>{3}}) {
+      const int64_t p = static_cast<int64_t>(parts.size());
+      HostAny hsrc(DType::f32, src),
+          hdst(DType::bf16, std::vector<double>(size_t(rows * p * cols)));
+      cpu::split_bf16(cpu, hdst.t.view({rows, p * cols}), hsrc.t.view({rows, cols}), parts);
+      DeviceTensor gsrc = on_device(DType::f32, {rows, cols}, src);
+      DeviceTensor gdst = poisoned(DType::bf16, {rows, p * cols});
+      split_bf16(gpu, gdst, gsrc, parts);
+      CHECK(bytes_of(gdst) == bytes_of(hdst.t));
+
+      // the parts back through sum_column_blocks (as f32), in two orders, = and +=
+      const std::vector<double> parts_f = hdst.values();
+      const std::vector<double> y0 = rounded_random_values(DType::f32, size_t(rows * cols), 9);
+      for (bool accumulate : {false, true}) {
+        std::vector<int> blocks(parts.size());
+        for (int j = 0; j < p; ++j) blocks[j] = accumulate ? p - 1 - j : j;
+        HostAny ht(DType::f32, parts_f), hy(DType::f32, y0);
+        cpu::sum_column_blocks(cpu, hy.t.view({rows, cols}), ht.t.view({rows, p * cols}), blocks,
+                               accumulate);
+        DeviceTensor gt = on_device(DType::f32, {rows, p * cols}, parts_f);
+        DeviceTensor gy = on_device(DType::f32, {rows, cols}, y0);
+        sum_column_blocks(gpu, gy, gt, blocks, accumulate);
+        CHECK(bytes_of(gy) == bytes_of(hy.t));
+      }
+    }
+  }
+}
+
+// linear_forward with 16-bit x and w and an fp32 y (the split router's product): the fp32 sums of
+// exact products, against a double reference within the fp32 bound rtol_for(f32).
+TEST_CASE("gpu linear_forward: bf16 x and w into an fp32 y", "[gpu][bf16_split]") {
+  Ctx gpu = gpu_ctx();
+  const int64_t n = 333, d = 520, e = 192;
+  const std::vector<double> x = rounded_random_values(DType::bf16, size_t(n * d), 1),
+                            w = rounded_random_values(DType::bf16, size_t(e * d), 2, -0.5, 0.5),
+                            y0 = rounded_random_values(DType::f32, size_t(n * e), 3);
+  for (bool accumulate : {false, true}) {
+    std::vector<double> want(size_t(n * e)), scale(size_t(n * e));
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t o = 0; o < e; ++o) {
+        double s = accumulate ? y0[r * e + o] : 0.0, a = std::fabs(s);
+        for (int64_t k = 0; k < d; ++k) {
+          s += x[r * d + k] * w[o * d + k];
+          a += std::fabs(x[r * d + k] * w[o * d + k]);
+        }
+        want[r * e + o] = s;
+        scale[r * e + o] = a;
+      }
+    DeviceTensor gx = on_device(DType::bf16, {n, d}, x), gw = on_device(DType::bf16, {e, d}, w);
+    DeviceTensor gy = accumulate ? on_device(DType::f32, {n, e}, y0) : poisoned(DType::f32, {n, e});
+    linear_forward(gpu, gy, gx, gw, accumulate);
+    const std::vector<double> got = download(gy);
+    double worst = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      worst = std::max(worst, std::fabs(got[i] - want[i]) / (scale[i] * d * 0x1p-24 + 1e-30));
+    INFO("worst error in units of d u sum|terms|: " << worst);
+    CHECK(worst <= 1.0);
   }
 }

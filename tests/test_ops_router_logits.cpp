@@ -7,8 +7,11 @@
 // - Accumulation: dx and dw start non-zero, so "+=" and dx's single rounding are both exercised.
 // - f64 central finite differences of dot(r, logits) in x and w (the op is linear in each: rtol
 //   1e-7), bitwise determinism across thread counts, and the argument checks' messages.
+// - The bf16 split of the wider router matmuls (split_bf16, sum_column_blocks): exact parts, the
+//   backward's cross-term algebra in double, the blocks' summation order, bad operands.
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -18,6 +21,7 @@
 
 #include "catch.hpp"
 #include "common/float16.hpp"
+#include "moe/ops/bf16_split.hpp"
 #include "moe/ops/router.hpp"
 #include "test_util.hpp"
 
@@ -356,4 +360,148 @@ TEST_CASE("router_logits ops reject bad shapes, dtypes and devices with the argu
   dw_gpu.device = Device{DeviceType::cuda, 0};
   CHECK_THAT(backward_error(dx, dw_gpu, dl, w),
              Catch::Contains("router_logits_backward: dw is on cuda:0, the op runs on cpu"));
+}
+
+// ---- the bf16 split of the wide router matmuls (moe/ops/bf16_split.hpp, router_matmul.cpp) ----
+
+namespace {
+
+float bf(uint16_t b) {
+  return float16::bf16_to_float(b);
+}
+
+// fp32 values over many binades (|v| from 2^-100 to 2^100, both signs), with the awkward ones:
+// zeros, bf16 ties and near-ties, values one bf16 ulp apart, a float near bf16's largest.
+std::vector<float> split_inputs(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> mant(1.0, 2.0), expo(-100.0, 100.0);
+  std::vector<float> v(n);
+  for (float& x : v)
+    x = static_cast<float>((rng() & 1 ? -1 : 1) *
+                           std::ldexp(mant(rng), int(std::floor(expo(rng)))));
+  const float special[] = {0.0f,
+                           -0.0f,
+                           1.0f + 0x1p-8f,
+                           1.0f + 0x1p-8f + 0x1p-20f,
+                           -1.0f - 0x1p-8f - 0x1p-23f,
+                           1.0f + 0x1p-16f,
+                           1.0f - 0x1p-24f,
+                           3.3e38f,
+                           -0x1p-100f,
+                           1.0f / 3.0f};
+  for (size_t i = 0; i < sizeof special / sizeof special[0] && i < n; ++i) v[i] = special[i];
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("split_bf16: three bf16 parts add up to the fp32 value exactly, in the order asked",
+          "[bf16_split]") {
+  Ctx ctx = cpu_ctx();
+  const int64_t rows = 37, cols = 53;
+  const std::vector<float> src = split_inputs(rows * cols, 7);
+  const std::vector<int> parts = {1, 1, 2, 1, 2, 3};
+  const int64_t p = static_cast<int64_t>(parts.size());
+  std::vector<uint16_t> dst(rows * p * cols, 0xFFFF);
+  split_bf16(ctx, Tensor(dst.data(), DType::bf16, Device{}, {rows, p * cols}),
+             Tensor(const_cast<float*>(src.data()), DType::f32, Device{}, {rows, cols}), parts);
+  size_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = src[r * cols + c];
+      auto at = [&](int64_t j) { return dst[(r * p + j) * cols + c]; };
+      const uint16_t p1 = at(0), p2 = at(2), p3 = at(5);
+      // p1 is v rounded to nearest even, p2 the rounded error, p3 the rest
+      bad += p1 != float16::float_to_bf16(v);
+      bad += p2 != float16::float_to_bf16(v - bf(p1));
+      // exact: in double, where the three parts' sum cannot round
+      bad += double(bf(p1)) + double(bf(p2)) + double(bf(p3)) != double(v);
+      // the copies of a part are the same part
+      bad += at(1) != p1 || at(3) != p1 || at(4) != p2;
+    }
+  CHECK(bad == 0);
+}
+
+TEST_CASE(
+    "split_bf16 products: the six cross terms give dy w to fp32 accuracy, blocks 0 + 2 + 5 "
+    "of A^T x give dy^T x exactly",
+    "[bf16_split]") {
+  // The router backward's algebra (router_matmul.cpp), in double from the CPU op's parts: A = [a1
+  // a1 a2 a1 a2 a3] and B = [b1; b2; b1; b3; b2; b1].
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 29, e = 11, d = 23;
+  std::vector<float> dy = split_inputs(n * e, 3), w = split_inputs(e * d, 4);
+  for (float& v : dy) v = std::ldexp(std::fmod(v, 1.0f), -3);  // gradient-sized, any sign
+  for (float& v : w) v = std::fmod(v, 1.0f) * 0.05f;
+  std::vector<uint16_t> a(n * 6 * e), b(6 * e * d);
+  split_bf16(ctx, Tensor(a.data(), DType::bf16, Device{}, {n, 6 * e}),
+             Tensor(dy.data(), DType::f32, Device{}, {n, e}), {1, 1, 2, 1, 2, 3});
+  split_bf16(ctx, Tensor(b.data(), DType::bf16, Device{}, {1, 6 * e * d}),
+             Tensor(w.data(), DType::f32, Device{}, {1, e * d}), {1, 2, 1, 3, 2, 1});
+  std::vector<double> x(n * d);
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (double& v : x) v = bf(float16::float_to_bf16(static_cast<float>(u(rng))));  // bf16 x
+  double worst_dx = 0, worst_dw = 0;
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < d; ++c) {
+      double exact = 0, split = 0, scale = 0;
+      for (int64_t i = 0; i < e; ++i) {
+        exact += double(dy[r * e + i]) * w[i * d + c];
+        scale += std::fabs(double(dy[r * e + i]) * w[i * d + c]);
+      }
+      for (int64_t k = 0; k < 6 * e; ++k) split += double(bf(a[r * 6 * e + k])) * bf(b[k * d + c]);
+      worst_dx = std::max(worst_dx, std::fabs(split - exact) / scale);
+    }
+  for (int64_t i = 0; i < e; ++i)
+    for (int64_t c = 0; c < d; ++c) {
+      double exact = 0, split = 0;
+      for (int64_t r = 0; r < n; ++r) {
+        exact += double(dy[r * e + i]) * x[r * d + c];
+        for (int blk : {0, 2, 5}) split += double(bf(a[r * 6 * e + blk * e + i])) * x[r * d + c];
+      }
+      worst_dw = std::max(worst_dw, std::fabs(split - exact));
+    }
+  INFO("worst dx error " << worst_dx << " of sum |dy w|, worst dw error " << worst_dw);
+  CHECK(worst_dx <= 0x1p-22);  // the three terms left out: below 3 * 2^-24 of each product
+  CHECK(worst_dw <= 1e-15);    // exact parts: only double's rounding of the sums
+}
+
+TEST_CASE("sum_column_blocks adds the blocks in the order given, then onto y", "[bf16_split]") {
+  Ctx ctx = cpu_ctx();
+  // block values 1e8, 1, -1e8: (1e8 + 1) - 1e8 = 0 in fp32 (1e8 + 1 rounds to 1e8), while
+  // (1e8 - 1e8) + 1 = 1: the order shows in the result
+  std::vector<float> t = {1e8f, 1.0f, -1e8f, 2e8f, 3.0f, -2e8f};  // [2, 3] blocks of C = 1
+  std::vector<float> y = {10.0f, 20.0f};
+  sum_column_blocks(ctx, Tensor(y.data(), DType::f32, Device{}, {2, 1}),
+                    Tensor(t.data(), DType::f32, Device{}, {2, 3}), {0, 1, 2}, true);
+  CHECK(y == std::vector<float>{10.0f, 20.0f});  // the sums are 0: y + 0
+  sum_column_blocks(ctx, Tensor(y.data(), DType::f32, Device{}, {2, 1}),
+                    Tensor(t.data(), DType::f32, Device{}, {2, 3}), {0, 2, 1}, false);
+  CHECK(y == std::vector<float>{1.0f, 3.0f});
+  sum_column_blocks(ctx, Tensor(y.data(), DType::f32, Device{}, {1, 2}),
+                    Tensor(t.data(), DType::f32, Device{}, {1, 6}), {2, 0}, true);  // C = 2
+  CHECK(y == std::vector<float>{1.0f + (3.0f + 1e8f), 3.0f + (-2e8f + 1.0f)});
+}
+
+TEST_CASE("split_bf16 and sum_column_blocks reject bad operands with the argument's name",
+          "[bf16_split]") {
+  Ctx ctx = cpu_ctx();
+  std::vector<float> f(64);
+  std::vector<uint16_t> h(64);
+  const Tensor src(f.data(), DType::f32, Device{}, {2, 4}),
+      dst(h.data(), DType::bf16, Device{}, {2, 8});
+  CHECK_THROWS_WITH(split_bf16(ctx, dst, src, {1, 4}), Catch::Contains("a part is 1, 2 or 3"));
+  CHECK_THROWS_WITH(split_bf16(ctx, dst, src, {1, 2, 3}), Catch::Contains("split_bf16: dst"));
+  CHECK_THROWS_WITH(split_bf16(ctx, Tensor(f.data(), DType::f32, Device{}, {2, 8}), src, {1, 2}),
+                    Catch::Contains("dst must be bf16"));
+  CHECK_THROWS_WITH(split_bf16(ctx, dst, src, std::vector<int>(9, 1)),
+                    Catch::Contains("1 to 8 parts"));
+  const Tensor y(f.data(), DType::f32, Device{}, {2, 3});
+  CHECK_THROWS_WITH(
+      sum_column_blocks(ctx, y, Tensor(f.data() + 8, DType::f32, Device{}, {2, 8}), {0}, false),
+      Catch::Contains("not whole column blocks"));
+  CHECK_THROWS_WITH(
+      sum_column_blocks(ctx, y, Tensor(f.data() + 8, DType::f32, Device{}, {2, 6}), {0, 2}, false),
+      Catch::Contains("block 2 outside"));
 }

@@ -22,12 +22,12 @@ inline LinearDims linear_dims(const Tensor& x, const Tensor& w, const char* op) 
   return {x.size(0), x.size(1), w.size(0)};
 }
 
-// y: [N, out], x: [N, in], w: [out, in]
+// y: [N, out] in x's dtype or acc_dtype(x), x: [N, in], w: [out, in]
 inline LinearDims check_linear_forward_args(const Tensor& y, const Tensor& x, const Tensor& w) {
   const LinearDims s = linear_dims(x, w, "linear_forward");
   check_shape(y, {s.n, s.out}, "linear_forward: y");
   check_same_dtype(x, w, "linear_forward: x, w");
-  check_same_dtype(y, x, "linear_forward: y, x");
+  if (y.dtype != x.dtype) check_acc_dtype(y, x, "linear_forward: y");
   return s;
 }
 

@@ -10,7 +10,8 @@
 // (a non-accumulating forward with in = 0 writes zeros). dw is in acc_dtype(x): for f16 / bf16 the
 // dw product is issued with A, B of the 16-bit type and C of CUDA_R_32F (a supported GemmEx
 // combination with CUBLAS_COMPUTE_32F), so the fp32 product is added to the fp32 gradient and
-// rounded once, instead of being rounded to 16 bits before and after the add.
+// rounded once, instead of being rounded to 16 bits before and after the add. The forward's y may
+// be f32 for 16-bit x and w in the same way (the router's bf16-split products, router_matmul.cpp).
 //
 // grouped_linear_forward / grouped_linear_backward: rows [offsets[e], offsets[e+1]) use w[e], with
 // the offsets on the device, never copied to the host (no synchronisation). f16 / bf16 run on
@@ -240,7 +241,7 @@ void linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, bool accumulate
     return;
   }
   // y^T [out, N] = w [out, in] (T of w's buffer) x^T [in, N] (x's buffer)
-  gemm_cm(ctx, x.dtype, x.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in, x.data,
+  gemm_cm(ctx, x.dtype, y.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in, x.data,
           s.in, accumulate ? 1.0 : 0.0, y.data, s.out, "linear_forward");
 }
 

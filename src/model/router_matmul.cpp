@@ -4,8 +4,25 @@
 // 16384 x 1024 bf16, E = 8: 22 + 70 us forward + backward, against ~210 us for a converted fp32
 // copy of x through cuBLAS's fp32 GEMM and a convert-add of dx). Beyond, its fp32 FMAs bound it
 // and cuBLAS on the converted copy is the faster one (E = 64: 402 against ~275 us per layer).
+//
+// With MOE_ROUTER_SPLIT_BF16=1 (bf16 runs; off by default until measured on a GPU), the wide
+// case runs on bf16 tensor cores instead, with no fp32 copy of x (moe/ops/bf16_split.hpp): w is
+// split into three bf16 parts w1 + w2 + w3 = w (exact), and
+// - forward: t = x [w1; w2; w3]^T in fp32 ([N, 3E], every product exact), y = t1 + t2 + t3;
+// - backward: dy = a1 + a2 + a3 likewise, and one product over k = 6E, A = [a1 a1 a2 a1 a2 a3]
+//   times B = [w1; w2; w1; w3; w2; w1], gives dx += dy w as the six cross terms down to 2^-24
+//   of the largest (the three left out are below fp32's rounding), rounded once into dx by
+//   cuBLAS's epilogue; its weight gradient A^T x holds a1^T x in column blocks 0, 1 and 3,
+//   a2^T x in 2 and 4, a3^T x in 5, so dw += blocks 0 + 2 + 5. Without dx (the MoD predictor)
+//   A = [a1 a2 a3] and dw += blocks 0 + 1 + 2.
+// Predicted for moe-fine (E = 64): the router's ~3.4 ms per step (convert 1.3, the fp32 GEMMs
+// ~2.0) falls to ~0.6 ms.
+#include <cstdlib>
+#include <string>
+
 #include "model/layers.hpp"
 #include "moe/memory.hpp"
+#include "moe/ops/bf16_split.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/router.hpp"
@@ -17,6 +34,21 @@ constexpr int64_t kFusedRouterOutputs = 16;
 
 bool fused(const Tensor& w) {
   return w.size(0) <= kFusedRouterOutputs;
+}
+
+// The bf16 tensor-core path (see the top comment): bf16 compute, an fp32 master w, the switch on.
+// Read at every call, so the planning dry run and the step agree.
+bool split_path(const LayerEnv& env) {
+  const char* v = std::getenv("MOE_ROUTER_SPLIT_BF16");
+  return env.dtype == DType::bf16 && env.acc == DType::f32 && v != nullptr && std::string(v) == "1";
+}
+
+// w [E, d] f32 as its bf16 parts, stacked as rows [P E, d] in the given order.
+Tensor split_rows(Ctx& ctx, const LayerEnv& env, Tensor w, const std::vector<int>& parts) {
+  const int64_t e = w.size(0), d = w.size(1), p = static_cast<int64_t>(parts.size());
+  Tensor out = env.scratch.alloc(DType::bf16, {p * e, d});
+  split_bf16(ctx, out.view({1, p * e * d}), w.view({1, e * d}), parts);
+  return out;
 }
 
 // x in the accumulation dtype: x itself when the model computes in it, else a converted copy in
@@ -36,9 +68,41 @@ void router_matmul_forward(Ctx& ctx, const LayerEnv& env, Tensor y, Tensor x, Te
     return;
   }
   const size_t mark = env.scratch.mark();
-  linear_forward(ctx, y, in_acc_dtype(ctx, env, x), w, false);
+  if (split_path(env)) {
+    const int64_t n = x.size(0), e = w.size(0);
+    const Tensor w3 = split_rows(ctx, env, w, {1, 2, 3});
+    Tensor t = env.scratch.alloc(DType::f32, {n, 3 * e});
+    linear_forward(ctx, t, x, w3, false);
+    sum_column_blocks(ctx, y, t, {0, 1, 2}, false);
+  } else {
+    linear_forward(ctx, y, in_acc_dtype(ctx, env, x), w, false);
+  }
   env.scratch.release(mark);
 }
+
+namespace {
+
+// The backward's split path (the top comment): dx += dy w unless dx is empty, dw += dy^T x.
+void split_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor dy, Tensor x,
+                    Tensor w, bool wants_dx) {
+  const int64_t n = x.size(0), d = x.size(1), e = w.size(0);
+  const std::vector<int> a_parts =
+      wants_dx ? std::vector<int>{1, 1, 2, 1, 2, 3} : std::vector<int>{1, 2, 3};
+  const std::vector<int> b_parts =
+      wants_dx ? std::vector<int>{1, 2, 1, 3, 2, 1} : std::vector<int>{1, 2, 3};
+  const std::vector<int> dw_blocks =
+      wants_dx ? std::vector<int>{0, 2, 5} : std::vector<int>{0, 1, 2};
+  const int64_t k = static_cast<int64_t>(a_parts.size());
+  Tensor a = env.scratch.alloc(DType::bf16, {n, k * e});
+  split_bf16(ctx, a, dy, a_parts);
+  const Tensor b = split_rows(ctx, env, w, b_parts);
+  Tensor dwk = env.scratch.alloc(DType::f32, {k * e, d});
+  fill(ctx, dwk, 0.0);
+  linear_backward(ctx, wants_dx ? dx : Tensor(), dwk, a, x, b, true);
+  sum_column_blocks(ctx, dw.view({1, e * d}), dwk.view({1, k * e * d}), dw_blocks, true);
+}
+
+}  // namespace
 
 void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor dy,
                             Tensor x, Tensor w) {
@@ -47,10 +111,15 @@ void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw,
     return;
   }
   const size_t mark = env.scratch.mark();
-  const Tensor xa = in_acc_dtype(ctx, env, x);
   // Whether a dx is wanted, from its shape: in the planning dry run every tensor's data is null,
   // and the scratch it measures must be what the step then takes.
   const bool wants_dx = dx.ndim > 0;
+  if (split_path(env)) {
+    split_backward(ctx, env, dx, dw, dy, x, w, wants_dx);
+    env.scratch.release(mark);
+    return;
+  }
+  const Tensor xa = in_acc_dtype(ctx, env, x);
   if (wants_dx && env.mixed()) {  // dx += dy w, through an fp32 product
     Tensor dxa = env.scratch.alloc(env.acc, {x.size(0), x.size(1)});
     linear_backward(ctx, dxa, dw, dy, xa, w, false);

@@ -4,7 +4,8 @@
 
 namespace moe {
 
-// y = x w^T (accumulate: y += x w^T)        y: [N, out], x: [N, in], w: [out, in]
+// y = x w^T (accumulate: y += x w^T)        y: [N, out], x: [N, in], w: [out, in]; y in x's dtype
+// or, for 16-bit x on CUDA, in acc_dtype(x) (the fp32 sums stored unrounded).
 MOE_OP(linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, bool accumulate),
        (ctx, y, x, w, accumulate))
 // dx = dy w (or dx += when accumulate_dx; skipped when dx is empty), dw += dy^T x
