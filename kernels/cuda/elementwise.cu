@@ -140,13 +140,14 @@ __device__ __forceinline__ void store_group(T* p, const T (&in)[kConvertGroup]) 
     reinterpret_cast<uint4*>(p)[v] = reinterpret_cast<const uint4*>(in)[v];
 }
 
+// dst = src (or dst + src) converted, one element.
 template <class D, class S, bool kAccumulate>
-__device__ __forceinline__ D convert_one(S s, D d) {
+__device__ __forceinline__ void convert_one(D& dst, S src) {
   using W = convert_math_t<D, S>;
   if constexpr (kAccumulate)
-    return narrow<D, W>(static_cast<W>(load(s)) + static_cast<W>(load(d)));
+    dst = narrow<D, W>(static_cast<W>(load(src)) + static_cast<W>(load(dst)));
   else
-    return convert_element<D>(s);
+    dst = convert_element<D>(src);
 }
 
 template <class D, class S, bool kAccumulate>
@@ -162,13 +163,13 @@ __global__ void convert_kernel(D* dst, const S* src, int64_t n, bool vec) {
       load_group(src + g * kConvertGroup, s);
       if constexpr (kAccumulate) load_group(dst + g * kConvertGroup, d);
 #pragma unroll
-      for (int j = 0; j < kConvertGroup; ++j) d[j] = convert_one<D, S, kAccumulate>(s[j], d[j]);
+      for (int j = 0; j < kConvertGroup; ++j) convert_one<D, S, kAccumulate>(d[j], s[j]);
       store_group(dst + g * kConvertGroup, d);
     }
     first_scalar = groups * kConvertGroup;
   }
   for (int64_t i = first_scalar + tid; i < n; i += stride)
-    dst[i] = convert_one<D, S, kAccumulate>(src[i], kAccumulate ? dst[i] : D{});
+    convert_one<D, S, kAccumulate>(dst[i], src[i]);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
