@@ -392,8 +392,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 struct Dq {
   static constexpr int kBM = 128;  // query rows per block
   static constexpr int kBN = 64;   // keys per tile
-  static constexpr int kStages =
-      4;  // a stage is freed a tile late (its K is the next step's dQ operand)
+  // A stage is freed a tile late (its K is the next tile's dQ operand).
+  static constexpr int kStages = 4;
   static constexpr int kQBytes = kBM * kRowBytes;     // Q, then dO
   static constexpr int kTileBytes = kBN * kRowBytes;  // a K or V tile; a stage holds K then V
   static constexpr int kStageBytes = 2 * kTileBytes;
@@ -570,8 +570,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 struct Dkdv {
   static constexpr int kBN = 128;  // keys per block
   static constexpr int kBM = 64;   // queries per step
-  static constexpr int kStages =
-      4;  // a stage is freed a step late (the next step's dV, dK operands)
+  // A stage is freed a step late (its Q and dO are the next step's dK, dV operands).
+  static constexpr int kStages = 4;
   static constexpr int kKVBytes = kBN * kRowBytes;    // K, then V
   static constexpr int kTileBytes = kBM * kRowBytes;  // a Q, dO or O tile
   // A stage: Q, dO, O (TMA), then lse (log2 domain) and D of the 64 queries; 1024-byte aligned.
