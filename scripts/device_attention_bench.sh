@@ -21,10 +21,10 @@ for sm90 in 0 1 unset; do
   for shape in short long; do
     extra=()
     [ $shape = long ] && extra=("${long[@]}")
-    if [ $sm90 = unset ]; then env -u MOE_ATTENTION_SM90 $b/moe-train bench --config configs/moe-small.json \
-      --family attention "${extra[@]}" >"$OUT/bench.$sm90.$shape.log" 2>&1
-    else MOE_ATTENTION_SM90=$sm90 $b/moe-train bench --config configs/moe-small.json \
-      --family attention "${extra[@]}" >"$OUT/bench.$sm90.$shape.log" 2>&1; fi
+    setting=(env -u MOE_ATTENTION_SM90)
+    [ $sm90 = unset ] || setting=(env MOE_ATTENTION_SM90=$sm90)
+    "${setting[@]}" $b/moe-train bench --config configs/moe-small.json --family attention \
+      "${extra[@]}" >"$OUT/bench.$sm90.$shape.log" 2>&1
     grep -E "^attention" "$OUT/bench.$sm90.$shape.log" | sed "s/^/MOE_ATTENTION_SM90=$sm90 /" |
       cut -c1-110 >>"$OUT/summary.txt"
   done

@@ -88,14 +88,14 @@ void split_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor 
   const int64_t n = x.size(0), d = x.size(1), e = w.size(0);
   const std::vector<int> a_parts =
       wants_dx ? std::vector<int>{1, 1, 2, 1, 2, 3} : std::vector<int>{1, 2, 3};
-  const std::vector<int> b_parts =
-      wants_dx ? std::vector<int>{1, 2, 1, 3, 2, 1} : std::vector<int>{1, 2, 3};
   const std::vector<int> dw_blocks =
       wants_dx ? std::vector<int>{0, 2, 5} : std::vector<int>{0, 1, 2};
   const int64_t k = static_cast<int64_t>(a_parts.size());
   Tensor a = env.scratch.alloc(DType::bf16, {n, k * e});
   split_bf16(ctx, a, dy, a_parts);
-  const Tensor b = split_rows(ctx, env, w, b_parts);
+  // B is read only for dx; without one it just gives linear_backward its [k E, d] shape.
+  const Tensor b = wants_dx ? split_rows(ctx, env, w, {1, 2, 1, 3, 2, 1})
+                            : env.scratch.alloc(DType::bf16, {k * e, d});
   Tensor dwk = env.scratch.alloc(DType::f32, {k * e, d});
   fill(ctx, dwk, 0.0);
   linear_backward(ctx, wants_dx ? dx : Tensor(), dwk, a, x, b, true);
