@@ -152,6 +152,36 @@ TEST_CASE("gpu elementwise: fill, copy, add, axpy, scale", "[gpu]") {
   }
 }
 
+// The zero fill is a memset and the add's grid counts 16-byte chunks: a view inside a poisoned
+// buffer keeps its neighbours, -0 still goes through the element loop, and an add over several
+// blocks with a tail covers every element.
+TEST_CASE("gpu elementwise: zero fill of a view, -0, an add over several blocks", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  for (DType dt : kDtypes) {
+    const int64_t n = 3 * 256 * 8 + 7;  // three blocks of 16-byte chunks for 16-bit types, a tail
+    DeviceTensor x = poisoned(dt, {n});
+    const std::vector<double> before = download(x);
+    fill(gpu, Tensor(x).rows(5, n - 3), 0.0);
+    const std::vector<double> after = download(x);
+    for (int64_t i = 0; i < n; ++i) {
+      INFO(dtype_name(dt) << " element " << i);
+      if (i < 5 || i >= n - 3)
+        CHECK(std::memcmp(&after[i], &before[i], sizeof(double)) == 0);  // NaN poison: bits
+      else
+        CHECK((after[i] == 0 && !std::signbit(after[i])));
+    }
+    fill(gpu, x, -0.0);
+    for (double v : download(x)) CHECK((v == 0 && std::signbit(v)));
+
+    const auto a = rounded_random_values(dt, n, 3), b = rounded_random_values(dt, n, 4);
+    Buf<double> ha = host({n}, a), hb = host({n}, b), hout({n});
+    cpu::add(cpu, hout, ha, hb);
+    DeviceTensor da = on_device(dt, {n}, a), db = on_device(dt, {n}, b), out = poisoned(dt, {n});
+    add(gpu, out, da, db);
+    check_close("add, several blocks", dt, download(out), hout.v, elementwise_tol(dt));
+  }
+}
+
 TEST_CASE("gpu elementwise: shape and dtype mismatches throw", "[gpu]") {
   Ctx gpu = gpu_ctx();
   DeviceTensor a(DType::f32, {4, 3}), b(DType::f32, {5}), c(DType::bf16, {12});

@@ -15,7 +15,6 @@ namespace moe::cuda_detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1 << 16;
 
 // Up to kMaxSplitBlocks small indices, passed by value.
 struct Indices {
@@ -60,7 +59,7 @@ __global__ void sum_column_blocks_kernel(float* y, const float* t, int64_t rows,
 }
 
 unsigned grid_for(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
+  return grid_stride_blocks(n, kThreads);
 }
 
 void split_bf16_cuda(Ctx& ctx, Tensor dst, Tensor src, const std::vector<int>& parts) {

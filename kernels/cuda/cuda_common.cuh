@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <initializer_list>
 #include <string>
 
@@ -131,6 +132,17 @@ inline void check_on_gpu(std::initializer_list<const Tensor*> ts, const char* op
 
 inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+// The grid of a grid-stride loop whose threads take one work item per pass: a block per
+// `threads` items, capped at kGridStrideMaxBlocks (then the threads loop). Size it from the
+// items, not the elements, when a thread takes several elements at once (a 16-byte chunk):
+// blocks past the last item only start and exit, and a 16M-element bf16 add launched 65,536
+// blocks of which 7/8 had nothing to do.
+constexpr int64_t kGridStrideMaxBlocks = int64_t{1} << 16;
+inline unsigned grid_stride_blocks(int64_t items, int threads) {
+  const int64_t blocks = std::max<int64_t>(1, (items + threads - 1) / threads);
+  return static_cast<unsigned>(std::min(blocks, kGridStrideMaxBlocks));
 }
 
 // Streaming multiprocessors of the current device, read once per process (the trainer uses one

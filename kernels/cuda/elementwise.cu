@@ -20,6 +20,7 @@
 // stream (moe::gpu::default_stream), so concurrent calls on different streams of one device would
 // race on it and are not supported.
 #include <algorithm>
+#include <cmath>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -35,7 +36,6 @@ namespace moe::cuda_detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1 << 16;  // grid-stride loops cap their grid here
 constexpr int kMaxPartials = 1024;   // pass-1 blocks of sum_squares (= scratch doubles)
 constexpr int kReduceThreads = 256;  // threads of both sum_squares passes
 
@@ -174,8 +174,8 @@ __global__ void convert_kernel(D* dst, const S* src, int64_t n, bool vec) {
 
 // ---- host side ----------------------------------------------------------------------------------
 
-unsigned grid_for(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
+unsigned grid_for(int64_t items) {
+  return grid_stride_blocks(items, kThreads);
 }
 
 // The sum_squares scratch of the current device: kMaxPartials doubles, allocated on first use and
@@ -195,6 +195,12 @@ double* sum_squares_scratch() {
 void fill_cuda(Ctx& ctx, Tensor x, double value) {
   const int64_t n = x.numel();
   if (n == 0) return;
+  // +0 is all zero bits in every float dtype: the driver's memset writes whole lines (the
+  // gradients' zeroing; the element loop stores 2-4 bytes per thread per step).
+  if (value == 0 && !std::signbit(value)) {
+    MOE_CUDA_CHECK(cudaMemsetAsync(x.data, 0, x.nbytes(), stream_of(ctx)));
+    return;
+  }
   dispatch_storage(x.dtype, "fill", [&](auto zero) {
     using T = decltype(zero);
     fill_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(data_of<T>(x), n,
@@ -217,8 +223,9 @@ void add_cuda(Ctx& ctx, Tensor out, Tensor a, Tensor b) {
   if (n == 0) return;
   dispatch_storage(out.dtype, "add", [&](auto zero) {
     using T = decltype(zero);
-    add_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(out), data_of<T>(a), data_of<T>(b), n, aligned16({out.data, a.data, b.data}));
+    const bool vec = aligned16({out.data, a.data, b.data});
+    add_kernel<T><<<grid_for(element_items<T>(n, vec)), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(out), data_of<T>(a), data_of<T>(b), n, vec);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }

@@ -19,7 +19,6 @@ namespace moe::cuda_detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kMaxBlocks = 1 << 16;               // grid cap (grid-stride loops)
 constexpr int kRowWarps = kThreads / kWarpLanes;  // rows in flight per block (weighted backward)
 
 // ---- kernels ------------------------------------------------------------------------------------
@@ -148,8 +147,8 @@ __global__ void silu_backward_kernel(T* dx, const T* dy, const T* x, int64_t n) 
 
 // ---- host side ----------------------------------------------------------------------------------
 
-unsigned grid_for(int64_t n) {
-  return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks));
+unsigned grid_for(int64_t items) {
+  return grid_stride_blocks(items, kThreads);
 }
 
 // h, gate, up: [R, F]
@@ -159,9 +158,9 @@ void swiglu_forward_cuda(Ctx& ctx, Tensor h, Tensor gate, Tensor up) {
   if (n == 0) return;
   dispatch_storage(gate.dtype, "swiglu_forward", [&](auto zero) {
     using T = decltype(zero);
-    swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(h), data_of<T>(gate), data_of<T>(up), n,
-        aligned16({h.data, gate.data, up.data}));
+    const bool vec = aligned16({h.data, gate.data, up.data});
+    swiglu_forward_kernel<T><<<grid_for(element_items<T>(n, vec)), kThreads, 0, stream_of(ctx)>>>(
+        data_of<T>(h), data_of<T>(gate), data_of<T>(up), n, vec);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -173,9 +172,10 @@ void swiglu_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dh, Tensor 
   if (n == 0) return;
   dispatch_storage(gate.dtype, "swiglu_backward", [&](auto zero) {
     using T = decltype(zero);
-    swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
+    const bool vec = aligned16({dgate.data, dup.data, dh.data, gate.data, up.data});
+    swiglu_backward_kernel<T><<<grid_for(element_items<T>(n, vec)), kThreads, 0, stream_of(ctx)>>>(
         data_of<T>(dgate), data_of<T>(dup), data_of<T>(dh), data_of<T>(gate), data_of<T>(up), n,
-        aligned16({dgate.data, dup.data, dh.data, gate.data, up.data}));
+        vec);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -188,9 +188,10 @@ void swiglu_weighted_forward_cuda(Ctx& ctx, Tensor h, Tensor gate, Tensor up, Te
   if (n == 0) return;
   dispatch_storage(gate.dtype, "swiglu_weighted_forward", [&](auto zero) {
     using T = decltype(zero);
-    swiglu_weighted_forward_kernel<T><<<grid_for(n), kThreads, 0, stream_of(ctx)>>>(
-        data_of<T>(h), data_of<T>(gate), data_of<T>(up), data_of<acc_t<T>>(row_w), n, f,
-        f % kVec<T> == 0 && aligned16({h.data, gate.data, up.data}));
+    const bool vec = f % kVec<T> == 0 && aligned16({h.data, gate.data, up.data});
+    swiglu_weighted_forward_kernel<T>
+        <<<grid_for(element_items<T>(n, vec)), kThreads, 0, stream_of(ctx)>>>(
+            data_of<T>(h), data_of<T>(gate), data_of<T>(up), data_of<acc_t<T>>(row_w), n, f, vec);
     MOE_CUDA_LAUNCH_CHECK();
   });
 }
@@ -205,8 +206,7 @@ void swiglu_weighted_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dr
   if (rows == 0) return;
   dispatch_storage(gate.dtype, "swiglu_weighted_backward", [&](auto zero) {
     using T = decltype(zero);
-    const unsigned grid =
-        static_cast<unsigned>(std::min<int64_t>(blocks_for(rows, kRowWarps), kMaxBlocks));
+    const unsigned grid = grid_stride_blocks(rows, kRowWarps);
     swiglu_weighted_backward_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(
         data_of<T>(dgate), data_of<T>(dup), data_of<acc_t<T>>(drow_w), data_of<T>(dh),
         data_of<T>(gate), data_of<T>(up), data_of<acc_t<T>>(row_w), rows, f,

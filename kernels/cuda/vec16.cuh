@@ -37,6 +37,13 @@ inline bool aligned16(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
+// The work items grid_elements gives the grid: a 16-byte chunk each on the vector path (the
+// tail's elements go to the first threads), an element each otherwise (grid_stride_blocks).
+template <class T>
+constexpr int64_t element_items(int64_t n, bool vec) {
+  return vec ? n / kVec<T> + n % kVec<T> : n;
+}
+
 // Over the whole grid: vec_body(i) for every i = kVec * c below n (elements i .. i + kVec - 1)
 // when `vec`, then scalar_body(i) for the elements left (all of them without `vec`). Each element
 // is handled by one thread, once.

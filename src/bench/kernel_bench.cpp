@@ -326,6 +326,11 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
       double(2 * n * d * es + b * keep * d * es), false, bw, 0.6,
       [&] { mod_scatter_forward(ctx, scattered, tokens, ys, scores, sel); });
 
+  // ---- the blocks' residual add (out = h + ffn_y), the gradients' zeroing ----
+  Tensor residual = pool.random(dt, {n, d}), sum = pool.zeros(dt, {n, d});
+  add("residual_add", shape({n, d}) + " " + dtype_name(dt), double(3 * n * d * es), false, bw, 0,
+      [&] { moe::add(ctx, sum, tokens, residual); });
+
   // ---- cross-entropy over the vocabulary, AdamW over a parameter slab ----
   const int64_t vocab = m.vocab_size;
   Tensor head = pool.random(dt, {n, vocab}, -4, 4), losses = pool.zeros(acc, {n});
@@ -343,6 +348,8 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   AdamWArgs a;
   add("adamw", shape({slab}) + " f32", double(slab * 4 * 7), false, bw, 0,
       [&] { adamw_step(ctx, p, g, m1, m2, a); });
+  add("zero_grads", shape({slab}) + " f32", double(slab * 4), false, bw, 0,
+      [&] { fill(ctx, g, 0.0); });
   return rows;
 }
 
