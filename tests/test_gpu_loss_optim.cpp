@@ -164,6 +164,29 @@ void check_ce(int64_t n, int64_t v, DType dt, int64_t offset, uint64_t seed) {
   const std::vector<double> in_place = download(gl);
   expect_close(in_place, cdl.v, rtol_for(dt), "dlogits in place");
   CHECK(in_place == dl);  // vector and scalar paths: the same arithmetic per element
+
+  // Both in one call: the bits of the two GPU ops (the forward's lse feeding the backward),
+  // into a fresh dlogits (the fused kernel when its rows share the logits' 16-byte phase, else
+  // the two kernels) and in place; rows past the fused kernel's registers take the two kernels.
+  upload(gl, logits);
+  upload(glse, lse);
+  DeviceTensor ref_dl = poisoned(dt, {n, v});
+  cross_entropy_backward(ctx, ref_dl, gl, glse, gtgt, grad_scale);
+  gpu::synchronize();
+  const std::vector<double> ref = download(ref_dl);
+  DeviceTensor floss = poisoned(acc, {n}), flse = poisoned(acc, {n}), fdl = poisoned(dt, {n, v});
+  cross_entropy_forward_backward(ctx, floss, flse, fdl, gl, gtgt, grad_scale);
+  gpu::synchronize();
+  CHECK(download(floss) == loss);
+  CHECK(download(flse) == lse);
+  CHECK(download(fdl) == ref);
+  poison(floss);
+  poison(flse);
+  cross_entropy_forward_backward(ctx, floss, flse, gl, gl, gtgt, grad_scale);
+  gpu::synchronize();
+  CHECK(download(floss) == loss);
+  CHECK(download(flse) == lse);
+  CHECK(download(gl) == ref);
 }
 
 }  // namespace
@@ -175,6 +198,9 @@ TEST_CASE("gpu cross-entropy: odd V, rows at any 16-byte offset, -inf logits", "
     check_ce(6, 4096, dt, 1, 3);   // V a multiple of 8 but misaligned rows
     check_ce(4, 3, dt, 1, 4);      // V below one vector: all scalar
     check_ce(3, 1, dt, 0, 5);      // V = 1: lse = the logit, loss 0
+    check_ce(3, 32000, dt, 0, 6);  // the LM head's vocabulary: 16-bit rows fused, 16 vectors
+    check_ce(2, 12000, dt, 1, 8);  // 16-bit: the fused kernel's 8-vector variant
+    check_ce(2, 40001, dt, 2, 7);  // past the fused kernel's registers: the two kernels
   }
 }
 

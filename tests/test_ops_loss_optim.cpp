@@ -100,6 +100,34 @@ TEST_CASE("cross_entropy_backward: dlogits may alias logits") {
   CHECK(std::fabs(row0) < 1e-15);
 }
 
+TEST_CASE("cross_entropy_forward_backward: the two ops' bits, in place too; shapes checked") {
+  const int64_t n = 5, v = 37;
+  auto logits = random_buf({n, v}, 161, -4, 4);
+  auto targets = make<int32_t>({n}, {36, -1, 0, 17, 17});
+  const double grad_scale = 0.61;
+  Ctx ctx = cpu_ctx();
+  Buf<double> losses({n}), lse({n}), dlogits({n, v});
+  cross_entropy_forward(ctx, losses, lse, logits, targets);
+  cross_entropy_backward(ctx, dlogits, logits, lse, targets, grad_scale);
+  Buf<double> losses2({n}), lse2({n}), dlogits2({n, v});
+  for (Buf<double>* b : {&losses2, &lse2, &dlogits2}) std::fill(b->v.begin(), b->v.end(), -7.0);
+  cross_entropy_forward_backward(ctx, losses2, lse2, dlogits2, logits, targets, grad_scale);
+  CHECK(losses2.v == losses.v);
+  CHECK(lse2.v == lse.v);
+  CHECK(dlogits2.v == dlogits.v);
+  Buf<double> losses3({n}), lse3({n});
+  cross_entropy_forward_backward(ctx, losses3, lse3, logits, logits, targets, grad_scale);
+  CHECK(logits.v == dlogits.v);  // in place: the logits now hold their gradient
+  CHECK(losses3.v == losses.v);
+  Buf<double> short_dl({n, v - 1}), short_lse({n - 1});
+  CHECK_THROWS_WITH(
+      cross_entropy_forward_backward(ctx, losses2, lse2, short_dl, dlogits2, targets, 1.0),
+      Catch::Contains("cross_entropy_backward: dlogits"));
+  CHECK_THROWS_WITH(
+      cross_entropy_forward_backward(ctx, losses2, short_lse, dlogits2, dlogits2, targets, 1.0),
+      Catch::Contains("cross_entropy_forward: lse"));
+}
+
 TEST_CASE("cross_entropy: f32 agrees with f64") {
   const int64_t n = 6, v = 50;
   auto logits = random_buf({n, v}, 151, -5, 5);

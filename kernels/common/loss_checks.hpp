@@ -39,6 +39,13 @@ inline void check_cross_entropy_backward_args(const Tensor& dlogits, const Tenso
   check_acc_dtype(lse, logits, "cross_entropy_backward: lse");
 }
 
+// Both of the above (cross_entropy_forward_backward).
+inline void check_cross_entropy_forward_backward_args(const Tensor& losses, const Tensor& lse,
+                                                      const Tensor& dlogits, const Tensor& logits) {
+  check_cross_entropy_forward_args(losses, lse, logits);
+  check_cross_entropy_backward_args(dlogits, logits, lse);
+}
+
 // loss: [1], logits, targets: [N], one dtype.
 inline void check_bce_with_logits_forward_args(const Tensor& loss, const Tensor& logits,
                                                const Tensor& targets) {

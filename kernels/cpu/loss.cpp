@@ -116,6 +116,13 @@ void cross_entropy_backward(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor lse,
   });
 }
 
+void cross_entropy_forward_backward(Ctx& ctx, Tensor losses, Tensor lse, Tensor dlogits,
+                                    Tensor logits, Tensor targets, double grad_scale) {
+  check_cross_entropy_forward_backward_args(losses, lse, dlogits, logits);
+  cpu::cross_entropy_forward(ctx, losses, lse, logits, targets);
+  cpu::cross_entropy_backward(ctx, dlogits, logits, lse, targets, grad_scale);
+}
+
 // ---- binary cross-entropy with logits -----------------------------------------------------------
 
 void bce_with_logits_forward(Ctx& ctx, Tensor loss, Tensor logits, Tensor targets) {

@@ -29,6 +29,14 @@
 //   zeros (selected per element, so the row's loads never wait for the target). A dlogits whose
 //   rows sit at another offset within 16 bytes than the logits' rows takes the scalar path (the
 //   same per-element arithmetic).
+// - cross_entropy_forward_backward: one block per row, one read of it for both: each thread holds
+//   its share of the row in registers (kVecs 16-byte vectors, loaded before any is used) from the
+//   forward's online log-sum-exp until the backward's values are written over the same 16 bytes.
+//   Each thread adds its values in the forward's order and the tree is the forward's, so lse and
+//   loss are its bits, and each gradient element is the backward's arithmetic on that lse: the
+//   same bits as the two kernels, from half their traffic (moe-small: 2 x 1 GB of logits per step
+//   instead of 3). Rows longer than the registers hold (16-bit V > 32768) or a dlogits at another
+//   16-byte phase than the logits take the two kernels.
 // - bce_with_logits_forward: one block (fixed size) sums max(x, 0) - x t + log1p(exp(-|x|)) over
 //   all N, each thread in index order in double, then a fixed tree: the mean is bitwise the same
 //   on every run.
@@ -234,6 +242,14 @@ __global__ void __launch_bounds__(kRowThreads)
     losses[n] = row_lse - target_logit;
 }
 
+// The backward's value of element j of a row (ce_backward_kernel, ce_fused_kernel).
+template <class A>
+__device__ __forceinline__ A ce_gradient(int j, A x, int t, int v, A row_lse, A grad_scale) {
+  const A p = ce_exp(x - row_lse);
+  const A g = grad_scale * (j == t ? p - A(1) : p);
+  return t < 0 ? A(0) : t >= v ? std::numeric_limits<A>::quiet_NaN() : g;
+}
+
 // drow[j] = f(j, logit j) for every j of a row: scalar head and tail, then 16-byte vectors with
 // kUnroll loads in flight. Each element is read, then written, by one thread (so drow may be row).
 // drow and row must sit at the same offset within 16 bytes unless head == v.
@@ -279,11 +295,92 @@ __global__ void __launch_bounds__(kRowThreads)
   const A row_lse = lse[n];
   const T* row = logits + n * v;
   T* drow = dlogits + n * v;
-  map_row(drow, row, v, vector_head(row, v, vec), [&](int j, A x) {
-    const A p = ce_exp(x - row_lse);
-    const A g = grad_scale * (j == t ? p - A(1) : p);
-    return t < 0 ? A(0) : t >= v ? std::numeric_limits<A>::quiet_NaN() : g;
-  });
+  map_row(drow, row, v, vector_head(row, v, vec),
+          [&](int j, A x) { return ce_gradient(j, x, t, v, row_lse, grad_scale); });
+}
+
+// Vectors a thread of the fused kernel holds at most; 16 x 16 bytes in 64 registers, two blocks
+// per SM within the launch bounds' 128.
+constexpr int kFusedMaxVecs = 16;
+
+// dlogits and logits may be the same memory (each element is read, then written, by one thread):
+// deliberately not __restrict__. Rows with no more than kVecs * kRowThreads vectors.
+template <class T, int kVecs>
+__global__ void __launch_bounds__(kRowThreads, 2)
+    ce_fused_kernel(acc_t<T>* __restrict__ losses, acc_t<T>* __restrict__ lse, T* dlogits,
+                    const T* logits, const int32_t* __restrict__ targets, int v,
+                    acc_t<T> grad_scale) {
+  using A = acc_t<T>;
+  constexpr int kV = kVec<T>;
+  __shared__ A target_logit, row_lse_shared;
+  const int64_t n = blockIdx.x;
+  const T* row = logits + n * v;
+  T* drow = dlogits + n * v;
+  const int t = targets[n];
+  const int head = vector_head(row, v, true);
+  const int nvec = (v - head) / kV;
+  const int tail = head + nvec * kV;
+  const int tid = static_cast<int>(threadIdx.x);
+  // The forward's order: the scalar head, the scalar tail, then the thread's vectors
+  // tid, tid + kRowThreads, ... (ce_forward_kernel's unrolled rounds visit them so).
+  Vec16<T> buf[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int c = tid + i * kRowThreads;
+    if (c < nvec) buf[i] = load16(row + head + static_cast<int64_t>(c) * kV);
+  }
+  const bool has_head = tid < head, has_tail = tail + tid < v;  // (head, v - tail < kV)
+  const A head_x = has_head ? load(row[tid]) : A(0);
+  const A tail_x = has_tail ? load(row[tail + tid]) : A(0);
+  OnlineLse<A> st;
+  if (has_head) {
+    if (tid == t) target_logit = head_x;
+    st.add1(head_x);
+  }
+  if (has_tail) {
+    if (tail + tid == t) target_logit = tail_x;
+    st.add1(tail_x);
+  }
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int c = tid + i * kRowThreads;
+    if (c >= nvec) break;
+    A x[kV];
+    unpack(buf[i], x);
+    const int j0 = head + c * kV;
+    if (static_cast<unsigned>(t - j0) < static_cast<unsigned>(kV)) {
+#pragma unroll
+      for (int k = 0; k < kV; ++k)
+        if (j0 + k == t) target_logit = x[k];
+    }
+    st.add(x);
+  }
+  block_lse(st);  // (its barrier orders the target_logit write before thread 0's read)
+  if (tid == 0) {
+    const A row_lse = st.lse();
+    lse[n] = row_lse;
+    losses[n] = t < 0    ? A(0)
+                : t >= v ? std::numeric_limits<A>::quiet_NaN()
+                         : row_lse - target_logit;
+    row_lse_shared = row_lse;
+  }
+  __syncthreads();
+  // The lse as the backward kernel reads it back (lse is stored in A: no rounding in between).
+  const A row_lse = row_lse_shared;
+  if (has_head) drow[tid] = store<T>(ce_gradient(tid, head_x, t, v, row_lse, grad_scale));
+  if (has_tail)
+    drow[tail + tid] = store<T>(ce_gradient(tail + tid, tail_x, t, v, row_lse, grad_scale));
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) {
+    const int c = tid + i * kRowThreads;
+    if (c >= nvec) break;
+    const int j0 = head + c * kV;
+    A x[kV];
+    unpack(buf[i], x);
+#pragma unroll
+    for (int k = 0; k < kV; ++k) x[k] = ce_gradient(j0 + k, x[k], t, v, row_lse, grad_scale);
+    store16(drow + j0, pack<T>(x));
+  }
 }
 
 template <class T>
@@ -372,6 +469,49 @@ void cross_entropy_backward_cuda(Ctx& ctx, Tensor dlogits, Tensor logits, Tensor
   });
 }
 
+void cross_entropy_forward_backward_cuda(Ctx& ctx, Tensor losses, Tensor lse, Tensor dlogits,
+                                         Tensor logits, Tensor targets, double grad_scale) {
+  check_cross_entropy_forward_backward_args(losses, lse, dlogits, logits);
+  const int64_t n = logits.size(0), v = logits.size(1);
+  check_loss_targets_args(targets, n, "cross_entropy_forward_backward");
+  check_on_gpu({&losses, &lse, &dlogits, &logits, &targets}, "cross_entropy_forward_backward");
+  if (n == 0) return;
+  MOE_CHECK(n <= std::numeric_limits<int32_t>::max(),
+            "cross_entropy_forward_backward: too many rows");
+  MOE_CHECK(v <= std::numeric_limits<int32_t>::max(),
+            "cross_entropy_forward_backward: V too large");
+  const uintptr_t gap =
+      reinterpret_cast<uintptr_t>(dlogits.data) - reinterpret_cast<uintptr_t>(logits.data);
+  bool fused = false;
+  dispatch_storage(logits.dtype, "cross_entropy_forward_backward", [&](auto zero) {
+    using T = decltype(zero);
+    // Vectors per thread: the row's (at most; its head shortens it) over the block's threads.
+    const int64_t per_thread = (v / kVec<T> + kRowThreads - 1) / kRowThreads;
+    // (A row pointer off its element alignment would make the whole row the scalar head.)
+    if (gap % 16 != 0 || per_thread > kFusedMaxVecs ||
+        reinterpret_cast<uintptr_t>(logits.data) % sizeof(T) != 0)
+      return;
+    fused = true;
+    auto launch = [&](auto kernel) {
+      kernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream_of(ctx)>>>(
+          data_of<acc_t<T>>(losses), data_of<acc_t<T>>(lse), data_of<T>(dlogits),
+          data_of<T>(logits), static_cast<const int32_t*>(targets.data), static_cast<int>(v),
+          static_cast<acc_t<T>>(grad_scale));
+      MOE_CUDA_LAUNCH_CHECK();
+    };
+    // Fewer registers for short rows (more blocks per SM).
+    if (per_thread <= 4)
+      launch(ce_fused_kernel<T, 4>);
+    else if (per_thread <= 8)
+      launch(ce_fused_kernel<T, 8>);
+    else
+      launch(ce_fused_kernel<T, kFusedMaxVecs>);
+  });
+  if (fused) return;
+  cross_entropy_forward_cuda(ctx, losses, lse, logits, targets);
+  cross_entropy_backward_cuda(ctx, dlogits, logits, lse, targets, grad_scale);
+}
+
 void bce_with_logits_forward_cuda(Ctx& ctx, Tensor loss, Tensor logits, Tensor targets) {
   check_bce_with_logits_forward_args(loss, logits, targets);
   check_on_gpu({&loss, &logits, &targets}, "bce_with_logits_forward");
@@ -406,6 +546,8 @@ MOE_REGISTER_CUDA_OP(cross_entropy_forward,
                      &::moe::cuda_detail::loss_impl::cross_entropy_forward_cuda);
 MOE_REGISTER_CUDA_OP(cross_entropy_backward,
                      &::moe::cuda_detail::loss_impl::cross_entropy_backward_cuda);
+MOE_REGISTER_CUDA_OP(cross_entropy_forward_backward,
+                     &::moe::cuda_detail::loss_impl::cross_entropy_forward_backward_cuda);
 MOE_REGISTER_CUDA_OP(bce_with_logits_forward,
                      &::moe::cuda_detail::loss_impl::bce_with_logits_forward_cuda);
 MOE_REGISTER_CUDA_OP(bce_with_logits_backward,

@@ -342,6 +342,12 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
       0, [&] { cross_entropy_forward(ctx, losses, ce_lse, head, targets); });
   add("cross_entropy_bwd", shape({n, vocab}) + " in place", double(2 * n * vocab * es), false, bw,
       0, [&] { cross_entropy_backward(ctx, head, head, ce_lse, targets, 1.0 / double(n)); });
+  // the training step's LM head: both from one read of the logits (in place; the first call
+  // turns them into gradients, which later calls read as logits: the same traffic)
+  add("cross_entropy_fused", shape({n, vocab}) + " fwd + bwd in place", double(2 * n * vocab * es),
+      false, bw, 0, [&] {
+        cross_entropy_forward_backward(ctx, losses, ce_lse, head, head, targets, 1.0 / double(n));
+      });
   const int64_t slab = std::min<int64_t>(int64_t{1} << 26, std::max<int64_t>(r * d, 1 << 20));
   Tensor p = pool.random(DType::f32, {slab}), g = pool.random(DType::f32, {slab});
   Tensor m1 = pool.zeros(DType::f32, {slab}), m2 = pool.zeros(DType::f32, {slab});

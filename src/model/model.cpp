@@ -559,9 +559,13 @@ void Model::head_chunks(Ctx& ctx, bool backward_too, double ce_scale) {
     Tensor logits = logits_.rows(0, c1 - c0), xf = xf_.rows(c0, c1);
     Tensor targets = targets_.rows(c0, c1);
     linear_forward(ctx, logits, xf, work(head), false);
-    cross_entropy_forward(ctx, losses_.rows(c0, c1), lse_.rows(c0, c1), logits, targets);
-    if (!backward_too) continue;
-    cross_entropy_backward(ctx, logits, logits, lse_.rows(c0, c1), targets, ce_scale);
+    if (!backward_too) {
+      cross_entropy_forward(ctx, losses_.rows(c0, c1), lse_.rows(c0, c1), logits, targets);
+      continue;
+    }
+    // the loss and its gradient over the logits in place, from one read of them
+    cross_entropy_forward_backward(ctx, losses_.rows(c0, c1), lse_.rows(c0, c1), logits, logits,
+                                   targets, ce_scale);
     linear_backward(ctx, dstream_b_.rows(c0, c1), grad(head), logits, xf, work(head), false);
   }
 }

@@ -15,6 +15,13 @@ MOE_OP(cross_entropy_forward, (Ctx & ctx, Tensor losses, Tensor lse, Tensor logi
 MOE_OP(cross_entropy_backward,
        (Ctx & ctx, Tensor dlogits, Tensor logits, Tensor lse, Tensor targets, double grad_scale),
        (ctx, dlogits, logits, lse, targets, grad_scale))
+// Both in one call: cross_entropy_forward, then cross_entropy_backward from the lse it wrote (the
+// same bits as the two ops). The training step's LM head, whose loss gradient's scale is known
+// before its forward: the CUDA backend reads each row of logits once for both.
+MOE_OP(cross_entropy_forward_backward,
+       (Ctx & ctx, Tensor losses, Tensor lse, Tensor dlogits, Tensor logits, Tensor targets,
+        double grad_scale),
+       (ctx, losses, lse, dlogits, logits, targets, grad_scale))
 
 // loss[0] = mean_n BCE(sigmoid(logits[n]), targets[n])    loss: [1], logits, targets: [N] float,
 // all of one dtype
