@@ -76,7 +76,7 @@ const char* kFullConfig = R"({
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
             "recompute_expert_inputs": true, "recompute_expert_rows": true,
-            "head_chunk_tokens": 512, "split_master": false,
+            "head_chunk_tokens": 512, "split_master": false, "overlap_optimizer": false,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -180,6 +180,7 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.recompute_expert_inputs);
   CHECK(c.train.recompute_expert_rows);
   CHECK(c.train.head_chunk_tokens == 512);
+  CHECK(!c.train.overlap_optimizer);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }

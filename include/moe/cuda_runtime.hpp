@@ -42,6 +42,15 @@ void synchronize();
 // handle gets a fixed workspace, so its calls allocate nothing and can be captured in a CUDA graph.
 void* default_stream(int index);
 void* blas_handle(int index);
+// A second stream of the device, at the greatest priority: work queued there runs beside the op
+// stream's (the optimizer's update behind the next step's forward, AdamW::step), its blocks
+// placed first whenever an SM frees. Created once, on first use.
+void* side_stream(int index);
+// The stream's later work waits until the work recorded before `event` is done.
+void stream_wait_event(void* stream, void* event);
+// copy_to_host that waits only for `stream`'s work, not the whole device's (a side stream's
+// update goes on).
+void copy_to_host_on(void* dst, const void* src, size_t bytes, void* stream);
 
 // Asynchronous host-to-device uploads for the training step, which must not wait for the device:
 // page-locked host memory, a copy queued on a stream, and events to know when a staging slot may

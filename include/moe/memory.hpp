@@ -71,7 +71,9 @@ namespace moe {
 // Host <-> tensor copies (the only way model code touches device memory from the host).
 void copy_from_host(Tensor dst, const void* src);
 void copy_to_host(void* dst, Tensor src);
-// The execution context for a device: its stream and cuBLAS handle on CUDA.
 struct Ctx;
+// The same, waiting only for ctx's stream (on a GPU): work of another stream goes on.
+void copy_to_host(Ctx& ctx, void* dst, Tensor src);
+// The execution context for a device: its stream and cuBLAS handle on CUDA.
 Ctx make_ctx(Device dev);
 }  // namespace moe

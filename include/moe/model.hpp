@@ -159,6 +159,9 @@ class Model {
   // compute-copy output: AdamW::writes_compute_copy), so the whole-buffer convert is skipped;
   // everything else weights_changed does still happens.
   void weights_changed(Ctx& ctx, bool compute_copy_current = false);
+  // The same for the parameters inside elements [begin, end) only (whole parameters: a unit of
+  // param_unit_bounds), for an optimizer that updates the model unit by unit; not ZeRO-3.
+  void weights_changed(Ctx& ctx, bool compute_copy_current, size_t begin, size_t end);
 
   // ---- the training step: queued on ctx's stream, nothing read back ----
   // Zeroes the device-side loss sums, expert loads and MoD counts (not the gradients).
@@ -180,8 +183,9 @@ class Model {
   void queue_forward_backward(Ctx& ctx, double grad_scale, const GradientReady& ready = nullptr);
   // Forward only (evaluation) on the uploaded micro-batch.
   void queue_forward(Ctx& ctx);
-  // Waits for the device: mean losses over the micro-batches since reset_stats(), and routing()
-  // refreshed with the loads summed since then.
+  // Waits for ctx's stream (not the whole device: an optimizer update on a side stream goes on):
+  // mean losses over the micro-batches since reset_stats(), and routing() refreshed with the
+  // loads summed since then.
   Losses read_stats(Ctx& ctx);
   // The device tensors behind read_stats, for data parallelism to sum across ranks first:
   // f64 [4] loss sums (lm, aux, z, mod_pred; each a sum of micro-batch means) and, per MoE
@@ -217,6 +221,11 @@ class Model {
   // ZeRO-3 parameter offload: `wait(local_end)` is called before a unit's host chunk (ending at
   // that local offset) is copied to the GPU, so the optimizer may still be updating later units.
   void set_chunk_wait(std::function<void(size_t local_end)> wait);
+  // `wait(ctx, unit)` is called before each forward uses unit `unit` of param_unit_bounds (0 the
+  // embedding, l + 1 layer l, the last the final norm and head, whose use runs on into the
+  // backward), so an optimizer still updating later units on another stream can make ctx's stream
+  // wait for that unit only (AdamW::wait_unit).
+  void set_unit_wait(std::function<void(Ctx& ctx, int unit)> wait) { unit_wait_ = std::move(wait); }
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
@@ -277,7 +286,8 @@ class Model {
   std::vector<size_t> fp32_slot_;
   size_t fp32_copy_elems_ = 0;
   Arena acts_, scratch_;
-  std::unique_ptr<ShardedParams> sharded_;  // ZeRO stage 3 only
+  std::unique_ptr<ShardedParams> sharded_;    // ZeRO stage 3 only
+  std::function<void(Ctx&, int)> unit_wait_;  // set_unit_wait
   std::unique_ptr<LayerEnv> env_;
   std::vector<std::unique_ptr<Layer>> layers_;
   RoutingStats routing_;

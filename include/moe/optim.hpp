@@ -173,6 +173,20 @@ class AdamW {
   Tensor moment2() const;
   void set_steps_taken(long s) { step_ = s; }
   struct Item;  // one host update of a run of elements (defined in adamw.cpp)
+  // Overlap with the next forward (train.overlap_optimizer; a CUDA model, unsharded, not
+  // offloaded). step() then returns with the update queued on the device's side stream
+  // (gpu::side_stream) behind ctx's work so far (the gradient norm), unit by unit in
+  // param_unit_bounds order (the embedding, each layer, the final norm and head): each unit's
+  // AdamW and its refreshed compute copies (Model::weights_changed over the unit), then the next
+  // step's zeroing of the gradients (Model::zero_grads(ctx, true): after every read of this
+  // step's; the trainer skips its own). The forward calls wait_unit before it uses each unit
+  // (Model::set_unit_wait): ctx's stream waits for that unit's update; the last unit's wait also
+  // covers the zeroing. join() makes ctx's stream wait for all of it. The same bits as the
+  // update in line.
+  void overlap_forward(const Model& model);
+  bool overlaps_forward() const { return overlap_ != nullptr; }
+  void wait_unit(Ctx& ctx, int unit);
+  void join(Ctx& ctx);
   // params() was written from outside (initialisation, a checkpoint load): an offloaded
   // optimizer takes its master copy from there again before its next step. (A fresh optimizer
   // does so before its first step.)
@@ -186,6 +200,12 @@ class AdamW {
   };
   void step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                       double max_norm);
+  void step_overlapped(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                       double max_norm);
+  // Queues the on-device update of the owned elements within global [begin, end) on ctx's
+  // stream (every owned range x decay segment intersection: one fused op each).
+  void queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                    double max_norm, size_t begin, size_t end);
   // The host update's arguments for step number `step` (weight decay set per segment).
   AdamWArgs host_args(double lr, long step, double grad_scale) const;
   // The updates of the owned elements within global [begin, end): one per (owned range x
@@ -216,6 +236,8 @@ class AdamW {
   Buffer next_master_, next_m_, next_v_;
   struct Speculation;
   std::shared_ptr<Speculation> spec_;
+  struct Overlap;  // overlap_forward (adamw_overlap.cpp)
+  std::unique_ptr<Overlap> overlap_;
 };
 
 }  // namespace moe

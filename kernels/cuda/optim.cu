@@ -244,26 +244,42 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One quad (four elements) of the split update, in place.
+__device__ __forceinline__ void adam_split_quad(ushort4& h, ushort4& l, const float4& gq,
+                                                float4& mq, float4& vq, float grad_scale,
+                                                const AdamConsts<float>& c) {
+  adam_split_element(h.x, l.x, gq.x, mq.x, vq.x, grad_scale, c);
+  adam_split_element(h.y, l.y, gq.y, mq.y, vq.y, grad_scale, c);
+  adam_split_element(h.z, l.z, gq.z, mq.z, vq.z, grad_scale, c);
+  adam_split_element(h.w, l.w, gq.w, mq.w, vq.w, grad_scale, c);
+}
+
+// Two quads per thread and iteration, both loaded before either is updated (128 bytes in flight
+// per thread). Each element still goes through adam_split_element once: the same bits for any
+// grid.
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel_x4(ushort4* __restrict__ hi, ushort4* __restrict__ lo,
                           const float4* __restrict__ g, float4* __restrict__ m,
                           float4* __restrict__ v, int64_t quads, AdamConsts<float> c) {
   float grad_scale;
   if (!step_scale(c, &grad_scale)) return;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
-       i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + stride < quads; i += 2 * stride) {
+    const int64_t j = i + stride;
+    ushort4 h0 = hi[i], l0 = lo[i], h1 = hi[j], l1 = lo[j];
+    float4 m0 = m[i], v0 = v[i], m1 = m[j], v1 = v[j];
+    const float4 g0 = g[i], g1 = g[j];
+    adam_split_quad(h0, l0, g0, m0, v0, grad_scale, c);
+    adam_split_quad(h1, l1, g1, m1, v1, grad_scale, c);
+    hi[i] = h0, lo[i] = l0, m[i] = m0, v[i] = v0;
+    hi[j] = h1, lo[j] = l1, m[j] = m1, v[j] = v1;
+  }
+  if (i < quads) {
     ushort4 h = hi[i], l = lo[i];
     float4 mq = m[i], vq = v[i];
-    const float4 gq = g[i];
-    adam_split_element(h.x, l.x, gq.x, mq.x, vq.x, grad_scale, c);
-    adam_split_element(h.y, l.y, gq.y, mq.y, vq.y, grad_scale, c);
-    adam_split_element(h.z, l.z, gq.z, mq.z, vq.z, grad_scale, c);
-    adam_split_element(h.w, l.w, gq.w, mq.w, vq.w, grad_scale, c);
-    hi[i] = h;
-    lo[i] = l;
-    m[i] = mq;
-    v[i] = vq;
+    adam_split_quad(h, l, g[i], mq, vq, grad_scale, c);
+    hi[i] = h, lo[i] = l, m[i] = mq, v[i] = vq;
   }
 }
 
@@ -282,7 +298,7 @@ void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, T
   if (aligned_to(hp, 8) && aligned_to(lp, 8) && aligned_to(gp, 16) && aligned_to(mp, 16) &&
       aligned_to(vp, 16) && n >= 4) {
     const int64_t quads = n / 4;
-    const int64_t blocks = std::min((quads + kThreads - 1) / kThreads, kMaxBlocks);
+    const int64_t blocks = std::min((quads + 2 * kThreads - 1) / (2 * kThreads), kMaxBlocks);
     adamw_split_kernel_x4<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
         reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
         reinterpret_cast<const float4*>(gp), reinterpret_cast<float4*>(mp),

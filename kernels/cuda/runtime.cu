@@ -30,6 +30,7 @@ __global__ void probe_kernel(int* out) {
 
 struct PerDevice {
   cudaStream_t stream = nullptr;
+  cudaStream_t side = nullptr;  // side_stream
   cublasHandle_t blas = nullptr;
   void* blas_workspace = nullptr;  // lives as long as the process, like the handle
 };
@@ -216,6 +217,29 @@ void* blas_handle(int index) {
     MOE_CUBLAS_CHECK(cublasSetWorkspace(d.blas, d.blas_workspace, kWorkspace));
   }
   return d.blas;
+}
+
+void* side_stream(int index) {
+  std::lock_guard<std::mutex> lock(handles_mutex());
+  PerDevice& d = per_device().at(static_cast<size_t>(index));
+  if (!d.side) {
+    set_device(index);
+    int least = 0, greatest = 0;
+    MOE_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    MOE_CUDA_CHECK(cudaStreamCreateWithPriority(&d.side, cudaStreamNonBlocking, greatest));
+  }
+  return d.side;
+}
+
+void stream_wait_event(void* stream, void* event) {
+  MOE_CUDA_CHECK(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+}
+
+void copy_to_host_on(void* dst, const void* src, size_t bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  MOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  MOE_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void* malloc_pinned(size_t bytes) {

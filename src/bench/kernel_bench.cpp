@@ -223,6 +223,16 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
         0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
   }
 
+  // ---- AdamW over a split master (the bf16 trainer's update), on the whole device or few SMs ----
+  const int64_t slab = std::min<int64_t>(int64_t{1} << 26, std::max<int64_t>(r * d, 1 << 20));
+  Tensor shi = pool.random(DType::bf16, {slab}), slo = pool.zeros(DType::u16, {slab});
+  Tensor sg = pool.random(DType::f32, {slab}, -1e-3f, 1e-3f);
+  Tensor sm = pool.zeros(DType::f32, {slab}), sv = pool.zeros(DType::f32, {slab});
+  const double split_bytes = double(slab * (2 * 4 + 4 + 2 * 8));  // hi, lo, m, v in and out; g in
+  auto split_adamw = [&](Ctx& on) { adamw_step_split(on, shi, slo, sg, sm, sv, AdamWArgs{}); };
+  add("adamw_split", shape({slab}) + " bf16 hi + u16 lo", split_bytes, false, bw, 0,
+      [&] { split_adamw(ctx); });
+
   // ---- the experts' gate and up GEMMs with SwiGLU (fused on sm_90), even routing ----
   {
     Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));
@@ -234,6 +244,33 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
             std::to_string(d) + "]^T",
         2 * gemm_flops, true, gemm_rate, 0,
         [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off); });
+    // The optimizer's update behind the next forward (train.overlap_optimizer): the split AdamW
+    // on the side stream beside three of the GEMMs above, against the two one after the other
+    // (the tensor-core CTAs hold whole SMs, so only their tails and gaps are shared).
+    auto gemms = [&] {
+      for (int i = 0; i < 3; ++i) grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off);
+    };
+    if (dev.type == DeviceType::cuda) {
+      Ctx side = ctx;
+      side.stream = gpu::side_stream(dev.index);
+      void* fork = gpu::event_create();
+      void* join = gpu::event_create();
+      add("overlap_serial", "adamw_split, then 3 grouped_swiglu", 0, false, 0, 0, [&] {
+        split_adamw(ctx);
+        gemms();
+      });
+      add("overlap_side", "adamw_split on the side stream beside them", 0, false, 0, 0, [&] {
+        gpu::event_record(fork, ctx.stream);
+        gpu::stream_wait_event(side.stream, fork);
+        split_adamw(side);
+        gpu::event_record(join, side.stream);
+        gemms();
+        gpu::stream_wait_event(ctx.stream, join);
+      });
+      gpu::stream_synchronize(side.stream);
+      gpu::event_destroy(fork);
+      gpu::event_destroy(join);
+    }
     // The down projection's backward with the weighted SwiGLU's (dh kept in dgate): dh and dw2.
     Tensor w2 = pool.random(dt, {e, d, f}, -0.05f, 0.05f), dyd = pool.random(dt, {r, d});
     Tensor dgate = pool.zeros(dt, {r, f}), dup = pool.zeros(dt, {r, f});
@@ -348,7 +385,6 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
       false, bw, 0, [&] {
         cross_entropy_forward_backward(ctx, losses, ce_lse, head, head, targets, 1.0 / double(n));
       });
-  const int64_t slab = std::min<int64_t>(int64_t{1} << 26, std::max<int64_t>(r * d, 1 << 20));
   Tensor p = pool.random(DType::f32, {slab}), g = pool.random(DType::f32, {slab});
   Tensor m1 = pool.zeros(DType::f32, {slab}), m2 = pool.zeros(DType::f32, {slab});
   AdamWArgs a;

@@ -240,6 +240,7 @@ KeyNode train_section() {
        leaf("recompute_expert_rows", AT(train.recompute_expert_rows)),
        leaf("split_master", AT(train.split_master)),
        leaf("head_chunk_tokens", AT(train.head_chunk_tokens)),
+       leaf("overlap_optimizer", AT(train.overlap_optimizer)),
        leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }
 

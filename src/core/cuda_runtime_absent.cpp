@@ -83,6 +83,15 @@ void event_synchronize(void*) {
 void stream_synchronize(void*) {
   absent("stream_synchronize");
 }
+void* side_stream(int) {
+  absent("side_stream");
+}
+void stream_wait_event(void*, void*) {
+  absent("stream_wait_event");
+}
+void copy_to_host_on(void*, const void*, size_t, void*) {
+  absent("copy_to_host_on");
+}
 void launch_host_func(void*, std::function<void()>) {
   absent("launch_host_func");
 }

@@ -136,6 +136,13 @@ void copy_to_host(void* dst, Tensor src) {
     std::memcpy(dst, src.data, src.nbytes());
 }
 
+void copy_to_host(Ctx& ctx, void* dst, Tensor src) {
+  if (src.device.type == DeviceType::cuda)
+    gpu::copy_to_host_on(dst, src.data, src.nbytes(), ctx.stream);
+  else
+    std::memcpy(dst, src.data, src.nbytes());
+}
+
 Ctx make_ctx(Device dev) {
   Ctx ctx;
   ctx.device = dev;

@@ -263,18 +263,25 @@ void Model::weights_changed(Ctx& ctx, bool compute_copy_current) {
     sharded_->invalidate();
     return;
   }
+  weights_changed(ctx, compute_copy_current, 0, table_.total);
+}
+
+void Model::weights_changed(Ctx& ctx, bool compute_copy_current, size_t begin, size_t end) {
+  MOE_CHECK(!sharded_, "Model::weights_changed: a range of ZeRO-3 parameters");
+  MOE_CHECK(begin <= end && end <= table_.total, "Model::weights_changed: range out of bounds");
   if (memory_.split_master) {  // the compute copy is the master's high half: always current
     const Tensor hi = compute_params(), lo = master_low();
     for (const ParamInfo& p : table_.params) {
-      if (!p.fp32_reads) continue;
+      if (!p.fp32_reads || p.offset < begin || p.offset + p.numel() > end) continue;
       const auto b = static_cast<int64_t>(p.offset), e = b + static_cast<int64_t>(p.numel());
       split_master_decode(ctx, param(p).view({e - b}), hi.rows(b, e), lo.rows(b, e));
     }
     return;
   }
   const Tensor compute = compute_params();
-  if (compute.empty() || compute_copy_current) return;
-  convert(ctx, compute, params(), false);
+  if (compute.empty() || compute_copy_current || begin == end) return;
+  const auto b = static_cast<int64_t>(begin), e = static_cast<int64_t>(end);
+  convert(ctx, compute.rows(b, e), params().rows(b, e), false);
 }
 
 namespace {
@@ -497,7 +504,7 @@ Losses Model::forward(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
 
 Losses Model::read_stats(Ctx& ctx) {
   double sums[kStats];
-  copy_to_host(sums, stats_);  // waits for the device
+  copy_to_host(ctx, sums, stats_);  // waits for ctx's stream
   const double m = micro_batches_ > 0 ? static_cast<double>(micro_batches_) : 1.0;
   Losses l;
   l.lm = sums[kStatLm] / m;
@@ -508,10 +515,10 @@ Losses Model::read_stats(Ctx& ctx) {
   for (size_t i = 0; i < loads.size(); ++i) {
     auto& out = routing_.expert_load[i];
     if (loads[i].dtype == DType::f64) {
-      copy_to_host(out.data(), loads[i]);
+      copy_to_host(ctx, out.data(), loads[i]);
     } else {
       host_loads_f32_.resize(out.size());
-      copy_to_host(host_loads_f32_.data(), loads[i]);
+      copy_to_host(ctx, host_loads_f32_.data(), loads[i]);
       out.assign(host_loads_f32_.begin(), host_loads_f32_.end());
     }
   }
@@ -571,6 +578,7 @@ void Model::head_chunks(Ctx& ctx, bool backward_too, double ce_scale) {
 }
 
 void Model::acquire_unit(Ctx& ctx, int unit) {
+  if (unit_wait_ && !ctx.dry_run) unit_wait_(ctx, unit);
   if (!sharded_) return;
   sharded_->acquire(ctx, unit);
   sharded_->prefetch(ctx, unit + 1);

@@ -17,6 +17,7 @@
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/optim.hpp"
 #include "moe/optim.hpp"
+#include "optim/adamw_overlap.hpp"
 #include "optim/host_adamw.hpp"
 
 namespace moe {
@@ -242,20 +243,29 @@ void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor no
     step_offloaded(ctx, model, lr, grad_scale, norm_sq, max_norm);
     return;
   }
+  if (overlap_) {
+    step_overlapped(ctx, model, lr, grad_scale, norm_sq, max_norm);
+    return;
+  }
+  queue_update(ctx, model, lr, grad_scale, norm_sq, max_norm, 0, part_.total);
+}
+
+void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
+                         double max_norm, size_t begin, size_t end) {
   // A split master: its high halves are the compute copy, updated in place with the low ones.
   const bool split = model.splits_master();
   Tensor p = split ? model.compute_params() : model.params(), g = model.grads();
   const Tensor low = model.master_low();
-  Tensor m = moment1(), v = moment2();
+  Tensor m = local(m_), v = local(v_);
   // Unsharded, the updates cover the whole buffer, so they also write the 16-bit compute copy
   // (the model then skips its convert: writes_compute_copy). ZeRO-1/2 keep the model's convert:
   // the other ranks' chunks arrive after the step, by the fp32 all_gather of the master weights.
   const Tensor compute = writes_compute_copy(model) && !split ? model.compute_params() : Tensor();
-  // Every (owned range x decay segment) intersection is one fused update.
+  // Every (owned range x decay segment) intersection within [begin, end) is one fused update.
   for (const auto& r : part_.ranges())
     for (const auto& s : segments_) {
-      const size_t b = std::max(r.global, s.offset);
-      const size_t e = std::min(r.global + r.count, s.offset + s.numel);
+      const size_t b = std::max({r.global, s.offset, begin});
+      const size_t e = std::min({r.global + r.count, s.offset + s.numel, end});
       if (b >= e) continue;
       AdamWArgs a;
       a.lr = lr;

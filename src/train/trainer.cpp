@@ -327,6 +327,13 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   // Parameter offload: the CPU AdamW runs behind the next forward, which waits unit by unit.
   if (offload.in_place)
     model.set_chunk_wait([&optimizer](size_t end) { optimizer.wait_local(end); });
+  // The on-device update behind the next forward, which waits unit by unit
+  // (train.overlap_optimizer). --profile times the update in line, as its own op.
+  if (cfg.train.overlap_optimizer && dev.type == DeviceType::cuda && !offload.enabled &&
+      !dp.partition().sharded && !profile::enabled()) {
+    optimizer.overlap_forward(model);
+    model.set_unit_wait([&optimizer](Ctx& c, int unit) { optimizer.wait_unit(c, unit); });
+  }
   model.init_weights(cfg.train.seed);  // the same seed on every rank: the same weights
   optimizer.params_written();
   std::unique_ptr<TrainData> data = make_train_data(cfg);
@@ -414,6 +421,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         << (optimizer.overlaps_backward() ? " as each gradient bucket lands during the backward"
                                           : "")
         << "\n";
+  if (optimizer.overlaps_forward())
+    out << "optimizer: AdamW on the GPU's side stream behind the next forward, layer by layer\n";
   MOE_CHECK(!optimizer.overlaps_backward() || dp.overlaps(),
             "trainer: the overlapped offload step needs gradient buckets");
   out << std::flush;
@@ -431,7 +440,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
     // end (one wait per optimizer step, after all of its work is queued).
-    model.zero_grads(ctx, /*experts_by_backward=*/true);  // the step's first backward writes them
+    // The step's first backward writes the experts' gradients. An overlapped update zeroed the
+    // rest after it read them (AdamW::overlap_forward).
+    if (!optimizer.overlaps_forward() || step == first_step)
+      model.zero_grads(ctx, /*experts_by_backward=*/true);
     model.reset_stats(ctx);
     const double loss_scale = scaler.scale();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
@@ -465,13 +477,15 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
     dp.gather_params(model);
     // Unsharded mixed precision: the AdamW op wrote the compute copy as it updated (no convert).
-    model.weights_changed(ctx, optimizer.writes_compute_copy(model));
-    Losses sum = model.read_stats(ctx);  // waits for the step
+    // An overlapped update refreshes the rest unit by unit itself.
+    if (!optimizer.overlaps_forward())
+      model.weights_changed(ctx, optimizer.writes_compute_copy(model));
+    Losses sum = model.read_stats(ctx);  // waits for the step (an overlapped update goes on)
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
       sum.lm /= world, sum.aux /= world, sum.z /= world, sum.mod_pred /= world;
     }
     double gnorm_sq = 0;
-    copy_to_host(&gnorm_sq, norm_sq_t);
+    copy_to_host(ctx, &gnorm_sq, norm_sq_t);
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
     // The device skipped the update exactly when the gradient norm was not finite; the host
@@ -565,6 +579,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const bool stop_now = opt.stop_after_step > 0 && step + 1 == opt.stop_after_step;
     if ((last && cfg.train.save_at_end) ||
         (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
+      optimizer.join(ctx);  // the weights and moments as this step left them
       data->save(state);
       Model* saved = &model;
       if (model.params_sharded()) {  // rank 0 writes the whole weights
@@ -579,6 +594,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     }
     if (stop_now) break;
   }
+  optimizer.join(ctx);
   return result;
 }
 
