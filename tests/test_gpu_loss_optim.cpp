@@ -503,3 +503,75 @@ TEST_CASE("gpu AdamW compute_out is the updated p converted, bitwise; a skipped 
   CHECK_THROWS_WITH(adamw_step(ctx, p, p, p, p, bad),
                     Catch::Contains("adamw_step: compute_out is on"));
 }
+
+// AdamWArgs::grad_sq_out on the GPU: the sum of squares of g from the update's own read, in
+// every kernel (f32 four at a time and its tail, one element at a time at an odd offset, f64,
+// the split master four at a time and one at a time), close to sum_squares (another summation
+// order), deterministic, added into what is there, and the update bitwise the one without it.
+TEST_CASE("gpu AdamW grad_sq_out: the gradients' sum of squares, the update unchanged",
+          "[gpu][optim]") {
+  const int64_t n = (int64_t{1} << 19) + 7;  // more blocks than the partials, plus a tail
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
+  for (DType dt : {DType::f32, DType::f64}) {
+    for (int64_t shift : {0, 1}) {
+      INFO(dtype_name(dt) << " shift " << shift);
+      const int64_t total = n + shift;
+      const std::vector<double> p0 = round_to(dt, random_values(total, 71, -2.0, 2.0));
+      const std::vector<double> g = round_to(dt, random_values(total, 72, -3.0, 3.0));
+      const std::vector<double> m0 = round_to(dt, random_values(total, 73, -0.1, 0.1));
+      const std::vector<double> v0 = round_to(dt, random_values(total, 74, 1e-3, 0.1));
+      Ctx ctx = gpu_ctx();
+      auto part = [&](const DeviceTensor& t) { return Tensor(t).rows(shift, shift + n); };
+      DeviceTensor gd = on_device(dt, {total}, g);
+      DeviceTensor expect = on_device(DType::f64, {1}, {0.0});
+      sum_squares(ctx, expect, part(gd));
+      gpu::synchronize();
+      const double want = download(expect)[0];
+      // The plain update, then three with the norm: from 0 twice (the same bits) and from 1.5.
+      std::vector<std::vector<uint8_t>> state;
+      std::vector<double> sums;
+      for (double start : {-1.0, 0.0, 0.0, 1.5}) {
+        DeviceTensor p = on_device(dt, {total}, p0), m = on_device(dt, {total}, m0);
+        DeviceTensor v = on_device(dt, {total}, v0);
+        DeviceTensor sq = on_device(DType::f64, {1}, {start});
+        AdamWArgs with = a;
+        if (start >= 0) with.grad_sq_out = sq;
+        adamw_step(ctx, part(p), part(gd), part(m), part(v), with);
+        gpu::synchronize();
+        const std::vector<uint8_t> bytes = bytes_of(p), mb = bytes_of(m), vb = bytes_of(v);
+        if (state.empty()) state = {bytes, mb, vb};
+        CHECK(bytes == state[0]);
+        CHECK(mb == state[1]);
+        CHECK(vb == state[2]);
+        sums.push_back(download(sq)[0]);
+      }
+      CHECK(sums[1] == Approx(want).epsilon(1e-12));
+      CHECK(sums[2] == sums[1]);
+      CHECK(sums[3] == Approx(1.5 + want).epsilon(1e-12));
+
+      if (dt != DType::f32) continue;
+      // The split master: hi / lo of any bits, its f32 gradients.
+      std::vector<uint16_t> hi_bits(static_cast<size_t>(total)), lo_bits(hi_bits.size());
+      for (size_t i = 0; i < hi_bits.size(); ++i) {
+        hi_bits[i] = float_to_bf16(static_cast<float>(p0[i]));
+        lo_bits[i] = static_cast<uint16_t>((i * 40503u) & 0xFFFF);
+      }
+      std::vector<double> split_sums;
+      for (int run = 0; run < 2; ++run) {
+        DeviceTensor hi(DType::bf16, {total}), lo(DType::u16, {total});
+        copy_from_host(hi, hi_bits.data());
+        copy_from_host(lo, lo_bits.data());
+        DeviceTensor m = on_device(dt, {total}, m0), v = on_device(dt, {total}, v0);
+        DeviceTensor sq = on_device(DType::f64, {1}, {0.0});
+        AdamWArgs with = a;
+        with.grad_sq_out = sq;
+        adamw_step_split(ctx, part(hi), part(lo), part(gd), part(m), part(v), with);
+        gpu::synchronize();
+        split_sums.push_back(download(sq)[0]);
+      }
+      CHECK(split_sums[0] == Approx(want).epsilon(1e-12));
+      CHECK(split_sums[1] == split_sums[0]);
+    }
+  }
+}

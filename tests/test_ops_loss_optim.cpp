@@ -506,3 +506,48 @@ TEST_CASE("adamw_step rejects a compute_out of another size or dtype") {
   CHECK_THROWS_WITH(adamw_step(ctx, p, g, m, v, a),
                     Catch::Contains("adamw_step: compute_out must be bf16, f16 or f32, got f64"));
 }
+
+TEST_CASE(
+    "adamw_step / adamw_step_split: grad_sq_out adds sum_squares of g; the update unchanged") {
+  const int64_t n = 37;
+  std::vector<double> pv(n), gv(n);
+  for (int64_t i = 0; i < n; ++i) pv[i] = 0.1 * static_cast<double>(i % 7) - 0.3;
+  for (int64_t i = 0; i < n; ++i) gv[i] = 0.05 * static_cast<double>((i * 5) % 11) - 0.25;
+  Ctx ctx = cpu_ctx();
+  AdamWArgs a;
+  a.lr = 1e-2, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
+  auto p1 = make<double>({n}, pv), p2 = make<double>({n}, pv), g = make<double>({n}, gv);
+  Buf<double> m1({n}), v1({n}), m2({n}), v2({n});
+  Buf<double> sq({1}), expect({1});
+  sq[0] = 2.0, expect[0] = 2.0;  // both add into what is there
+  sum_squares(ctx, expect, g);
+  adamw_step(ctx, p1, g, m1, v1, a);
+  AdamWArgs with = a;
+  with.grad_sq_out = sq;
+  adamw_step(ctx, p2, g, m2, v2, with);
+  CHECK(sq[0] == expect[0]);
+  CHECK(p2.v == p1.v);
+  CHECK(m2.v == m1.v);
+  CHECK(v2.v == v1.v);
+
+  // the split master: the same sum (from its f32 gradients)
+  std::vector<uint16_t> hi(n), lo(n);
+  std::vector<float> g32(gv.begin(), gv.end()), ms(n, 0.0f), vs(n, 0.0f);
+  Tensor tg(g32.data(), DType::f32, Device{}, {n});
+  Buf<double> ssq({1}), sexpect({1});
+  sum_squares(ctx, sexpect, tg);
+  AdamWArgs split = a;
+  split.grad_sq_out = ssq;
+  adamw_step_split(ctx, Tensor(hi.data(), DType::bf16, Device{}, {n}),
+                   Tensor(lo.data(), DType::u16, Device{}, {n}), tg,
+                   Tensor(ms.data(), DType::f32, Device{}, {n}),
+                   Tensor(vs.data(), DType::f32, Device{}, {n}), split);
+  CHECK(ssq[0] == sexpect[0]);
+  CHECK(ssq[0] > 0);
+
+  // with norm_sq too: rejected, by name (the norm is known before the update then)
+  Buf<double> norm({1});
+  AdamWArgs both = with;
+  both.norm_sq = norm;
+  CHECK_THROWS_WITH(adamw_step(ctx, p2, g, m2, v2, both), Catch::Contains("grad_sq_out"));
+}

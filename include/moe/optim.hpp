@@ -124,8 +124,13 @@ class AdamW {
   // master and moments with the same math and the same skip and clip decisions, and the updated
   // master ranges are copied into params() (queued on ctx's stream when pinned). The caller then
   // gathers and calls Model::weights_changed as after any step.
+  // `norm_out` (on the device, unsharded and not offloaded, without norm_sq): a 1-element f64
+  // tensor that ends holding the sum of squared gradients (as queue_grad_norm_sq's norm_sq would),
+  // taken by the update from its own read of the gradients (AdamWArgs::grad_sq_out): the norm
+  // for the log when nothing is clipped or skipped, without a pass of its own. Overlapped, it is
+  // written on the side stream: read it after join().
   void step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq = Tensor(),
-            double max_norm = 0);
+            double max_norm = 0, Tensor norm_out = Tensor());
   // Offloaded (not in place): the host staging of this rank's gradients (partition().local()
   // elements of the master dtype), else nullptr. After gradients_on_host() the next step() takes
   // the gradients from there as they are (someone copied them in, e.g. during the backward)
@@ -201,11 +206,11 @@ class AdamW {
   void step_offloaded(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                       double max_norm);
   void step_overlapped(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
-                       double max_norm);
+                       double max_norm, Tensor norm_out);
   // Queues the on-device update of the owned elements within global [begin, end) on ctx's
   // stream (every owned range x decay segment intersection: one fused op each).
   void queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
-                    double max_norm, size_t begin, size_t end);
+                    double max_norm, Tensor norm_out, size_t begin, size_t end);
   // The host update's arguments for step number `step` (weight decay set per segment).
   AdamWArgs host_args(double lr, long step, double grad_scale) const;
   // The updates of the owned elements within global [begin, end): one per (owned range x

@@ -12,8 +12,8 @@
 namespace moe {
 
 // g, m, v: as many elements as p, of p's dtype; a.step >= 1; a.norm_sq empty or a 1-element f64
-// tensor on p's device; a.compute_out empty or as many elements as p, bf16 / f16 / f32, on p's
-// device.
+// tensor on p's device; a.grad_sq_out likewise, and only without norm_sq; a.compute_out empty or as
+// many elements as p, bf16 / f16 / f32, on p's device.
 inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor& m,
                                   const Tensor& v, const AdamWArgs& a) {
   const int64_t n = p.numel();
@@ -30,6 +30,16 @@ inline void check_adamw_step_args(const Tensor& p, const Tensor& g, const Tensor
                   std::string(dtype_name(a.norm_sq.dtype)) + " " + a.norm_sq.shape_str());
     MOE_CHECK(a.norm_sq.device == p.device,
               "adamw_step: norm_sq is on " + a.norm_sq.device.str() + ", p on " + p.device.str());
+  }
+  if (!a.grad_sq_out.empty()) {
+    MOE_CHECK(a.grad_sq_out.dtype == DType::f64 && a.grad_sq_out.numel() == 1,
+              "adamw_step: grad_sq_out must be a 1-element f64 tensor, got " +
+                  std::string(dtype_name(a.grad_sq_out.dtype)) + " " + a.grad_sq_out.shape_str());
+    MOE_CHECK(
+        a.grad_sq_out.device == p.device,
+        "adamw_step: grad_sq_out is on " + a.grad_sq_out.device.str() + ", p on " + p.device.str());
+    MOE_CHECK(a.norm_sq.empty(),
+              "adamw_step: grad_sq_out with norm_sq (the norm is known before the update then)");
   }
   if (!a.compute_out.empty()) {
     const Tensor& c = a.compute_out;

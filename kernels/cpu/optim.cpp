@@ -20,6 +20,7 @@
 #include "common/split_master.hpp"
 #include "cpu/convert_element.hpp"
 #include "cpu/cpu_common.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/optim.hpp"
 
 namespace moe::cpu {
@@ -84,6 +85,7 @@ bool step_scale(const AdamWArgs& a, double* grad_scale) {
 
 void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
   check_adamw_step_args(p, g, m, v, a);
+  if (!a.grad_sq_out.empty()) cpu::sum_squares(ctx, a.grad_sq_out, g);  // g is only read below
   dispatch_float(p.dtype, "adamw_step", [&](auto zero) {
     using T = decltype(zero);
     double grad_scale = 1;
@@ -99,6 +101,7 @@ void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArg
 void adamw_step_split(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
                       const AdamWArgs& a) {
   check_adamw_step_split_args(hi, lo, g, m, v, a);
+  if (!a.grad_sq_out.empty()) cpu::sum_squares(ctx, a.grad_sq_out, g);  // g is only read below
   double grad_scale = 1;
   if (!step_scale(a, &grad_scale)) return;
   const int64_t n = hi.numel();

@@ -28,6 +28,7 @@
 
 #include "common/elementwise_checks.hpp"
 #include "cuda/convert_element.cuh"
+#include "cuda/block_sum.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/elementwise.hpp"
@@ -78,22 +79,6 @@ __global__ void scale_kernel(T* x, int64_t n, acc_t<T> alpha) {
     x[i] = store<T>(load(x[i]) * alpha);
 }
 
-// Sum of v over the block in a fixed tree (warp shuffles, then warp 0 over the warp sums); the
-// result is valid in thread 0.
-__device__ double block_sum_to_thread0(double v) {
-  __shared__ double warp_sums[32];
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const int warps = (blockDim.x + 31) >> 5;
-    v = lane < warps ? warp_sums[lane] : 0.0;
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  }
-  return v;
-}
-
 // Pass 1: partial[b] = sum of x[i]^2 (kSquare) or x[i] over the grid-stride subset of block b.
 // Squares of f32/f16/bf16 values are exact in double.
 template <class T, bool kSquare>
@@ -106,15 +91,6 @@ __global__ void sum_partial_kernel(double* partial, const T* x, int64_t n) {
   }
   s = block_sum_to_thread0(s);
   if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
-// Pass 2 (one block): out[0] += scale * sum of partial[0, count). (scale = 1 for sum_squares:
-// 1 * s == s, the bits sum_squares always produced.)
-__global__ void sum_partials_kernel(double* out, const double* partial, int count, double scale) {
-  double s = 0;
-  for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
-  s = block_sum_to_thread0(s);
-  if (threadIdx.x == 0) out[0] += scale * s;
 }
 
 // ---- convert ------------------------------------------------------------------------------------

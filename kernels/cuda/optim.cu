@@ -22,12 +22,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
 #include "common/split_master.hpp"
+#include "cuda/block_sum.cuh"
 #include "cuda/convert_element.cuh"
 #include "cuda/cuda_common.cuh"
 #include "moe/ops/optim.hpp"
@@ -99,23 +102,51 @@ AdamConsts<A> adam_consts(const AdamWArgs& a) {
           a.max_norm};
 }
 
+// AdamWArgs::grad_sq_out (kNorm kernels): each thread sums the squares of the gradients it
+// reads, in double (exact for f32 / f16 / bf16 values), each block writes its sum to partial[b]
+// and a one-block pass adds them in block order into grad_sq_out[0]: deterministic for a shape,
+// and no pass over g of its own. The grid is one wave of resident blocks (one_wave): a capped
+// grid of several waves left its last, partial wave running on few SMs (7% slower measured).
+constexpr int64_t kNormBlocks = 4096;
+
+template <class T>
+__device__ __forceinline__ double square_d(T x) {
+  const double d = static_cast<double>(load(x));
+  return d * d;
+}
+__device__ __forceinline__ double square_d(const float4& q) {
+  return square_d(q.x) + square_d(q.y) + square_d(q.z) + square_d(q.w);
+}
+
+// Thread 0 of the block stores the block's sum of `sq` (every thread must call it).
+template <bool kNorm>
+__device__ __forceinline__ void store_block_norm(double sq, double* partial) {
+  if constexpr (kNorm) {
+    sq = block_sum_to_thread0(sq);
+    if (threadIdx.x == 0) partial[blockIdx.x] = sq;
+  }
+}
+
 // D: the storage type of the compute-copy output `out`, void when there is none.
-template <class T, class D>
+template <class T, class D, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(T* __restrict__ p, const T* __restrict__ g, T* __restrict__ m, T* __restrict__ v,
-                 D* __restrict__ out, int64_t n, AdamConsts<acc_t<T>> c) {
+                 D* __restrict__ out, int64_t n, AdamConsts<acc_t<T>> c, double* partial) {
   acc_t<T> grad_scale;
-  if (!step_scale(c, &grad_scale)) return;  // skipped step
+  if (!step_scale(c, &grad_scale)) return;  // skipped step (never with kNorm: no norm_sq)
+  double sq = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     T mi = m[i], vi = v[i];
+    if constexpr (kNorm) sq += square_d(g[i]);
     const T pn = adam_element(p[i], g[i], mi, vi, grad_scale, c);
     p[i] = pn;
     if constexpr (!std::is_void_v<D>) out[i] = convert_element<D>(pn);
     m[i] = mi;
     v[i] = vi;
   }
+  store_block_norm<kNorm>(sq, partial);
 }
 
 // Four elements of D stored at once (8 bytes for bf16 / f16, 16 for f32).
@@ -138,18 +169,20 @@ struct QuadOf<void> {
 // copy); the scalar loop kept fewer bytes in flight per thread and reached ~3.4 TB/s on an H200.
 // The n % 4 tail is left to the scalar kernel.
 // Q: Quad<D> of the compute-copy output, void when there is none.
-template <class Q>
+template <class Q, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel_f32x4(float4* __restrict__ p, const float4* __restrict__ g, float4* __restrict__ m,
                        float4* __restrict__ v, Q* __restrict__ out, int64_t quads,
-                       AdamConsts<float> c) {
+                       AdamConsts<float> c, double* partial) {
   float grad_scale;
   if (!step_scale(c, &grad_scale)) return;
+  double sq = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
        i += stride) {
     float4 pq = p[i], mq = m[i], vq = v[i];
     const float4 gq = g[i];
+    if constexpr (kNorm) sq += square_d(gq);
     pq.x = adam_element(pq.x, gq.x, mq.x, vq.x, grad_scale, c);
     pq.y = adam_element(pq.y, gq.y, mq.y, vq.y, grad_scale, c);
     pq.z = adam_element(pq.z, gq.z, mq.z, vq.z, grad_scale, c);
@@ -163,10 +196,55 @@ __global__ void __launch_bounds__(kThreads)
                   convert_element<D>(pq.w)}};
     }
   }
+  store_block_norm<kNorm>(sq, partial);
 }
 
 bool aligned_to(const void* ptr, size_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
+// The gradient-norm partials of the current device: kNormBlocks doubles, allocated on first use
+// and kept for the life of the process (not sum_squares's: the update may run on another stream
+// while the op stream reduces).
+double* norm_scratch() {
+  static std::mutex mutex;
+  static std::vector<double*> per_device;
+  int dev = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1, nullptr);
+  double*& p = per_device[dev];
+  if (!p) MOE_CUDA_CHECK(cudaMalloc(&p, kNormBlocks * sizeof(double)));
+  return p;
+}
+
+// The blocks of Kernel the device holds at once (at most `blocks`, kNormBlocks): the norm
+// kernels' grid, so that every block loops over an equal share.
+template <auto Kernel>
+int64_t one_wave(int64_t blocks) {
+  static const int per_sm = [] {
+    int n = 0;
+    MOE_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, kThreads, 0));
+    return std::max(n, 1);
+  }();
+  return std::min<int64_t>({blocks, int64_t(per_sm) * device_sm_count(), kNormBlocks});
+}
+
+// Launches the kernel without a norm over `blocks` blocks, or with it over `norm_blocks`
+// (one_wave of its kNorm instance) and adds the partials into a.grad_sq_out[0].
+// launch(kNorm tag, grid, partial) queues the kernel.
+template <class Launch>
+void with_norm(Ctx& ctx, const AdamWArgs& a, int64_t blocks, int64_t norm_blocks, Launch launch) {
+  if (a.grad_sq_out.empty()) {
+    launch(std::false_type{}, blocks, static_cast<double*>(nullptr));
+    return;
+  }
+  double* partial = norm_scratch();
+  const int64_t grid = norm_blocks;
+  launch(std::true_type{}, grid, partial);
+  sum_partials_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(data_of<double>(a.grad_sq_out), partial,
+                                                          static_cast<int>(grid), 1.0);
+  MOE_CUDA_LAUNCH_CHECK();
 }
 
 void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
@@ -191,20 +269,28 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
             aligned_to(vp, 16) && n >= 4) {
           const int64_t quads = n / 4;
           const int64_t qblocks = std::min((quads + kThreads - 1) / kThreads, kMaxBlocks);
-          adamw_kernel_f32x4<Q><<<static_cast<unsigned>(qblocks), kThreads, 0, stream_of(ctx)>>>(
-              reinterpret_cast<float4*>(pp), reinterpret_cast<const float4*>(gp),
-              reinterpret_cast<float4*>(mp), reinterpret_cast<float4*>(vp),
-              reinterpret_cast<Q*>(out), quads, c);
-          MOE_CUDA_LAUNCH_CHECK();
+          const int64_t nblocks = one_wave<adamw_kernel_f32x4<Q, true>>(qblocks);
+          with_norm(ctx, a, qblocks, nblocks, [&](auto norm, int64_t grid, double* partial) {
+            adamw_kernel_f32x4<Q, decltype(norm)::value>
+                <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                    reinterpret_cast<float4*>(pp), reinterpret_cast<const float4*>(gp),
+                    reinterpret_cast<float4*>(mp), reinterpret_cast<float4*>(vp),
+                    reinterpret_cast<Q*>(out), quads, c, partial);
+            MOE_CUDA_LAUNCH_CHECK();
+          });
           done = quads * 4;
         }
       }
       if (done == n) return;
       D* rest = nullptr;
       if constexpr (!std::is_void_v<D>) rest = out + done;
-      adamw_kernel<T, D><<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
-          pp + done, gp + done, mp + done, vp + done, rest, n - done, c);
-      MOE_CUDA_LAUNCH_CHECK();
+      const int64_t nblocks = one_wave<adamw_kernel<T, D, true>>(blocks);
+      with_norm(ctx, a, blocks, nblocks, [&](auto norm, int64_t grid, double* partial) {
+        adamw_kernel<T, D, decltype(norm)::value>
+            <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                pp + done, gp + done, mp + done, vp + done, rest, n - done, c, partial);
+        MOE_CUDA_LAUNCH_CHECK();
+      });
     };
     // compute_out is bf16, f16 or f32 (check_adamw_step_args), or absent.
     if (a.compute_out.empty()) return launch(static_cast<void*>(nullptr));
@@ -225,23 +311,27 @@ __device__ __forceinline__ void adam_split_element(uint16_t& hi, uint16_t& lo, f
   split_master_encode_one(p, &hi, &lo);
 }
 
+template <bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel(uint16_t* __restrict__ hi, uint16_t* __restrict__ lo,
                        const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
-                       int64_t n, AdamConsts<float> c) {
+                       int64_t n, AdamConsts<float> c, double* partial) {
   float grad_scale;
   if (!step_scale(c, &grad_scale)) return;
+  double sq = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += stride) {
     uint16_t h = hi[i], l = lo[i];
     float mi = m[i], vi = v[i];
+    if constexpr (kNorm) sq += square_d(g[i]);
     adam_split_element(h, l, g[i], mi, vi, grad_scale, c);
     hi[i] = h;
     lo[i] = l;
     m[i] = mi;
     v[i] = vi;
   }
+  store_block_norm<kNorm>(sq, partial);
 }
 
 // One quad (four elements) of the split update, in place.
@@ -257,12 +347,15 @@ __device__ __forceinline__ void adam_split_quad(ushort4& h, ushort4& l, const fl
 // Two quads per thread and iteration, both loaded before either is updated (128 bytes in flight
 // per thread). Each element still goes through adam_split_element once: the same bits for any
 // grid.
+template <bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel_x4(ushort4* __restrict__ hi, ushort4* __restrict__ lo,
                           const float4* __restrict__ g, float4* __restrict__ m,
-                          float4* __restrict__ v, int64_t quads, AdamConsts<float> c) {
+                          float4* __restrict__ v, int64_t quads, AdamConsts<float> c,
+                          double* partial) {
   float grad_scale;
   if (!step_scale(c, &grad_scale)) return;
+  double sq = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   for (; i + stride < quads; i += 2 * stride) {
@@ -270,6 +363,7 @@ __global__ void __launch_bounds__(kThreads)
     ushort4 h0 = hi[i], l0 = lo[i], h1 = hi[j], l1 = lo[j];
     float4 m0 = m[i], v0 = v[i], m1 = m[j], v1 = v[j];
     const float4 g0 = g[i], g1 = g[j];
+    if constexpr (kNorm) sq += square_d(g0) + square_d(g1);
     adam_split_quad(h0, l0, g0, m0, v0, grad_scale, c);
     adam_split_quad(h1, l1, g1, m1, v1, grad_scale, c);
     hi[i] = h0, lo[i] = l0, m[i] = m0, v[i] = v0;
@@ -278,9 +372,12 @@ __global__ void __launch_bounds__(kThreads)
   if (i < quads) {
     ushort4 h = hi[i], l = lo[i];
     float4 mq = m[i], vq = v[i];
-    adam_split_quad(h, l, g[i], mq, vq, grad_scale, c);
+    const float4 gq = g[i];
+    if constexpr (kNorm) sq += square_d(gq);
+    adam_split_quad(h, l, gq, mq, vq, grad_scale, c);
     hi[i] = h, lo[i] = l, m[i] = mq, v[i] = vq;
   }
+  store_block_norm<kNorm>(sq, partial);
 }
 
 void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
@@ -299,18 +396,26 @@ void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, T
       aligned_to(vp, 16) && n >= 4) {
     const int64_t quads = n / 4;
     const int64_t blocks = std::min((quads + 2 * kThreads - 1) / (2 * kThreads), kMaxBlocks);
-    adamw_split_kernel_x4<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
-        reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
-        reinterpret_cast<const float4*>(gp), reinterpret_cast<float4*>(mp),
-        reinterpret_cast<float4*>(vp), quads, c);
-    MOE_CUDA_LAUNCH_CHECK();
+    with_norm(ctx, a, blocks, one_wave<adamw_split_kernel_x4<true>>(blocks),
+              [&](auto norm, int64_t grid, double* partial) {
+                adamw_split_kernel_x4<decltype(norm)::value>
+                    <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                        reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
+                        reinterpret_cast<const float4*>(gp), reinterpret_cast<float4*>(mp),
+                        reinterpret_cast<float4*>(vp), quads, c, partial);
+                MOE_CUDA_LAUNCH_CHECK();
+              });
     done = quads * 4;
   }
   if (done == n) return;
   const int64_t blocks = std::min((n - done + kThreads - 1) / kThreads, kMaxBlocks);
-  adamw_split_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream_of(ctx)>>>(
-      hp + done, lp + done, gp + done, mp + done, vp + done, n - done, c);
-  MOE_CUDA_LAUNCH_CHECK();
+  with_norm(ctx, a, blocks, one_wave<adamw_split_kernel<true>>(blocks),
+            [&](auto norm, int64_t grid, double* partial) {
+              adamw_split_kernel<decltype(norm)::value>
+                  <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                      hp + done, lp + done, gp + done, mp + done, vp + done, n - done, c, partial);
+              MOE_CUDA_LAUNCH_CHECK();
+            });
 }
 
 __global__ void __launch_bounds__(kThreads)

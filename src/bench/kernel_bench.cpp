@@ -232,6 +232,13 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   auto split_adamw = [&](Ctx& on) { adamw_step_split(on, shi, slo, sg, sm, sv, AdamWArgs{}); };
   add("adamw_split", shape({slab}) + " bf16 hi + u16 lo", split_bytes, false, bw, 0,
       [&] { split_adamw(ctx); });
+  // the same with the gradients' sum of squares from its read of them (no clipping)
+  Tensor grad_sq = pool.zeros(DType::f64, {1});
+  add("adamw_split_norm", shape({slab}) + " + sum g^2", split_bytes, false, bw, 0, [&] {
+    AdamWArgs na;
+    na.grad_sq_out = grad_sq;
+    adamw_step_split(ctx, shi, slo, sg, sm, sv, na);
+  });
 
   // ---- the experts' gate and up GEMMs with SwiGLU (fused on sm_90), even routing ----
   {

@@ -237,21 +237,25 @@ Tensor AdamW::moment2() const {
 }
 
 void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
-                 double max_norm) {
+                 double max_norm, Tensor norm_out) {
+  MOE_CHECK(norm_out.empty() || (!offload_.enabled && !part_.sharded && norm_sq.empty()),
+            "AdamW::step: the norm from the update needs the whole update on the device and no "
+            "norm_sq");
   ++step_;
   if (offload_.enabled) {
     step_offloaded(ctx, model, lr, grad_scale, norm_sq, max_norm);
     return;
   }
   if (overlap_) {
-    step_overlapped(ctx, model, lr, grad_scale, norm_sq, max_norm);
+    step_overlapped(ctx, model, lr, grad_scale, norm_sq, max_norm, norm_out);
     return;
   }
-  queue_update(ctx, model, lr, grad_scale, norm_sq, max_norm, 0, part_.total);
+  if (!norm_out.empty()) fill(ctx, norm_out, 0.0);
+  queue_update(ctx, model, lr, grad_scale, norm_sq, max_norm, norm_out, 0, part_.total);
 }
 
 void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
-                         double max_norm, size_t begin, size_t end) {
+                         double max_norm, Tensor norm_out, size_t begin, size_t end) {
   // A split master: its high halves are the compute copy, updated in place with the low ones.
   const bool split = model.splits_master();
   Tensor p = split ? model.compute_params() : model.params(), g = model.grads();
@@ -277,6 +281,7 @@ void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, T
       a.grad_scale = grad_scale;
       a.norm_sq = norm_sq;
       a.max_norm = max_norm;
+      a.grad_sq_out = norm_out;
       // The moments are local; the weights and gradients local too under ZeRO-3.
       const auto n = static_cast<int64_t>(e - b);
       const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;

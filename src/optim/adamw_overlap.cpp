@@ -14,6 +14,7 @@
 #include "optim/adamw_overlap.hpp"
 
 #include "moe/cuda_runtime.hpp"
+#include "moe/ops/elementwise.hpp"
 
 namespace moe {
 
@@ -30,16 +31,18 @@ void AdamW::overlap_forward(const Model& model) {
 }
 
 void AdamW::step_overlapped(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
-                            double max_norm) {
+                            double max_norm, Tensor norm_out) {
   Overlap& o = *overlap_;
   gpu::event_record(o.fork, ctx.stream);
   gpu::stream_wait_event(o.side, o.fork);
   Ctx side = ctx;  // ctx's cuBLAS handle stays on ctx's stream: none of these ops use it
   side.stream = o.side;
   const bool current = writes_compute_copy(model);
+  if (!norm_out.empty()) fill(side, norm_out, 0.0);
   const size_t units = o.ready.size();
   for (size_t u = 0; u < units; ++u) {
-    queue_update(side, model, lr, grad_scale, norm_sq, max_norm, o.bounds[u], o.bounds[u + 1]);
+    queue_update(side, model, lr, grad_scale, norm_sq, max_norm, norm_out, o.bounds[u],
+                 o.bounds[u + 1]);
     model.weights_changed(side, current, o.bounds[u], o.bounds[u + 1]);
     if (u + 1 < units) gpu::event_record(o.ready[u], o.side);
   }

@@ -436,6 +436,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   int skipped = 0;  // fp16 overflow steps since the last log line
   bool warned_no_eval = false;
   const int max_steps = cfg.train.max_steps;
+  // Nothing clipped or skipped (no clipping, no loss scale) and the whole update on the device:
+  // the gradient norm, then only logged, comes out of the update's own read of the gradients
+  // (AdamW::step's norm_out) instead of a pass of its own, and is read at log steps. A
+  // non-finite gradient then shows as a non-finite loss at the next step.
+  const bool norm_from_update = cfg.gradient_clipping <= 0 && !scaler.enabled() &&
+                                !optimizer.offloaded() && !dp.partition().sharded;
   if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
@@ -473,8 +479,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     auto t0 = Clock::now();
     dp.reduce_gradients_and_stats(model);
     if (dp.gradients_on_host()) optimizer.gradients_on_host();
-    dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
-    optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
+    if (norm_from_update) {
+      optimizer.step(ctx, model, lr, 1.0 / loss_scale, Tensor(), 0, norm_sq_t);
+    } else {
+      dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
+      optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
+    }
     dp.gather_params(model);
     // Unsharded mixed precision: the AdamW op wrote the compute copy as it updated (no convert).
     // An overlapped update refreshes the rest unit by unit itself.
@@ -484,13 +494,19 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
       sum.lm /= world, sum.aux /= world, sum.z /= world, sum.mod_pred /= world;
     }
-    double gnorm_sq = 0;
-    copy_to_host(ctx, &gnorm_sq, norm_sq_t);
+    const bool last = step + 1 == max_steps;
+    const bool log_now = (step + 1) % cfg.train.log_interval == 0 || last;
+    double gnorm_sq = 0;  // from the update: read at log steps only (0 between them)
+    if (!norm_from_update || log_now) {
+      if (norm_from_update) optimizer.join(ctx);  // an overlapped update writes it
+      copy_to_host(ctx, &gnorm_sq, norm_sq_t);
+    }
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);
     // The device skipped the update exactly when the gradient norm was not finite; the host
     // follows that decision (fp16: an overflow; otherwise the run has diverged), and queues the
-    // router-bias update only for a step that was not skipped.
+    // router-bias update only for a step that was not skipped. (A norm from the update skips
+    // nothing: a non-finite one, at a log step, stops the run as divergence.)
     const bool overflow = finish_step(ctx, model, gnorm, sum.total(), scaler.enabled(), step + 1);
     if (overflow) {
       optimizer.undo_step();  // the bias-correction count of the skipped update
@@ -518,8 +534,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     result.steps = step + 1;
     result.skipped_steps += overflow ? 1 : 0;
 
-    const bool last = step + 1 == max_steps;
-    if ((step + 1) % cfg.train.log_interval == 0 || last) {
+    if (log_now) {
       const double wall = seconds_since(last_log);
       last_log = Clock::now();
       nlohmann::json rec = train_record(step + 1, sum, lr, gnorm, phase, wall, model);

@@ -29,6 +29,11 @@ struct AdamWArgs {
   // Empty, or as many elements as p, of dtype bf16, f16 or f32, on p's device (not overlapping
   // p, g, m or v): receives the updated p converted, rounded as the convert op rounds.
   Tensor compute_out;
+  // Empty, or a 1-element f64 tensor on p's device (not with norm_sq): the op adds sum(g^2) over
+  // its g, as stored (what sum_squares adds), into grad_sq_out[0], from its own read of g (CUDA:
+  // block partials added in a fixed order: deterministic for a shape, not sum_squares's bits).
+  // The trainer's gradient norm when nothing is clipped or skipped, without a pass of its own.
+  Tensor grad_sq_out;
 };
 
 // p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1. The trainer runs it
