@@ -565,6 +565,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int64_t m0 = (tile / n_tiles) * kBM, n0 = (tile % n_tiles) * C::kBN;
         const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
         const int tail = static_cast<int>((k1 - k0) % kBK);  // k-rows of the last slice, 0: whole
+        // A tile whose rows of this warpgroup's half lie past `out` (the last tile of an output
+        // count of 1-64 past a multiple of 128, as moe-fine's 704) adds nothing: the other
+        // warpgroup has the tensor cores to itself. The stages are still waited for and freed,
+        // and a split tile's publish still counts this warpgroup (barrier 3).
+        if (m0 + 64 * g >= out) {
+          skip_slices(ring, it, slices);
+          it += slices;
+          if (chunks > 1) named_barrier_sync(3, 256);
+          continue;
+        }
         float acc[C::kAcc];
         tma_math_loop<C, T, false, false>(acc, ring, it, slices, g, [&](int t, uint32_t stage) {
           if (t != slices - 1 || tail == 0) return;
