@@ -1,8 +1,15 @@
-// A block's double sum in a fixed tree, and the one-block pass that adds a kernel's per-block
-// partials in a fixed order: the deterministic reductions of sum_squares, accumulate_sum
-// (elementwise.cu) and AdamW's gradient norm (optim.cu).
+// A block's double sum in a fixed tree, the one-block pass that adds a kernel's per-block
+// partials in a fixed order, and the per-device buffers of those partials: the deterministic
+// reductions of sum_squares, accumulate_sum (elementwise.cu) and AdamW's gradient norm
+// (optim.cu).
 #pragma once
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "cuda/cuda_common.cuh"
 
 namespace moe::cuda_detail {
 namespace {
@@ -30,6 +37,22 @@ __global__ void sum_partials_kernel(double* out, const double* partial, int coun
   for (int i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
   s = block_sum_to_thread0(s);
   if (threadIdx.x == 0) out[0] += scale * s;
+}
+
+// `Count` doubles on the current device, allocated on first use and kept for the life of the
+// process; each Tag names its own buffer (reductions that may run on different streams at once
+// need their own).
+template <class Tag, int64_t Count>
+double* partials_scratch() {
+  static std::mutex mutex;
+  static std::vector<double*> per_device;
+  int dev = 0;
+  MOE_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mutex);
+  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1, nullptr);
+  double*& p = per_device[dev];
+  if (!p) MOE_CUDA_CHECK(cudaMalloc(&p, Count * sizeof(double)));
+  return p;
 }
 
 }  // namespace

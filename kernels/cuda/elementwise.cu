@@ -21,10 +21,8 @@
 // race on it and are not supported.
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "common/elementwise_checks.hpp"
 #include "cuda/convert_element.cuh"
@@ -154,18 +152,10 @@ unsigned grid_for(int64_t items) {
   return grid_stride_blocks(items, kThreads);
 }
 
-// The sum_squares scratch of the current device: kMaxPartials doubles, allocated on first use and
-// kept for the life of the process.
+// The sum_squares / accumulate_sum partials.
+struct SumPartials;
 double* sum_squares_scratch() {
-  static std::mutex mutex;
-  static std::vector<double*> per_device;
-  int dev = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mutex);
-  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1, nullptr);
-  double*& p = per_device[dev];
-  if (!p) MOE_CUDA_CHECK(cudaMalloc(&p, kMaxPartials * sizeof(double)));
-  return p;
+  return partials_scratch<SumPartials, kMaxPartials>();
 }
 
 void fill_cuda(Ctx& ctx, Tensor x, double value) {

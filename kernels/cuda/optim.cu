@@ -22,10 +22,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "common/adamw_scale.hpp"
 #include "common/optim_checks.hpp"
@@ -203,19 +201,11 @@ bool aligned_to(const void* ptr, size_t bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
-// The gradient-norm partials of the current device: kNormBlocks doubles, allocated on first use
-// and kept for the life of the process (not sum_squares's: the update may run on another stream
-// while the op stream reduces).
+// The gradient-norm partials: not sum_squares's, as the update may run on another stream while
+// the op stream reduces.
+struct NormPartials;
 double* norm_scratch() {
-  static std::mutex mutex;
-  static std::vector<double*> per_device;
-  int dev = 0;
-  MOE_CUDA_CHECK(cudaGetDevice(&dev));
-  std::lock_guard<std::mutex> lock(mutex);
-  if (per_device.size() <= static_cast<size_t>(dev)) per_device.resize(dev + 1, nullptr);
-  double*& p = per_device[dev];
-  if (!p) MOE_CUDA_CHECK(cudaMalloc(&p, kNormBlocks * sizeof(double)));
-  return p;
+  return partials_scratch<NormPartials, kNormBlocks>();
 }
 
 // The blocks of Kernel the device holds at once (at most `blocks`, kNormBlocks): the norm
@@ -240,10 +230,9 @@ void with_norm(Ctx& ctx, const AdamWArgs& a, int64_t blocks, int64_t norm_blocks
     return;
   }
   double* partial = norm_scratch();
-  const int64_t grid = norm_blocks;
-  launch(std::true_type{}, grid, partial);
+  launch(std::true_type{}, norm_blocks, partial);
   sum_partials_kernel<<<1, kThreads, 0, stream_of(ctx)>>>(data_of<double>(a.grad_sq_out), partial,
-                                                          static_cast<int>(grid), 1.0);
+                                                          static_cast<int>(norm_blocks), 1.0);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
