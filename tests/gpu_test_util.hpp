@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
@@ -71,6 +72,25 @@ struct DeviceTensor {
       : buf(gpu0(), Tensor(nullptr, dt, gpu0(), dims).nbytes()), t(buf.data(), dt, gpu0(), dims) {}
   operator Tensor() const { return t; }
 };
+
+// A 4-layer model with dense, MoE (shared expert) and MoD layers on the synthetic source, as
+// config overrides (the GPU training tests' model).
+inline std::vector<std::string> small_model_overrides() {
+  return {"train_micro_batch_size_per_gpu=4",
+          "model.vocab_size=61",
+          "model.hidden_size=64",
+          "model.intermediate_size=48",
+          "model.num_hidden_layers=4",
+          "model.num_attention_heads=4",
+          "model.num_key_value_heads=2",
+          "model.max_position_embeddings=64",
+          "model.num_local_experts=8",
+          "model.num_shared_experts=1",
+          "model.moe_layer_freq=2",
+          "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
+          "data.seq_len=32",
+          "optimizer.params.lr=3e-3"};
+}
 
 // Uploads values (converted to the tensor's dtype).
 void upload(Tensor t, const std::vector<double>& values);

@@ -52,27 +52,12 @@ std::vector<float> host_copy(Tensor t) {
   return v;
 }
 
-// A 4-layer model with dense, MoE (shared expert) and MoD layers trained for `steps` steps on
-// the synthetic source (no checkpoint at the end).
+// small_model_overrides() trained for `steps` steps (no checkpoint at the end).
 std::vector<std::string> small_run_overrides(int steps) {
-  return {"train_micro_batch_size_per_gpu=4",
-          "model.vocab_size=61",
-          "model.hidden_size=64",
-          "model.intermediate_size=48",
-          "model.num_hidden_layers=4",
-          "model.num_attention_heads=4",
-          "model.num_key_value_heads=2",
-          "model.max_position_embeddings=64",
-          "model.num_local_experts=8",
-          "model.num_shared_experts=1",
-          "model.moe_layer_freq=2",
-          "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
-          "data.seq_len=32",
-          "optimizer.params.lr=3e-3",
-          "train.max_steps=" + std::to_string(steps),
-          "train.log_interval=10",
-          "train.eval_batches=1",
-          "train.save_at_end=false"};
+  std::vector<std::string> o = small_model_overrides();
+  o.insert(o.end(), {"train.max_steps=" + std::to_string(steps), "train.log_interval=10",
+                     "train.eval_batches=1", "train.save_at_end=false"});
+  return o;
 }
 
 // zero_optimization.offload_optimizer: the CPU, pinned.

@@ -27,27 +27,10 @@ namespace {
 // precision: bf16-split, bf16, fp16, or bf16-split-noclip (no clipping: the norm from the update,
 // read at the log steps, every second one).
 Config overlap_run(const std::string& out_dir, const std::string& precision, bool overlap) {
-  std::vector<std::string> sets = {"train_micro_batch_size_per_gpu=4",
-                                   "model.vocab_size=61",
-                                   "model.hidden_size=64",
-                                   "model.intermediate_size=48",
-                                   "model.num_hidden_layers=4",
-                                   "model.num_attention_heads=4",
-                                   "model.num_key_value_heads=2",
-                                   "model.max_position_embeddings=64",
-                                   "model.num_local_experts=8",
-                                   "model.num_shared_experts=1",
-                                   "model.moe_layer_freq=2",
-                                   "model.mod={\"enabled\": true, \"every\": 2, \"capacity\": 0.5}",
-                                   "data.seq_len=32",
-                                   "optimizer.params.lr=3e-3",
-                                   "optimizer.params.weight_decay=0.1",
-                                   "train.max_steps=6",
-                                   "train.log_interval=10",
-                                   "train.eval_interval=2",
-                                   "train.eval_batches=1",
-                                   "train.save_interval=3",
-                                   "gradient_accumulation_steps=2"};
+  std::vector<std::string> sets = small_model_overrides();
+  sets.insert(sets.end(), {"optimizer.params.weight_decay=0.1", "train.max_steps=6",
+                           "train.log_interval=10", "train.eval_interval=2", "train.eval_batches=1",
+                           "train.save_interval=3", "gradient_accumulation_steps=2"});
   if (precision == "fp16") {
     sets.push_back("fp16.enabled=true");
     // 2^24 over 128 tokens: the logits' gradient overflows fp16 in the first steps, which are
