@@ -147,56 +147,61 @@ std::vector<HfTensor> hf_tensors(const ParamTable& table) {
   return out;
 }
 
+namespace {
+
+// fn(b, e, staging) over [begin, end) in runs of at most chunk_bytes / elem elements (at least
+// one), with one staging buffer of that many elements of `elem` bytes for all of them.
+template <class Fn>
+void in_chunks(size_t begin, size_t end, size_t elem, size_t chunk_bytes, Fn&& fn) {
+  const size_t step = std::max<size_t>(1, chunk_bytes / elem);
+  std::vector<uint8_t> staging(std::min(end - begin, step) * elem);
+  for (size_t b = begin; b < end; b += step) fn(b, std::min(end, b + step), staging.data());
+}
+
+Tensor flat_rows(const Tensor& f, size_t b, size_t e) {
+  return f.rows(static_cast<int64_t>(b), static_cast<int64_t>(e));
+}
+
+}  // namespace
+
 void tensor_to_host_chunks(const Tensor& t, size_t chunk_bytes,
                            const std::function<void(const void*, size_t)>& sink) {
   const Tensor f = flat(t);
-  const int64_t n = f.numel();
-  const int64_t step =
-      std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes / dtype_size(f.dtype)));
-  std::vector<uint8_t> staging(static_cast<size_t>(std::min(n, step)) * dtype_size(f.dtype));
-  for (int64_t b = 0; b < n; b += step) {
-    const Tensor part = f.rows(b, std::min(n, b + step));
-    copy_to_host(staging.data(), part);
-    sink(staging.data(), part.nbytes());
-  }
+  in_chunks(0, static_cast<size_t>(f.numel()), dtype_size(f.dtype), chunk_bytes,
+            [&](size_t b, size_t e, uint8_t* staging) {
+              const Tensor part = flat_rows(f, b, e);
+              copy_to_host(staging, part);
+              sink(staging, part.nbytes());
+            });
 }
 
 void master_to_host_chunks(const Model& model, size_t begin, size_t end, size_t chunk_bytes,
                            const std::function<void(const void*, size_t)>& sink) {
   const size_t elem = dtype_size(model.dtype());
-  const size_t step = std::max<size_t>(1, chunk_bytes / elem);
-  std::vector<uint8_t> staging(std::min(end - begin, step) * elem);
-  for (size_t b = begin; b < end; b += step) {
-    const size_t e = std::min(end, b + step);
-    model.master_to_host(b, e, staging.data());
-    sink(staging.data(), (e - b) * elem);
-  }
+  in_chunks(begin, end, elem, chunk_bytes, [&](size_t b, size_t e, uint8_t* staging) {
+    model.master_to_host(b, e, staging);
+    sink(staging, (e - b) * elem);
+  });
 }
 
 void master_from_host_chunks(Model& model, size_t begin, size_t end, size_t chunk_bytes,
                              const std::function<void(void*, size_t)>& source) {
   const size_t elem = dtype_size(model.dtype());
-  const size_t step = std::max<size_t>(1, chunk_bytes / elem);
-  std::vector<uint8_t> staging(std::min(end - begin, step) * elem);
-  for (size_t b = begin; b < end; b += step) {
-    const size_t e = std::min(end, b + step);
-    source(staging.data(), (e - b) * elem);
-    model.master_from_host(b, e, staging.data());
-  }
+  in_chunks(begin, end, elem, chunk_bytes, [&](size_t b, size_t e, uint8_t* staging) {
+    source(staging, (e - b) * elem);
+    model.master_from_host(b, e, staging);
+  });
 }
 
 void tensor_from_host_chunks(const Tensor& t, size_t chunk_bytes,
                              const std::function<void(void*, size_t)>& source) {
   const Tensor f = flat(t);
-  const int64_t n = f.numel();
-  const int64_t step =
-      std::max<int64_t>(1, static_cast<int64_t>(chunk_bytes / dtype_size(f.dtype)));
-  std::vector<uint8_t> staging(static_cast<size_t>(std::min(n, step)) * dtype_size(f.dtype));
-  for (int64_t b = 0; b < n; b += step) {
-    const Tensor part = f.rows(b, std::min(n, b + step));
-    source(staging.data(), part.nbytes());
-    copy_from_host(part, staging.data());
-  }
+  in_chunks(0, static_cast<size_t>(f.numel()), dtype_size(f.dtype), chunk_bytes,
+            [&](size_t b, size_t e, uint8_t* staging) {
+              const Tensor part = flat_rows(f, b, e);
+              source(staging, part.nbytes());
+              copy_from_host(part, staging);
+            });
 }
 
 std::vector<SafetensorsEntry> model_safetensors_entries(const Model& model) {
