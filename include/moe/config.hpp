@@ -153,7 +153,7 @@ struct TrainConfig {
   // Tokens whose logits ([tokens, V]) the head holds at once; each chunk's cross-entropy
   // gradient goes through the head's backward before the next chunk (0 = the whole micro-batch).
   int head_chunk_tokens = 2048;
-  // CUDA, unsharded on-device AdamW: the update runs on a side stream behind the next step's
+  // One GPU, AdamW state on it: the update runs on a side stream behind the next step's
   // forward, unit by unit; elsewhere, and with --profile, it runs in line.
   bool overlap_optimizer = true;
   // GiB the trainer may allocate on its GPU (0 = no cap): a larger card checks that a run fits

@@ -328,9 +328,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   if (offload.in_place)
     model.set_chunk_wait([&optimizer](size_t end) { optimizer.wait_local(end); });
   // The on-device update behind the next forward, which waits unit by unit
-  // (train.overlap_optimizer). --profile times the update in line, as its own op.
+  // (train.overlap_optimizer). --profile times the update in line, as its own op. One rank only
+  // for now: beside NCCL's kernels it has not been run on several GPUs.
   if (cfg.train.overlap_optimizer && dev.type == DeviceType::cuda && !offload.enabled &&
-      !dp.partition().sharded && !profile::enabled()) {
+      !dp.partition().sharded && world == 1 && !profile::enabled()) {
     optimizer.overlap_forward(model);
     model.set_unit_wait([&optimizer](Ctx& c, int unit) { optimizer.wait_unit(c, unit); });
   }
