@@ -223,7 +223,7 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
         0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
   }
 
-  // ---- AdamW over a split master (the bf16 trainer's update), on the whole device or few SMs ----
+  // ---- AdamW over a split master (the bf16 trainer's update), alone and with the norm ----
   const int64_t slab = std::min<int64_t>(int64_t{1} << 26, std::max<int64_t>(r * d, 1 << 20));
   Tensor shi = pool.random(DType::bf16, {slab}), slo = pool.zeros(DType::u16, {slab});
   Tensor sg = pool.random(DType::f32, {slab}, -1e-3f, 1e-3f);
