@@ -167,6 +167,9 @@ class AdamW {
   long steps_taken() const { return step_; }
   const ZeroPartition& partition() const { return part_; }
   bool offloaded() const { return offload_.enabled; }
+  // The whole update runs here on the model's device: not offloaded, not split over ranks (what
+  // the overlap with the forward and the norm from the update need).
+  bool updates_whole_on_device() const { return !offload_.enabled && !part_.sharded; }
   // step() writes model's compute copy itself (unsharded, not offloaded, mixed precision: see
   // AdamWArgs::compute_out), so the caller then calls model.weights_changed(ctx, true).
   bool writes_compute_copy(const Model& m) const {

@@ -25,8 +25,8 @@
 #include <type_traits>
 
 #include "common/elementwise_checks.hpp"
-#include "cuda/convert_element.cuh"
 #include "cuda/block_sum.cuh"
+#include "cuda/convert_element.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/elementwise.hpp"

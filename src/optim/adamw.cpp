@@ -238,7 +238,7 @@ Tensor AdamW::moment2() const {
 
 void AdamW::step(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                  double max_norm, Tensor norm_out) {
-  MOE_CHECK(norm_out.empty() || (!offload_.enabled && !part_.sharded && norm_sq.empty()),
+  MOE_CHECK(norm_out.empty() || (updates_whole_on_device() && norm_sq.empty()),
             "AdamW::step: the norm from the update needs the whole update on the device and no "
             "norm_sq");
   ++step_;

@@ -19,7 +19,7 @@
 namespace moe {
 
 void AdamW::overlap_forward(const Model& model) {
-  MOE_CHECK(model.grads().device.type == DeviceType::cuda && !offload_.enabled && !part_.sharded,
+  MOE_CHECK(model.grads().device.type == DeviceType::cuda && updates_whole_on_device(),
             "AdamW: overlapping the update with the forward needs an unsharded model on a GPU "
             "and the optimizer state on it");
   auto o = std::make_unique<Overlap>();

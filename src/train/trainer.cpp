@@ -330,8 +330,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   // The on-device update behind the next forward, which waits unit by unit
   // (train.overlap_optimizer). --profile times the update in line, as its own op. One rank only
   // for now: beside NCCL's kernels it has not been run on several GPUs.
-  if (cfg.train.overlap_optimizer && dev.type == DeviceType::cuda && !offload.enabled &&
-      !dp.partition().sharded && world == 1 && !profile::enabled()) {
+  if (cfg.train.overlap_optimizer && dev.type == DeviceType::cuda &&
+      optimizer.updates_whole_on_device() && world == 1 && !profile::enabled()) {
     optimizer.overlap_forward(model);
     model.set_unit_wait([&optimizer](Ctx& c, int unit) { optimizer.wait_unit(c, unit); });
   }
@@ -441,8 +441,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   // the gradient norm, then only logged, comes out of the update's own read of the gradients
   // (AdamW::step's norm_out) instead of a pass of its own, and is read at log steps. A
   // non-finite gradient then shows as a non-finite loss at the next step.
-  const bool norm_from_update = cfg.gradient_clipping <= 0 && !scaler.enabled() &&
-                                !optimizer.offloaded() && !dp.partition().sharded;
+  const bool norm_from_update =
+      cfg.gradient_clipping <= 0 && !scaler.enabled() && optimizer.updates_whole_on_device();
   if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
