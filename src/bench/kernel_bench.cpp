@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "moe/cuda_runtime.hpp"
 #include "moe/memory.hpp"
@@ -38,14 +39,24 @@ class Pool {
     shape.data = buffers_.back()->data();
     return shape;
   }
-  // Uniform in [lo, hi), never exactly zero, in any float dtype.
+  // Uniform in [lo, hi), never exactly zero, in any float dtype. Drawn in chunks of 1 Mi values
+  // on the host's threads, each chunk from a generator of its own seeded from one draw of the
+  // pool's: the same values for any thread count (one thread took most of a minute over
+  // moe-fine's ~1.5 G input values, device time spent waiting).
   Tensor random(DType t, std::initializer_list<int64_t> dims, float lo = -1, float hi = 1) {
     Tensor out = zeros(t, dims);
-    std::vector<float> host(static_cast<size_t>(out.numel()));
-    std::uniform_real_distribution<float> u(lo, hi);
-    for (float& v : host) {
-      v = u(rng_);
-      if (v == 0) v = 0.25f * hi;
+    const int64_t count = out.numel();
+    std::vector<float> host(static_cast<size_t>(count));
+    constexpr int64_t kChunk = int64_t{1} << 20;
+    const uint64_t base = rng_();
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < (count + kChunk - 1) / kChunk; ++c) {
+      std::mt19937_64 gen(base + 0x9e3779b97f4a7c15ULL * static_cast<uint64_t>(c + 1));
+      std::uniform_real_distribution<float> u(lo, hi);
+      for (int64_t i = c * kChunk; i < std::min(count, (c + 1) * kChunk); ++i) {
+        const float v = u(gen);
+        host[static_cast<size_t>(i)] = v == 0 ? 0.25f * hi : v;
+      }
     }
     if (t == DType::f32) {
       copy_from_host(out, host.data());
@@ -63,7 +74,9 @@ class Pool {
     copy_from_host(out, values.data());
     return out;
   }
-  std::mt19937_64& rng() { return rng_; }
+  std::mt19937_64& rng() {
+    return rng_;
+  }
 
  private:
   void gpu_sync() {
@@ -74,41 +87,83 @@ class Pool {
   std::vector<std::unique_ptr<Buffer>> buffers_;
 };
 
-// Median time per call of fn over `iters` samples after one warm-up call: CUDA events on the op
-// stream on a GPU (device time, no host overhead), a steady clock on the CPU. On a GPU a sample
-// times `reps` back-to-back calls and divides: a kernel of a few microseconds timed alone would
-// also count the gap while the host enqueues it after the start event, which it does not cost
-// inside a training step, where launches queue ahead of the GPU. `reps` makes a sample last about
-// a millisecond (1 to 64 calls), from one call timed alone.
-double median_ms(Ctx& ctx, int iters, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> times;
-  if (ctx.device.type == DeviceType::cuda) {
-    void* start = gpu::event_create_timed();
-    void* stop = gpu::event_create_timed();
-    auto sample = [&](int reps) {
-      gpu::event_record(start, ctx.stream);
-      for (int r = 0; r < reps; ++r) fn();
-      gpu::event_record(stop, ctx.stream);
-      gpu::event_synchronize(stop);
-      return gpu::event_elapsed_ms(start, stop) / reps;
-    };
-    const double alone = sample(1);
-    const int reps =
-        static_cast<int>(std::clamp(std::lround(1.0 / std::max(alone, 1e-3)), 1L, 64L));
-    for (int i = 0; i < iters; ++i) times.push_back(sample(reps));
-    gpu::event_destroy(start);
-    gpu::event_destroy(stop);
-  } else {
-    for (int i = 0; i < iters; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      fn();
-      times.push_back(
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
-    }
+// Samples of an op's time per call: CUDA events on the op stream on a GPU (device time, no host
+// overhead), a steady clock on the CPU. On a GPU a sample times `reps` back-to-back calls and
+// divides: a kernel of a few microseconds timed alone would also count the gap while the host
+// enqueues it after the start event, which it does not cost inside a training step, where
+// launches queue ahead of the GPU. prepare() makes a sample last about a millisecond (1 to 64
+// calls), from one call timed alone after a warm-up call.
+class Sampler {
+ public:
+  explicit Sampler(Ctx& ctx) : ctx_(ctx), gpu_(ctx.device.type == DeviceType::cuda) {
+    if (!gpu_) return;
+    start_ = gpu::event_create_timed();
+    stop_ = gpu::event_create_timed();
   }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  ~Sampler() {
+    if (!gpu_) return;
+    gpu::event_destroy(start_);
+    gpu::event_destroy(stop_);
+  }
+  Sampler(const Sampler&) = delete;
+  Sampler& operator=(const Sampler&) = delete;
+
+  // The calls per sample of fn (after its warm-up call).
+  int prepare(const std::function<void()>& fn) {
+    fn();
+    if (!gpu_) return 1;
+    const double alone = sample(fn, 1);
+    return static_cast<int>(std::clamp(std::lround(1.0 / std::max(alone, 1e-3)), 1L, 64L));
+  }
+  // Milliseconds per call over one sample of `reps` calls.
+  double sample(const std::function<void()>& fn, int reps) {
+    if (!gpu_) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int r = 0; r < reps; ++r) fn();
+      const auto t1 = std::chrono::steady_clock::now();
+      return std::chrono::duration<double, std::milli>(t1 - t0).count() / reps;
+    }
+    gpu::event_record(start_, ctx_.stream);
+    for (int r = 0; r < reps; ++r) fn();
+    gpu::event_record(stop_, ctx_.stream);
+    gpu::event_synchronize(stop_);
+    return gpu::event_elapsed_ms(start_, stop_) / reps;
+  }
+
+ private:
+  Ctx& ctx_;
+  bool gpu_;
+  void* start_ = nullptr;
+  void* stop_ = nullptr;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median time per call of fn over `iters` samples.
+double median_ms(Ctx& ctx, int iters, const std::function<void()>& fn) {
+  Sampler s(ctx);
+  const int reps = s.prepare(fn);
+  std::vector<double> times;
+  for (int i = 0; i < iters; ++i) times.push_back(s.sample(fn, reps));
+  return median(times);
+}
+
+// Median times per call of fn and of ref over `iters` samples each, taken in turn (fn, ref, fn,
+// ...): a GPU's clocks move with its power and temperature over a run, and a reference timed
+// once at its start would set rows timed later against other clocks than theirs.
+std::pair<double, double> paired_median_ms(Ctx& ctx, int iters, const std::function<void()>& fn,
+                                           const std::function<void()>& ref) {
+  Sampler s(ctx);
+  const int reps = s.prepare(fn), ref_reps = s.prepare(ref);
+  std::vector<double> times, ref_times;
+  for (int i = 0; i < iters; ++i) {
+    times.push_back(s.sample(fn, reps));
+    ref_times.push_back(s.sample(ref, ref_reps));
+  }
+  return {median(times), median(ref_times)};
 }
 
 // Expert offsets [E+1] for R rows with the given maxvio: expert 0 takes (1 + maxvio) times the
@@ -163,6 +218,16 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     rows.push_back(row);
     return row;
   };
+  // A matmul row set against a reference GEMM of ref_flops timed in turn with it (see
+  // paired_median_ms): its roofline is the reference's rate over the same stretch of the run.
+  auto add_against = [&](std::string family, std::string detail, double flops, double target,
+                         double ref_flops, const std::function<void()>& ref,
+                         const std::function<void()>& fn) {
+    if (!selected(family, opt.families)) return;
+    const auto [ms, ref_ms] = paired_median_ms(ctx, iters, fn, ref);
+    rows.push_back(BenchRow{std::move(family), std::move(detail), ms, flops, true,
+                            ref_flops / (ref_ms * 1e-3), target});
+  };
 
   // ---- references: copy bandwidth, dense GEMM rate at the expert GEMM's shape ----
   const int64_t copy_elems = std::max<int64_t>(r * d, int64_t{1} << 22);
@@ -177,15 +242,16 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   Tensor y = pool.zeros(dt, {r, f});
   Tensor w0 = w.rows(0, 1).view({f, d});
   const double gemm_flops = 2.0 * double(r) * double(d) * double(f);
-  BenchRow dense = add("dense_gemm", shape({r, d}) + " x " + shape({f, d}) + "^T", gemm_flops, true,
-                       0, 0, [&] { linear_forward(ctx, y, x, w0, false); });
-  const double gemm_rate = gemm_flops / (dense.ms * 1e-3);
+  auto dense_fwd = [&] { linear_forward(ctx, y, x, w0, false); };
+  add("dense_gemm", shape({r, d}) + " x " + shape({f, d}) + "^T", gemm_flops, true, 0, 0,
+      dense_fwd);
+  const double gemm_rate = gemm_flops / (rows.back().ms * 1e-3);
   rows.back().roofline = gemm_rate;
   Tensor dy = pool.random(dt, {r, f}), dx = pool.zeros(dt, {r, d});
   Tensor dw0 = pool.zeros(acc, {f, d}), dw = pool.zeros(acc, {e, f, d});
-  BenchRow dense_bwd = add("dense_gemm_bwd", "dx and dw of the above", 2 * gemm_flops, true, 0, 0,
-                           [&] { linear_backward(ctx, dx, dw0, dy, x, w0, false); });
-  const double gemm_bwd_rate = 2 * gemm_flops / (dense_bwd.ms * 1e-3);
+  auto dense_bwd = [&] { linear_backward(ctx, dx, dw0, dy, x, w0, false); };
+  add("dense_gemm_bwd", "dx and dw of the above", 2 * gemm_flops, true, 0, 0, dense_bwd);
+  const double gemm_bwd_rate = 2 * gemm_flops / (rows.back().ms * 1e-3);
   rows.back().roofline = gemm_bwd_rate;
 
   // ---- router: softmax + top-K + renormalisation + counts in one launch ----
@@ -217,10 +283,11 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     std::snprintf(detail, sizeof detail, "%s x [%lld, %lld, %lld]^T maxvio %.3g",
                   shape({r, d}).c_str(), static_cast<long long>(e), static_cast<long long>(f),
                   static_cast<long long>(d), capped);
-    add("grouped_gemm", detail, gemm_flops, true, gemm_rate, 0.75,
-        [&] { grouped_linear_forward(ctx, y, x, w, off); });
-    add("grouped_gemm_bwd", std::string(detail) + " (dx, dw)", 2 * gemm_flops, true, gemm_bwd_rate,
-        0.75, [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
+    add_against("grouped_gemm", detail, gemm_flops, 0.75, gemm_flops, dense_fwd,
+                [&] { grouped_linear_forward(ctx, y, x, w, off); });
+    add_against("grouped_gemm_bwd", std::string(detail) + " (dx, dw)", 2 * gemm_flops, 0.75,
+                2 * gemm_flops, dense_bwd,
+                [&] { grouped_linear_backward(ctx, dx, dw, dy, x, w, off); });
   }
 
   // ---- AdamW over a split master (the bf16 trainer's update), alone and with the norm ----
@@ -246,11 +313,11 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     Tensor w3 = pool.random(dt, {e, f, d}, -0.05f, 0.05f);
     Tensor up = pool.zeros(dt, {r, f}), act = pool.zeros(dt, {r, f});
     Tensor row_w = pool.random(acc, {r}, 0.0f, 1.0f), drow_w = pool.zeros(acc, {r});
-    add("grouped_swiglu",
-        shape({r, d}) + " x 2 [" + std::to_string(e) + ", " + std::to_string(f) + ", " +
-            std::to_string(d) + "]^T",
-        2 * gemm_flops, true, gemm_rate, 0,
-        [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off); });
+    add_against("grouped_swiglu",
+                shape({r, d}) + " x 2 [" + std::to_string(e) + ", " + std::to_string(f) + ", " +
+                    std::to_string(d) + "]^T",
+                2 * gemm_flops, 0, gemm_flops, dense_fwd,
+                [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off); });
     // The optimizer's update behind the next forward (train.overlap_optimizer): the split AdamW
     // on the side stream beside three of the GEMMs above, against the two one after the other
     // (the tensor-core CTAs hold whole SMs, so only their tails and gaps are shared).
@@ -282,13 +349,13 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     Tensor w2 = pool.random(dt, {e, d, f}, -0.05f, 0.05f), dyd = pool.random(dt, {r, d});
     Tensor dgate = pool.zeros(dt, {r, f}), dup = pool.zeros(dt, {r, f});
     Tensor dw2 = pool.zeros(acc, {e, d, f});
-    add("grouped_swiglu_bwd",
-        shape({r, d}) + " x [" + std::to_string(e) + ", " + std::to_string(d) + ", " +
-            std::to_string(f) + "] (dh, dw)",
-        2 * gemm_flops, true, gemm_bwd_rate, 0, [&] {
-          grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyd, act, w2, y, up, row_w,
-                                       off);
-        });
+    add_against("grouped_swiglu_bwd",
+                shape({r, d}) + " x [" + std::to_string(e) + ", " + std::to_string(d) + ", " +
+                    std::to_string(f) + "] (dh, dw)",
+                2 * gemm_flops, 0, 2 * gemm_flops, dense_bwd, [&] {
+                  grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyd, act, w2, y, up,
+                                               row_w, off);
+                });
   }
 
   // ---- the model's dense linears (cuBLAS): attention projection, LM head, fp32 router ----
@@ -423,7 +490,8 @@ std::string format_bench(const std::vector<BenchRow>& rows) {
   }
   out +=
       "roofline: copy rows against the measured copy bandwidth, GEMM-like rows against the "
-      "measured dense GEMM rate (dense_gemm / dense_gemm_bwd) at the same FLOPs and dtype\n";
+      "measured dense GEMM rate (dense_gemm / dense_gemm_bwd) at the same FLOPs and dtype; the "
+      "grouped rows against that GEMM timed in turn with them (alternate samples)\n";
   return out;
 }
 
