@@ -33,6 +33,7 @@
 #include "moe/ops/embedding.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/norm.hpp"
+#include "moe/ops/permute.hpp"
 #include "moe/ops/rope.hpp"
 #include "moe/ops/swiglu.hpp"
 #include "test_util.hpp"
@@ -1005,13 +1006,18 @@ TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed ord
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// The SwiGLU products' cases, {rows, in, features, offsets}: features not a multiple of the
+// 128-feature (forward) or 256-column (dh) tiles, an empty expert, tiles cut mid-expert, more
+// tiles than SMs (the persistent kernel); in = 72 and 136 end mid-slice.
+std::vector<GroupedCase> swiglu_cases() {
+  return {{300, 64, 200, {0, 100, 100, 300}},
+          {1001, 136, 704, {0, 129, 129, 600, 1001}},
+          {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+}
+
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  // {rows, in, features, offsets}: features not a multiple of the 128-feature tiles, an empty
-  // expert, tiles cut mid-expert, more tiles than SMs (the persistent kernel).
-  const GroupedCase cases[] = {{300, 64, 200, {0, 100, 100, 300}},
-                               {1001, 136, 704, {0, 129, 129, 600, 1001}},
-                               {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+  const std::vector<GroupedCase> cases = swiglu_cases();
   // The fused sm_90 kernel (256-column tiles; elsewhere, or with 128-column tiles, the op runs
   // the three ops itself) against the three ops.
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
@@ -1059,15 +1065,61 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// The gather of A's rows fused into the sm_90 kernel (its producer's cp.async copies; 256-column
+// tiles) and the op's own permute elsewhere ("128", "0") give the bits of permute_forward and
+// grouped_swiglu_forward.
+TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forward's bits",
+          "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const std::vector<GroupedCase> cases = swiglu_cases();
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, in = gc.in, f = gc.out, n = r / 3 + 1;
+    std::mt19937 rng(static_cast<uint32_t>(r));
+    std::vector<int32_t> tokens(static_cast<size_t>(r));
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    const std::string tag =
+        " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
+    for (DType dt : kDtypes) {
+      const auto x = rounded_random_values(dt, n * in, 93),
+                 w1 = rounded_random_values(dt, e * f * in, 94),
+                 w3 = rounded_random_values(dt, e * f * in, 95);
+      const auto row_w = rounded_random_values(acc_dtype(dt), r, 96, 0.05, 1.0);
+      DeviceTensor gx = on_device(dt, {n, in}, x), gw1 = on_device(dt, {e, f, in}, w1),
+                   gw3 = on_device(dt, {e, f, in}, w3), goff = ids_on_device(gc.offsets),
+                   gw = on_device(acc_dtype(dt), {r}, row_w), gtok = ids_on_device(tokens);
+      DeviceTensor gate = poisoned(dt, {r, f}), up = poisoned(dt, {r, f}), h = poisoned(dt, {r, f});
+      grouped_swiglu_forward_gathered(gpu, gate, up, h, gx, gtok, gw1, gw3, gw, goff);
+      DeviceTensor xp = poisoned(dt, {r, in}), gate2 = poisoned(dt, {r, f}),
+                   up2 = poisoned(dt, {r, f}), h2 = poisoned(dt, {r, f});
+      permute_forward(gpu, xp, gx, gtok);
+      grouped_swiglu_forward(gpu, gate2, up2, h2, xp, gw1, gw3, gw, goff);
+      INFO(dtype_name(dt) << tag);
+      CHECK(bytes_of(gate) == bytes_of(gate2));
+      CHECK(bytes_of(up) == bytes_of(up2));
+      CHECK(bytes_of(h) == bytes_of(h2));
+      // and against the CPU op
+      Buf<double> hgate({r, f}), hup({r, f}), hh({r, f});
+      Buf<double> hx = host({n, in}, x), hw1 = host({e, f, in}, w1), hw3 = host({e, f, in}, w3),
+                  hrw = host({r}, row_w);
+      Buf<int32_t> hoff = host_i32(gc.offsets), htok = host_i32(tokens);
+      cpu::grouped_swiglu_forward_gathered(cpu, hgate, hup, hh, hx, htok, hw1, hw3, hrw, hoff);
+      check_close("grouped_swiglu_forward_gathered gate" + tag, dt, download(gate), hgate.v,
+                  sum_tol(dt, in));
+      check_close("grouped_swiglu_forward_gathered up" + tag, dt, download(up), hup.v,
+                  sum_tol(dt, in));
+    }
+  }
+  unsetenv("MOE_GROUPED_SM90");
+}
+
 // dh lives in dgate and the SwiGLU backward runs in place: the same bits as the two ops into
 // separate buffers, at every kernel setting of the dh GEMM.
 TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  // {rows, d (the down projection's output), features, offsets}: features not a multiple of the
-  // 256-column tiles, an empty expert, tiles cut mid-expert, more tiles than SMs.
-  const GroupedCase cases[] = {{300, 64, 200, {0, 100, 100, 300}},
-                               {1001, 136, 704, {0, 129, 129, 600, 1001}},
-                               {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+  const std::vector<GroupedCase> cases = swiglu_cases();  // (d: the down projection's output)
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {

@@ -275,6 +275,36 @@ TEST_CASE("gpu model: the bf16-split router matmuls track the fp32-copy path",
   }
 }
 
+// MOE_PERMUTE_FUSED=1 with the expert rows recomputed: the forward's gate and up products read
+// x's rows in expert order themselves (on sm_90 inside the kernel's loads) and give bitwise the
+// losses and gradients of the permuted copy.
+TEST_CASE("gpu model: the gathered expert rows give the permuted copy's bits", "[gpu][model]") {
+  ModelConfig m = model_config();
+  const int b = 3, t = 32;
+  const auto ids = tokens(b * t, m.vocab_size, 3), tg = tokens(b * t, m.vocab_size, 4);
+  Ctx gpu = gpu_ctx();
+  MemoryPlan plan;
+  plan.recompute_expert_rows = true;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    auto run = [&](bool gather) {
+      setenv("MOE_PERMUTE_FUSED", gather ? "1" : "0", 1);
+      Model model(m, dt, gpu0(), b, t, true, plan);
+      model.init_weights(12);
+      model.zero_grads(gpu);
+      const Losses l = model.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+      auto g = host_copy(model.grads());
+      unsetenv("MOE_PERMUTE_FUSED");
+      return std::make_pair(l, g);
+    };
+    const auto [l_copy, g_copy] = run(false);
+    const auto [l_gather, g_gather] = run(true);
+    INFO(dtype_name(dt));
+    CHECK(l_gather.lm == l_copy.lm);
+    CHECK(l_gather.aux == l_copy.aux);
+    CHECK(g_gather == g_copy);
+  }
+}
+
 TEST_CASE("gpu model: bf16 and fp16 training runs track the fp32 run", "[gpu][train][mixed]") {
   TempDir dir;
   std::vector<std::string> o = small_run_overrides(40);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <set>
@@ -228,20 +229,22 @@ TEST_CASE("a tiny model overfits one fixed batch", "[model][train]") {
 
 // Activation recomputation re-runs each layer's forward from its saved input just before its
 // backward (layers), or rebuilds the MoE layers' permuted rows and SwiGLU output (expert inputs)
-// or their permuted rows only (expert rows): the same arithmetic in the same order, so losses and
-// every gradient are bitwise those of the stored-activation model, with less activation memory
-// and the losses counted once.
+// or their permuted rows only (expert rows; "gathered": the forward reads x's rows itself,
+// MOE_PERMUTE_FUSED=1): the same arithmetic in the same order, so losses and every gradient are
+// bitwise those of the stored-activation model, with less activation memory and the losses
+// counted once.
 TEST_CASE("model: recomputing gives bitwise the same losses and gradients", "[model]") {
   ModelConfig m = gradcheck_config();
   m.router_bias_update_rate = 0.01;  // the step loads feed the bias update: counted once
   const int b = 2, t = 8;
   const std::string which =
-      GENERATE(as<std::string>{}, "layers", "expert inputs", "expert rows", "both");
+      GENERATE(as<std::string>{}, "layers", "expert inputs", "expert rows", "gathered", "both");
   INFO("recompute " << which);
   MemoryPlan recompute;
   recompute.recompute_layers = which == "layers" || which == "both";
   recompute.recompute_expert_inputs = which == "expert inputs" || which == "both";
-  recompute.recompute_expert_rows = which == "expert rows";
+  recompute.recompute_expert_rows = which == "expert rows" || which == "gathered";
+  if (which == "gathered") setenv("MOE_PERMUTE_FUSED", "1", 1);
   Model stored(m, DType::f32, Device{}, b, t),
       recomputed(m, DType::f32, Device{}, b, t, true, recompute);
   REQUIRE(recomputed.recomputes_layers() == recompute.recompute_layers);
@@ -275,6 +278,7 @@ TEST_CASE("model: recomputing gives bitwise the same losses and gradients", "[mo
     for (size_t i = 0; i < bs.size(); ++i)
       CHECK(std::equal(bs[i].ptr<float>(), bs[i].ptr<float>() + bs[i].numel(), br[i].ptr<float>()));
   }
+  unsetenv("MOE_PERMUTE_FUSED");
 }
 
 // zero_grads(ctx, true), the trainer's: the expert stacks keep whatever they held (garbage here)

@@ -607,6 +607,38 @@ TEST_CASE("grouped_swiglu_forward is the two projections and weighted SwiGLU, ch
                     Catch::Contains("grouped_swiglu_forward: row_w"));
 }
 
+TEST_CASE("grouped_swiglu_forward_gathered is the permute and grouped_swiglu_forward",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  // 3 tokens, 5 rows: tokens used twice, once and not at all, in no order
+  Buf<double> x = random_buf({3, c.kIn}, 83);
+  Buf<int32_t> row_token({c.kRows});
+  row_token.v = {2, 0, 2, 0, 1};
+  Buf<double> w3 = random_buf({c.kExperts, c.kOut, c.kIn}, 84);
+  Buf<double> row_w = random_buf({c.kRows}, 85);
+  for (auto& w : row_w.v) w = 0.5 + 0.5 * w;
+  Buf<double> gate = random_buf({c.kRows, c.kOut}, 86), up = random_buf({c.kRows, c.kOut}, 87),
+              h = random_buf({c.kRows, c.kOut}, 88);  // garbage: every element is written
+  grouped_swiglu_forward_gathered(ctx, gate, up, h, x, row_token, c.w, w3, row_w, c.offsets);
+  Buf<double> xp({c.kRows, c.kIn});
+  for (int64_t r = 0; r < c.kRows; ++r)
+    for (int64_t j = 0; j < c.kIn; ++j) xp[r * c.kIn + j] = x[row_token[r] * c.kIn + j];
+  Buf<double> want_gate({c.kRows, c.kOut}), want_up({c.kRows, c.kOut}), want_h({c.kRows, c.kOut});
+  grouped_swiglu_forward(ctx, want_gate, want_up, want_h, xp, c.w, w3, row_w, c.offsets);
+  CHECK(gate.v == want_gate.v);
+  CHECK(up.v == want_up.v);
+  CHECK(h.v == want_h.v);
+  Buf<int32_t> short_tokens({c.kRows - 1});
+  CHECK_THROWS_WITH(
+      grouped_swiglu_forward_gathered(ctx, gate, up, h, x, short_tokens, c.w, w3, row_w, c.offsets),
+      Catch::Contains("grouped_swiglu_forward"));
+  Buf<double> float_tokens({c.kRows});
+  CHECK_THROWS_WITH(
+      grouped_swiglu_forward_gathered(ctx, gate, up, h, x, float_tokens, c.w, w3, row_w, c.offsets),
+      Catch::Contains("row_token must be [R] i32"));
+}
+
 TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and SwiGLU's",
           "[linear][grouped]") {
   Ctx ctx = cpu_ctx();

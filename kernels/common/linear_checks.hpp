@@ -92,6 +92,25 @@ inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor
   check_row_stat(row_w, s.rows, x, "grouped_swiglu_forward: row_w");
 }
 
+// grouped_swiglu_forward_gathered: x [N, in], row_token [R] i32, the rest as
+// check_grouped_swiglu_forward_args over R rows; returns the dimensions (rows = R).
+inline GroupedDims check_grouped_swiglu_forward_gathered_args(const Tensor& gate, const Tensor& up,
+                                                              const Tensor& h, const Tensor& x,
+                                                              const Tensor& row_token,
+                                                              const Tensor& w1, const Tensor& w3,
+                                                              const Tensor& row_w) {
+  constexpr const char* op = "grouped_swiglu_forward_gathered";
+  MOE_CHECK(row_token.ndim == 1 && row_token.dtype == DType::i32,
+            std::string(op) + ": row_token must be [R] i32, got " + row_token.shape_str() + " " +
+                dtype_name(row_token.dtype));
+  GroupedDims s = linear_grouped_dims(x, w1, op);
+  s.rows = row_token.size(0);
+  check_shape(gate, {s.rows, s.out},
+              "grouped_swiglu_forward_gathered: gate (R = row_token's rows)");
+  check_grouped_swiglu_forward_args(s, gate, up, h, x, w1, w3, row_w);
+  return s;
+}
+
 // dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
 inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tensor& dx,
                                                const Tensor& dw, const Tensor& dy, const Tensor& x,

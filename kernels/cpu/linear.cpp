@@ -8,7 +8,9 @@
 
 #include "common/linear_checks.hpp"
 #include "cpu/cpu_common.hpp"
+#include "moe/memory.hpp"
 #include "moe/ops/linear.hpp"
+#include "moe/ops/permute.hpp"
 #include "moe/ops/swiglu.hpp"
 
 namespace moe::cpu {
@@ -109,6 +111,18 @@ void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x
   cpu::grouped_linear_forward(ctx, gate, x, w1, offsets);
   cpu::grouped_linear_forward(ctx, up, x, w3, offsets);
   cpu::swiglu_weighted_forward(ctx, h, gate, up, row_w);
+}
+
+// The permute into a buffer of its own, then the three ops.
+void grouped_swiglu_forward_gathered(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
+                                     Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,
+                                     Tensor offsets) {
+  const GroupedDims s =
+      check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
+  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
+  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
+  cpu::permute_forward(ctx, xp, x, row_token);
+  cpu::grouped_swiglu_forward(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
 }
 
 // dh into dgate, then the elementwise backward in place (swiglu_weighted_backward reads an

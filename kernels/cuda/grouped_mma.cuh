@@ -45,10 +45,12 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,
 // features, in]; row_w: [rows] fp32. False, launching nothing, where grouped_sm90_rows would
-// decline, with 128-column tiles, or without row_w.
+// decline, with 128-column tiles, or without row_w. With row_token ([rows] i32), x is [tokens,
+// in] and row r of the product reads its row row_token[r] (the MoE permute fused into the loads).
 bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const void* x,
                          const void* w1, const void* w3, const float* row_w, const int32_t* offsets,
-                         int experts, int64_t rows, int64_t features, int64_t in);
+                         int experts, int64_t rows, int64_t features, int64_t in,
+                         const int32_t* row_token = nullptr, int64_t tokens = 0);
 
 // dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
 // An expert without rows leaves dw[e] untouched. overwrite: dw[e] = dy_e^T x_e (zeros for an

@@ -145,13 +145,15 @@ struct TmaRing {
 };
 
 // Sets up the ring in the dynamic shared memory and the barriers: all threads call it.
+// full_arrivals: the arrivals that fill a stage besides its bytes (the producer's expect_tx; the
+// gathering rows kernel's cp.async copies too).
 template <class C>
 __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* full,
-                                                uint64_t* empty) {
+                                                uint64_t* empty, int full_arrivals = 1) {
   TmaRing<C> r{ring_base(smem), shared_addr(full), shared_addr(empty)};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
-      mbar_init(r.full0 + 8 * s, 1);
+      mbar_init(r.full0 + 8 * s, full_arrivals);
       mbar_init(r.empty0 + 8 * s, kTmaThreads / 32 - 4);  // one arrival per math warp
     }
     mbar_init_fence();
@@ -354,6 +356,22 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   }
 }
 
+// The gathering rows kernel's copy of one A row: the 64 k of slice k0 of `src` (a row of
+// [*, k_total]) as row p of the stage's A block, in the 128-byte swizzle its TMA load would give
+// (16-byte chunk c at slot c ^ (p % 8)); zeros past k_total (k_total % 8 == 0) and for a row that
+// is not real.
+template <class T>
+__device__ __forceinline__ void gather_a_slice(uint32_t stage, int p, const T* src, int64_t k0,
+                                               int64_t k_total, bool real) {
+  const uint32_t line = stage + static_cast<uint32_t>(p) * Sw128::kRowBytes;
+#pragma unroll
+  for (int c = 0; c < kBK / 8; ++c) {
+    const int64_t k = k0 + 8 * c;
+    const bool valid = real && k < k_total;
+    cp_async16_shared(line + ((c ^ (p & 7)) << 4), valid ? src + k : src, valid);
+  }
+}
+
 // Rows kernel, persistent: block b runs tiles b, b + gridDim.x, ... of (row tile, column tile),
 // columns fastest. While the math warps store one tile, the producer already streams the next
 // tile's slices. A: a tensor map over a [rows, k_total] (box 64 k x 128 rows; the rows past the
@@ -363,7 +381,10 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
 // kSwiglu (forward, kBN = 256): a tile is 128 features, w1's rows (map_b, box 64 x 128 x 1) in
 // the B tile's first 128 rows and w3's (map_b2) in the next 128; the epilogue stores gate, up
 // and h = row_w * silu(gate) * up (store_tile).
-template <class C, class T, bool kBKFast, bool kSwiglu>
+// kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
+// MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
+// them by cp.async (gather_a_slice).
+template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
                             const __grid_constant__ CUtensorMap map_b,
@@ -372,7 +393,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                             const __grid_constant__ CUtensorMap map_up,
                             const __grid_constant__ CUtensorMap map_h, T* c, T* c_up, T* c_h,
                             const float* row_w, const int32_t* offsets, int experts, int64_t rows,
-                            int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles) {
+                            int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles,
+                            const T* a_src, const int32_t* row_token, int64_t a_tokens) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -387,12 +409,52 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         shared_offsets[i] = offsets[i];
       offsets = shared_offsets;
     }
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty);  // (its barrier publishes the copy)
+    // (its barrier publishes the offsets' copy)
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     const int slices = static_cast<int>((k_total + kBK - 1) / kBK);
     int64_t it = 0;
+    // Slice t of B for tile column n0 of expert e into `stage`, counted on `bar`.
+    auto load_b = [&](uint32_t stage, uint32_t bar, int t, int n0, int e) {
+      if constexpr (kSwiglu) {
+        tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
+        tma_load_3d(stage + C::kABytes + kTileN * Sw128::kRowBytes, &map_b2, bar, t * kBK, n0, e);
+      } else if constexpr (kBKFast) {
+        tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
+      } else {
+#pragma unroll
+        for (int j = 0; j < C::kBN / 64; ++j)
+          tma_load_3d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_b, bar, n0 + 64 * j,
+                      t * kBK, e);
+      }
+    };
     if (wg == 0) {
       release_registers<40>();
+      if constexpr (kGather) {
+        const int p = static_cast<int>(threadIdx.x);  // the A row this thread copies
+        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+          int e = 0;
+          int64_t r0 = 0, r1 = 0;
+          if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+          const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
+          // Rows past the expert's end are zeros (they feed output rows that are not stored), as
+          // is a row whose token is out of range (a caller bug: it reads nothing).
+          const int32_t token = r0 + p < r1 ? row_token[r0 + p] : -1;
+          const bool real = 0 <= token && token < a_tokens;
+          const T* src = real ? a_src + int64_t(token) * k_total : a_src;
+          for (int t = 0; t < slices; ++t, ++it) {
+            if (it >= C::kStages) mbar_wait(ring.empty(it), TmaRing<C>::parity(it) ^ 1u);
+            const uint32_t stage = ring.stage(it), bar = ring.full(it);
+            if (p == 0) {
+              mbar_arrive_expect_tx(bar, C::kBBytes);
+              load_b(stage, bar, t, n0, e);
+            }
+            gather_a_slice(stage, p, src, t * kBK, k_total, real);
+            cp_async_mbar_arrive(bar);
+          }
+        }
+        return;
+      }
       if (threadIdx.x >= 32) return;
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int e = 0;
@@ -404,18 +466,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             ring.acquire(it);
             const uint32_t stage = ring.stage(it), bar = ring.full(it);
             tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
-            if constexpr (kSwiglu) {
-              tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
-              tma_load_3d(stage + C::kABytes + kTileN * Sw128::kRowBytes, &map_b2, bar, t * kBK, n0,
-                          e);
-            } else if constexpr (kBKFast) {
-              tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
-            } else {
-#pragma unroll
-              for (int j = 0; j < C::kBN / 64; ++j)
-                tma_load_3d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_b, bar, n0 + 64 * j,
-                            t * kBK, e);
-            }
+            load_b(stage, bar, t, n0, e);
           }
         }
         __syncwarp();
@@ -444,7 +495,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           continue;
         }
         float acc[C::kAcc];
-        tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {});
+        // kGather: the copies into the stage are the generic proxy's, the wgmma read it through
+        // the async proxy
+        tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {
+          if constexpr (kGather) fence_proxy_async_smem();
+        });
         store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
                                   row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
       }
@@ -665,16 +720,26 @@ struct RowsOut {
   const float* row_w = nullptr;
 };
 
+// The A operand of a rows launch: `a` itself, [rows, k_total], or with row_token (kGather) its
+// rows row_token[r] of a [tokens, k_total].
+struct RowsIn {
+  const void* a;
+  const int32_t* row_token = nullptr;
+  int64_t tokens = 0;
+};
+
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise.
-template <class C, class T, bool kBKFast, bool kSwiglu = false>
-void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, const void* w2,
+template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false>
+void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride) {
-  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu>;
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, kRowsSmemBytes<C>); });
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;
-  const uint64_t a_dims[2] = {uint64_t(k_total), uint64_t(rows)};
+  const void* a = in.a;
+  // (gathering: a map over the token rows that the kernel does not use)
+  const uint64_t a_dims[2] = {uint64_t(k_total), uint64_t(kGather ? in.tokens : rows)};
   const uint64_t a_strides[1] = {uint64_t(k_total)};
   const uint32_t a_box[2] = {kBK, kBM};
   const CUtensorMap map_a = tile_map(t, a, 2, a_dims, a_strides, a_box);
@@ -697,7 +762,8 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, const void* a, const void* w, c
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
       map_a, map_b, map_b2, map_c, map_up, map_h, static_cast<T*>(out.c), static_cast<T*>(out.up),
-      static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles);
+      static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles,
+      static_cast<const T*>(a), in.row_token, in.tokens);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -752,6 +818,7 @@ bool compiled_for_sm90a() {
   return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)) &&
          is90(compiled_arch(grouped_tma_dw_kernel<C, T>));
 #else
   return false;
@@ -814,18 +881,19 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     using C = decltype(cfg);
     using T = decltype(zero);
     if (b_k_fast)
-      launch_rows<C, T, true>(ctx, t, {c}, a, w, nullptr, offsets, experts, rows, n_total, k_total,
-                              expert_stride);
+      launch_rows<C, T, true>(ctx, t, {c}, {a}, w, nullptr, offsets, experts, rows, n_total,
+                              k_total, expert_stride);
     else
-      launch_rows<C, T, false>(ctx, t, {c}, a, w, nullptr, offsets, experts, rows, n_total, k_total,
-                               expert_stride);
+      launch_rows<C, T, false>(ctx, t, {c}, {a}, w, nullptr, offsets, experts, rows, n_total,
+                               k_total, expert_stride);
   });
   return true;
 }
 
 bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const void* x,
                          const void* w1, const void* w3, const float* row_w, const int32_t* offsets,
-                         int experts, int64_t rows, int64_t features, int64_t in) {
+                         int experts, int64_t rows, int64_t features, int64_t in,
+                         const int32_t* row_token, int64_t tokens) {
   const Mode m = mode();
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
@@ -838,12 +906,20 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
     return false;
   if (rows == 0) return true;  // nothing to write
   const RowsOut out{gate, up, h, row_w};
+  const RowsIn a{x, row_token, tokens};
+  auto launch = [&](auto zero) {
+    using T = decltype(zero);
+    if (row_token != nullptr)
+      launch_rows<Wide, T, true, true, true>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                             features, in, stride);
+    else
+      launch_rows<Wide, T, true, true>(ctx, t, out, a, w1, w3, offsets, experts, rows, features, in,
+                                       stride);
+  };
   if (t == DType::f16)
-    launch_rows<Wide, __half, true, true>(ctx, t, out, x, w1, w3, offsets, experts, rows, features,
-                                          in, stride);
+    launch(__half{});
   else
-    launch_rows<Wide, __nv_bfloat16, true, true>(ctx, t, out, x, w1, w3, offsets, experts, rows,
-                                                 features, in, stride);
+    launch(__nv_bfloat16{});
   return true;
 }
 

@@ -38,8 +38,10 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
+#include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
+#include "moe/ops/permute.hpp"
 #include "moe/ops/swiglu.hpp"
 
 namespace moe::cuda_detail {
@@ -359,6 +361,32 @@ void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Ten
   cuda::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
+// grouped_swiglu_forward on rows row_token[r] of x [N, in]: the gather fused into the sm_90
+// kernel's loads (its producer warpgroup copies A's rows by cp.async); elsewhere the permute into
+// a buffer of its own first (cudaMalloc per call: the trainer takes this op only where the fused
+// kernel runs).
+void grouped_swiglu_forward_gathered_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
+                                          Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,
+                                          Tensor offsets) {
+  constexpr const char* op = "grouped_swiglu_forward_gathered";
+  grouped_dims(x, w1, offsets, op);  // offsets' shape and device, the grid's limits
+  const GroupedDims s =
+      check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
+  MOE_CHECK(row_token.device == x.device, std::string(op) + ": row_token must be on " +
+                                              x.device.str() + ", got " + row_token.device.str());
+  if (s.rows == 0 || s.out == 0) return;
+  if (s.experts > 0 && x.size(0) > 0 &&
+      grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data, w1.data, w3.data,
+                          row_w.dtype == DType::f32 ? data_of<float>(row_w) : nullptr,
+                          data_of<int32_t>(offsets), static_cast<int>(s.experts), s.rows, s.out,
+                          s.in, data_of<int32_t>(row_token), x.size(0)))
+    return;
+  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
+  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
+  cuda::permute_forward(ctx, xp, x, row_token);
+  grouped_swiglu_forward_cuda(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
+}
+
 // dgate, dup, gate, up, h: [R, F]; dy: [R, d]; w2, dw2: [E, d, F]; row_w, drow_w: [R]. dh goes
 // into dgate and the elementwise backward runs in place (no dh buffer). Applying the SwiGLU
 // backward in the sm_90 dh GEMM's epilogue instead was measured slower on the H200 (857 against
@@ -381,5 +409,7 @@ MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_swiglu_forward_gathered,
+                     &cuda_detail::grouped_swiglu_forward_gathered_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward, &cuda_detail::grouped_swiglu_down_backward_cuda);
 }  // namespace moe

@@ -157,6 +157,22 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool va
                : "memory");
 #endif
 }
+// 16 bytes from global `src` to shared address `dst` asynchronously (cp.async, L2 only); with
+// !valid it writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16_shared(uint32_t dst, const void* src, bool valid) {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+#endif
+}
+// An arrival on the barrier at `bar` once this thread's cp.async so far have landed, counted as
+// one of the arrivals the barrier expects (.noinc: its init count includes these).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+#if MOE_HAS_WGMMA
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+#endif
+}
 __device__ __forceinline__ void cp_async_wait_all() {
 #if MOE_HAS_WGMMA
   asm volatile("cp.async.wait_all;\n" ::: "memory");

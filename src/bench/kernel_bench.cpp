@@ -318,6 +318,15 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
                     std::to_string(d) + "]^T",
                 2 * gemm_flops, 0, gemm_flops, dense_fwd,
                 [&] { grouped_swiglu_forward(ctx, y, up, act, x, w, w3, row_w, off); });
+    // The same with the permute fused in: x's rows gathered by the router's plan above (the
+    // sum of this row's time and the permute's is the unfused pair).
+    add_against("grouped_swiglu_gathered",
+                shape({n, d}) + " gathered to " + shape({r, d}) + ", x 2 [" + std::to_string(e) +
+                    ", " + std::to_string(f) + ", " + std::to_string(d) + "]^T",
+                2 * gemm_flops, 0, gemm_flops, dense_fwd, [&] {
+                  grouped_swiglu_forward_gathered(ctx, y, up, act, tokens, row_token, w, w3, row_w,
+                                                  off);
+                });
     // The optimizer's update behind the next forward (train.overlap_optimizer): the split AdamW
     // on the side stream beside three of the GEMMs above, against the two one after the other
     // (the tensor-core CTAs hold whole SMs, so only their tails and gaps are shared).

@@ -93,11 +93,13 @@ class MoeFfn {
 
   // The expert GEMMs' inputs: the permuted rows [R, d] and the SwiGLU output [R, F]. The kept
   // activations, or (train.recompute_expert_rows: xp; train.recompute_expert_inputs: both) fresh
-  // tensors in `scratch` that the caller fills and releases.
+  // tensors in `scratch` that the caller fills and releases. rows_wanted false: no fresh xp (the
+  // forward that gathers x's rows itself, gathers_expert_rows).
   struct ExpertInputs {
     Tensor xp, hact;
   };
-  ExpertInputs expert_inputs(Arena& scratch) const;
+  ExpertInputs expert_inputs(Arena& scratch, bool rows_wanted = true) const;
+  bool gathers_expert_rows() const;
 
  public:
   Tensor load() const { return load_; }

@@ -10,6 +10,8 @@
 // (<dh, silu(gate) up> per row): the expert outputs [N*K, d] are never kept for the backward.
 // Every buffer is sized by N*K, known in advance.
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 
 #include "model/layers.hpp"
 #include "moe/memory.hpp"
@@ -64,14 +66,25 @@ void MoeFfn::plan(Arena& acts, int64_t rows) {
   for (auto& s : shared_) s->plan(acts, rows);
 }
 
-MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch) const {
+MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch, bool rows_wanted) const {
   const auto& c = env_.cfg;
   const int64_t r = rows_ * c.num_experts_per_tok;
   ExpertInputs in{xp_, hact_};
-  if (env_.model.recomputes_expert_rows()) in.xp = scratch.alloc(env_.dtype, {r, c.hidden_size});
+  if (env_.model.recomputes_expert_rows() && rows_wanted)
+    in.xp = scratch.alloc(env_.dtype, {r, c.hidden_size});
   if (env_.model.recomputes_expert_inputs())
     in.hact = scratch.alloc(env_.dtype, {r, c.intermediate_size});
   return in;
+}
+
+// MOE_PERMUTE_FUSED=1 (read at every call): where the backward rebuilds the expert rows anyway
+// (train.recompute_expert_rows), the forward's gate and up products read x's rows in expert
+// order themselves (grouped_swiglu_forward_gathered; fused on sm_90 only, elsewhere the op
+// permutes into a buffer of its own) and the forward keeps no permuted copy. Off by default
+// until measured (docs/perf.md, 15th session).
+bool MoeFfn::gathers_expert_rows() const {
+  const char* v = std::getenv("MOE_PERMUTE_FUSED");
+  return v != nullptr && std::string(v) == "1" && env_.model.recomputes_expert_rows();
 }
 
 void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
@@ -85,13 +98,19 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
                           c.router_aux_loss_coef, c.router_z_loss_coef);
   // permute
   const size_t inputs_mark = s.mark();
-  const ExpertInputs in = expert_inputs(s);
+  const bool gather = gathers_expert_rows();
+  const ExpertInputs in = expert_inputs(s, !gather);
   moe_permute_plan(ctx, offsets_, row_token_, slot_row_, topk_idx_);
   permute_weights_forward(ctx, row_w_, topk_w_, slot_row_);
-  permute_forward(ctx, in.xp, x, row_token_);
   // experts (the routing weights applied in the SwiGLU)
-  grouped_swiglu_forward(ctx, hgate_, hup_, in.hact, in.xp, w1_.w, w3_.w, row_w_, offsets_);
-  Tensor yp = s.alloc(env_.dtype, {in.xp.size(0), c.hidden_size});
+  if (gather) {
+    grouped_swiglu_forward_gathered(ctx, hgate_, hup_, in.hact, x, row_token_, w1_.w, w3_.w, row_w_,
+                                    offsets_);
+  } else {
+    permute_forward(ctx, in.xp, x, row_token_);
+    grouped_swiglu_forward(ctx, hgate_, hup_, in.hact, in.xp, w1_.w, w3_.w, row_w_, offsets_);
+  }
+  Tensor yp = s.alloc(env_.dtype, {row_token_.size(0), c.hidden_size});
   grouped_linear_forward(ctx, yp, in.hact, w2_.w, offsets_);
   // combine: the plain sum of a token's K expert rows, the gather of permute_backward
   permute_backward(ctx, y, yp, Tensor(), slot_row_);

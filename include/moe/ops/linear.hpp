@@ -37,6 +37,15 @@ MOE_OP(grouped_swiglu_forward,
        (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor w1, Tensor w3, Tensor row_w,
         Tensor offsets),
        (ctx, gate, up, h, x, w1, w3, row_w, offsets))
+// grouped_swiglu_forward on the MoE layer's permuted rows without the permuted copy: row r of its
+// x is row row_token[r] of x [N, in] (bitwise permute_forward into a buffer, then
+// grouped_swiglu_forward; the CUDA backend fuses the gather into the products' loads on sm_90).
+// row_token: [R] i32, values in [0, N) (a value outside reads nothing: permute_forward's row
+// of NaN, zeros in the fused kernel); the rest as above.
+MOE_OP(grouped_swiglu_forward_gathered,
+       (Ctx & ctx, Tensor gate, Tensor up, Tensor h, Tensor x, Tensor row_token, Tensor w1,
+        Tensor w3, Tensor row_w, Tensor offsets),
+       (ctx, gate, up, h, x, row_token, w1, w3, row_w, offsets))
 // The backward of the experts' down projection and weighted SwiGLU together: dh = dy w2[e] per
 // group (rounded to the dtype), then swiglu_weighted_backward (dgate, dup and the routing weights'
 // gradient drow_w); dw2[e] += dy_e^T h_e. Bitwise grouped_linear_backward into dh followed by
