@@ -1115,6 +1115,56 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// The gather of x's rows fused into the sm_90 dw kernel (256- and 128-column tiles) and the op's
+// own permute elsewhere ("0") give the bits of permute_forward and grouped_linear_backward, dw
+// added to and overwritten, chunked hot experts included.
+TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's bits", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  std::vector<GroupedCase> cases = swiglu_cases();
+  cases.push_back({5000, 64, 136, {0, 4800, 4800, 5000}});  // a hot expert: chunked dw tiles
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, in = gc.in, out = gc.out, n = r / 3 + 1;
+    std::mt19937 rng(static_cast<uint32_t>(r) + 7);
+    std::vector<int32_t> tokens(static_cast<size_t>(r));
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto x = rounded_random_values(dt, n * in, 97),
+                 w = rounded_random_values(dt, e * out * in, 98),
+                 dy = rounded_random_values(dt, r * out, 99);
+      const auto dw0 = rounded_random_values(acc, e * out * in, 100);
+      DeviceTensor gx = on_device(dt, {n, in}, x), gw = on_device(dt, {e, out, in}, w),
+                   gdy = on_device(dt, {r, out}, dy), goff = ids_on_device(gc.offsets),
+                   gtok = ids_on_device(tokens);
+      DeviceTensor xp = poisoned(dt, {r, in});
+      permute_forward(gpu, xp, gx, gtok);
+      for (bool overwrite : {false, true}) {
+        INFO(dtype_name(dt) << " R=" << r << " tiles " << kernel << " overwrite " << overwrite);
+        DeviceTensor dx = poisoned(dt, {r, in}), dw = on_device(acc, {e, out, in}, dw0);
+        DeviceTensor dx2 = poisoned(dt, {r, in}), dw2 = on_device(acc, {e, out, in}, dw0);
+        grouped_linear_backward_gathered(gpu, dx, dw, gdy, gx, gtok, gw, goff, overwrite);
+        grouped_linear_backward(gpu, dx2, dw2, gdy, xp, gw, goff, overwrite);
+        CHECK(bytes_of(dx) == bytes_of(dx2));
+        CHECK(bytes_of(dw) == bytes_of(dw2));
+        if (overwrite) continue;
+        // and against the CPU op
+        Buf<double> hdx({r, in}), hdw = host({e, out, in}, dw0);
+        Buf<double> hx = host({n, in}, x), hw = host({e, out, in}, w), hdy = host({r, out}, dy);
+        Buf<int32_t> hoff = host_i32(gc.offsets), htok = host_i32(tokens);
+        cpu::grouped_linear_backward_gathered(cpu, hdx, hdw, hdy, hx, htok, hw, hoff);
+        check_close("grouped_linear_backward_gathered dw", acc, download(dw), hdw.v,
+                    sum_tol(acc, r));
+        check_close("grouped_linear_backward_gathered dx", dt, download(dx), hdx.v,
+                    sum_tol(dt, out));
+      }
+    }
+  }
+  unsetenv("MOE_GROUPED_SM90");
+}
+
 // dh lives in dgate and the SwiGLU backward runs in place: the same bits as the two ops into
 // separate buffers, at every kernel setting of the dh GEMM.
 TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[gpu]") {

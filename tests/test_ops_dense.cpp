@@ -607,6 +607,33 @@ TEST_CASE("grouped_swiglu_forward is the two projections and weighted SwiGLU, ch
                     Catch::Contains("grouped_swiglu_forward: row_w"));
 }
 
+TEST_CASE("grouped_linear_backward_gathered is the permute and grouped_linear_backward",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> x = random_buf({3, c.kIn}, 89);  // 3 tokens for 5 rows, as below
+  Buf<int32_t> row_token({c.kRows});
+  row_token.v = {1, 2, 0, 2, 1};
+  Buf<double> dy = random_buf({c.kRows, c.kOut}, 90);
+  Buf<double> xp({c.kRows, c.kIn});
+  for (int64_t r = 0; r < c.kRows; ++r)
+    for (int64_t j = 0; j < c.kIn; ++j) xp[r * c.kIn + j] = x[row_token[r] * c.kIn + j];
+  for (bool overwrite : {false, true}) {
+    INFO("dw_overwrite " << overwrite);
+    Buf<double> dx = random_buf({c.kRows, c.kIn}, 91), want_dx({c.kRows, c.kIn});
+    Buf<double> dw = random_buf({c.kExperts, c.kOut, c.kIn}, 92), want_dw = dw;
+    grouped_linear_backward_gathered(ctx, dx, dw, dy, x, row_token, c.w, c.offsets, overwrite);
+    grouped_linear_backward(ctx, want_dx, want_dw, dy, xp, c.w, c.offsets, overwrite);
+    CHECK(dx.v == want_dx.v);
+    CHECK(dw.v == want_dw.v);
+  }
+  Buf<double> dx({c.kRows, c.kIn}), dw({c.kExperts, c.kOut, c.kIn});
+  Buf<int32_t> short_tokens({c.kRows - 1});
+  CHECK_THROWS_WITH(
+      grouped_linear_backward_gathered(ctx, dx, dw, dy, x, short_tokens, c.w, c.offsets),
+      Catch::Contains("grouped_linear_backward_gathered: dx"));
+}
+
 TEST_CASE("grouped_swiglu_forward_gathered is the permute and grouped_swiglu_forward",
           "[linear][grouped]") {
   Ctx ctx = cpu_ctx();

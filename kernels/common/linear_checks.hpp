@@ -92,6 +92,13 @@ inline void check_grouped_swiglu_forward_args(const GroupedDims& s, const Tensor
   check_row_stat(row_w, s.rows, x, "grouped_swiglu_forward: row_w");
 }
 
+// A gathered op's row_token: [R] i32.
+inline void check_row_token(const Tensor& row_token, const char* op) {
+  MOE_CHECK(row_token.ndim == 1 && row_token.dtype == DType::i32,
+            std::string(op) + ": row_token must be [R] i32, got " + row_token.shape_str() + " " +
+                dtype_name(row_token.dtype));
+}
+
 // grouped_swiglu_forward_gathered: x [N, in], row_token [R] i32, the rest as
 // check_grouped_swiglu_forward_args over R rows; returns the dimensions (rows = R).
 inline GroupedDims check_grouped_swiglu_forward_gathered_args(const Tensor& gate, const Tensor& up,
@@ -100,9 +107,7 @@ inline GroupedDims check_grouped_swiglu_forward_gathered_args(const Tensor& gate
                                                               const Tensor& w1, const Tensor& w3,
                                                               const Tensor& row_w) {
   constexpr const char* op = "grouped_swiglu_forward_gathered";
-  MOE_CHECK(row_token.ndim == 1 && row_token.dtype == DType::i32,
-            std::string(op) + ": row_token must be [R] i32, got " + row_token.shape_str() + " " +
-                dtype_name(row_token.dtype));
+  check_row_token(row_token, op);
   GroupedDims s = linear_grouped_dims(x, w1, op);
   s.rows = row_token.size(0);
   check_shape(gate, {s.rows, s.out},
@@ -122,6 +127,21 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
   check_same_dtype(dy, x, "grouped_linear_backward: dy, x");
   check_same_dtype(w, x, "grouped_linear_backward: w, x");
   check_acc_dtype(dw, x, "grouped_linear_backward: dw");
+}
+
+// grouped_linear_backward_gathered: x [N, in], row_token [R] i32, the rest as
+// check_grouped_linear_backward_args over R rows; returns the dimensions (rows = R).
+inline GroupedDims check_grouped_linear_backward_gathered_args(const Tensor& dx, const Tensor& dw,
+                                                               const Tensor& dy, const Tensor& x,
+                                                               const Tensor& row_token,
+                                                               const Tensor& w) {
+  constexpr const char* op = "grouped_linear_backward_gathered";
+  check_row_token(row_token, op);
+  GroupedDims s = linear_grouped_dims(x, w, op);
+  s.rows = row_token.size(0);
+  check_shape(dx, {s.rows, s.in}, "grouped_linear_backward_gathered: dx (R = row_token's rows)");
+  check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
+  return s;
 }
 
 // s from linear_grouped_dims(h, w2, ...): dgate, dup, gate, up: [R, F] and dy: [R, out] of h's

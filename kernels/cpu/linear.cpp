@@ -113,6 +113,17 @@ void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x
   cpu::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
+// The permute into a buffer of its own, then the backward.
+void grouped_linear_backward_gathered(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x,
+                                      Tensor row_token, Tensor w, Tensor offsets,
+                                      bool dw_overwrite) {
+  const GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
+  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
+  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
+  cpu::permute_forward(ctx, xp, x, row_token);
+  cpu::grouped_linear_backward(ctx, dx, dw, dy, xp, w, offsets, dw_overwrite);
+}
+
 // The permute into a buffer of its own, then the three ops.
 void grouped_swiglu_forward_gathered(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
                                      Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,

@@ -37,10 +37,12 @@ bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast);
-// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=.
+// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=. With row_token
+// ([rows] i32), x is [x_tokens, in] and row r of x_e is its row row_token[r] (the MoE permute
+// fused into the loads).
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
-                     bool overwrite);
+                     bool overwrite, const int32_t* row_token = nullptr, int64_t x_tokens = 0);
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,

@@ -136,11 +136,10 @@ struct TmaRing {
   __device__ __forceinline__ static uint32_t parity(int64_t it) {
     return static_cast<uint32_t>((it / C::kStages) & 1);
   }
-  // Producer side: waits until slice it's stage is free (the math of slice it - kStages retired),
-  // then arms its full barrier for one stage of bytes.
-  __device__ __forceinline__ void acquire(int64_t it) const {
+  // Producer side: waits until slice it's stage is free (the math of slice it - kStages retired).
+  // Every producer thread that writes the stage waits; one then arms its full barrier.
+  __device__ __forceinline__ void wait_free(int64_t it) const {
     if (it >= C::kStages) mbar_wait(empty(it), parity(it) ^ 1u);
-    mbar_arrive_expect_tx(full(it), C::kStageBytes);
   }
 };
 
@@ -430,43 +429,34 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     };
     if (wg == 0) {
       release_registers<40>();
-      if constexpr (kGather) {
-        const int p = static_cast<int>(threadIdx.x);  // the A row this thread copies
-        for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-          int e = 0;
-          int64_t r0 = 0, r1 = 0;
-          if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
-          const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
-          // Rows past the expert's end are zeros (they feed output rows that are not stored), as
-          // is a row whose token is out of range (a caller bug: it reads nothing).
-          const int32_t token = r0 + p < r1 ? row_token[r0 + p] : -1;
-          const bool real = 0 <= token && token < a_tokens;
-          const T* src = real ? a_src + int64_t(token) * k_total : a_src;
-          for (int t = 0; t < slices; ++t, ++it) {
-            if (it >= C::kStages) mbar_wait(ring.empty(it), TmaRing<C>::parity(it) ^ 1u);
-            const uint32_t stage = ring.stage(it), bar = ring.full(it);
-            if (p == 0) {
-              mbar_arrive_expect_tx(bar, C::kBBytes);
-              load_b(stage, bar, t, n0, e);
-            }
-            gather_a_slice(stage, p, src, t * kBK, k_total, real);
-            cp_async_mbar_arrive(bar);
-          }
-        }
-        return;
-      }
-      if (threadIdx.x >= 32) return;
+      // Thread 0 loads by TMA (warp 0 scans the offsets); kGather: all 128 threads copy A's rows,
+      // thread p row p.
+      if (!kGather && threadIdx.x >= 32) return;
+      const int p = static_cast<int>(threadIdx.x);
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
         const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
-        if (threadIdx.x == 0) {
+        // kGather: rows past the expert's end are zeros (they feed output rows that are not
+        // stored), as is a row whose token is out of range (a caller bug: it reads nothing).
+        const int32_t token = kGather && r0 + p < r1 ? row_token[r0 + p] : -1;
+        const bool real = 0 <= token && token < a_tokens;
+        const T* src = real ? a_src + int64_t(token) * k_total : a_src;
+        if (kGather || p == 0) {
           for (int t = 0; t < slices; ++t, ++it) {
-            ring.acquire(it);
+            ring.wait_free(it);
             const uint32_t stage = ring.stage(it), bar = ring.full(it);
-            tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
-            load_b(stage, bar, t, n0, e);
+            if (p == 0) {
+              mbar_arrive_expect_tx(bar, kGather ? C::kBBytes : C::kStageBytes);
+              if constexpr (!kGather)
+                tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
+              load_b(stage, bar, t, n0, e);
+            }
+            if constexpr (kGather) {
+              gather_a_slice(stage, p, src, t * kBK, k_total, real);
+              cp_async_mbar_arrive(bar);
+            }
           }
         }
         __syncwarp();
@@ -530,6 +520,35 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // device (the trainer's one compute stream), as norm.cu's scratch does.
 // A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
+// The gathering dw kernel's copy of x's k-slice at k (rows k .. k + 63, those from k1 on zeros)
+// into the B half of a stage: C::kBN / 64 blocks of [64 k-rows][64 columns from n0] in the
+// 128-byte swizzle their TMA loads would give. Thread p (0..127) copies k-row p % 64 of blocks
+// p / 64, p / 64 + 2, ...; a token out of [0, x_tokens) (a caller bug) reads nothing.
+template <class C, class T>
+__device__ __forceinline__ void gather_x_slice(uint32_t b_stage, int p, const T* x_src,
+                                               const int32_t* row_token, int64_t x_tokens,
+                                               int64_t k, int64_t k1, int n0, int64_t in) {
+  const int q = p % 64;
+  const int32_t token = k + q < k1 ? row_token[k + q] : -1;
+  const bool real = 0 <= token && token < x_tokens;
+  const T* row = real ? x_src + int64_t(token) * in : x_src;
+  for (int j = p / 64; j < C::kBN / 64; j += 2) {
+    const uint32_t line = b_stage + j * Sw128::kBlockBytes + q * Sw128::kRowBytes;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int64_t col = n0 + 64 * j + 8 * c;
+      const bool valid = real && col < in;  // in % 8 == 0
+      cp_async16_shared(line + ((c ^ (q & 7)) << 4), valid ? row + col : x_src, valid);
+    }
+  }
+}
+
+// The gathering dw producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72
+// registers they spilled (60, 12 and 4 bytes), at 88 not. 88 + 2 x 208 = 3 x 168, the block's
+// registers (setmaxnreg.inc only takes what a .dec gave back), and the math code fits 208.
+constexpr int kGatherProducerRegs = 88, kGatherMathRegs = 208;
+static_assert(kGatherProducerRegs + 2 * kGatherMathRegs <= 3 * 168, "setmaxnreg within the block");
+
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
 __device__ int dw_flags[kDwMaxFlags];
 
@@ -561,12 +580,16 @@ struct DwUnits {
   }
 };
 
-template <class C, class T>
+// kGatherX: x's rows are gathered, k-row r being row row_token[r] of x_src [x_tokens, in] (the
+// MoE layer's input, no permuted copy; map_x unused): the producer warpgroup's 128 threads copy
+// them by cp.async (gather_x_slice), dy still by TMA.
+template <class C, class T, bool kGatherX = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x, float* dw,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
-                          int64_t in, int64_t chunk, bool overwrite) {
+                          int64_t in, int64_t chunk, bool overwrite, const T* x_src,
+                          const int32_t* row_token, int64_t x_tokens) {
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -583,13 +606,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
       unit_start[experts] = at;
     }
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty);  // (its barrier publishes the table)
+    // (its barrier publishes the table)
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGatherX ? 1 + 128 : 1);
     const DwUnits units{unit_start, experts, rows, chunk, tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
     if (wg == 0) {
-      release_registers<40>();
-      if (threadIdx.x != 0) return;
+      release_registers<kGatherX ? kGatherProducerRegs : 40>();
+      // Thread 0 loads by TMA; kGatherX: all 128 copy x's k-rows, thread p row p % 64.
+      if (!kGatherX && threadIdx.x != 0) return;
+      const int p = static_cast<int>(threadIdx.x);
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
         int e = 0, c = 0, chunks = 0;
         int64_t k0 = 0, k1 = 0, tile = 0;
@@ -598,19 +624,29 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int n0 = static_cast<int>(tile % n_tiles) * C::kBN;
         const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
         for (int t = 0; t < slices; ++t, ++it) {
-          ring.acquire(it);
+          ring.wait_free(it);
           const uint32_t stage = ring.stage(it), bar = ring.full(it);
           const int32_t k = static_cast<int32_t>(k0) + t * kBK;
+          if (p == 0) {
+            mbar_arrive_expect_tx(bar, kGatherX ? C::kABytes : C::kStageBytes);
 #pragma unroll
-          for (int j = 0; j < kBM / 64; ++j)
-            tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+            for (int j = 0; j < kBM / 64; ++j)
+              tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+            if constexpr (!kGatherX) {
 #pragma unroll
-          for (int j = 0; j < C::kBN / 64; ++j)
-            tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j, k);
+              for (int j = 0; j < C::kBN / 64; ++j)
+                tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j,
+                            k);
+            }
+          }
+          if constexpr (kGatherX) {
+            gather_x_slice<C>(stage + C::kABytes, p, x_src, row_token, x_tokens, k, k1, n0, in);
+            cp_async_mbar_arrive(bar);
+          }
         }
       }
     } else {
-      claim_registers<232>();
+      claim_registers<kGatherX ? kGatherMathRegs : 232>();
       const int g = wg - 1;
       const bool leader = threadIdx.x % 128 == 0;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
@@ -632,6 +668,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         float acc[C::kAcc];
         tma_math_loop<C, T, false, false>(acc, ring, it, slices, g, [&](int t, uint32_t stage) {
+          // kGatherX: the copies into the stage are the generic proxy's, the wgmma read it
+          // through the async proxy
+          if constexpr (kGatherX) fence_proxy_async_smem();
           if (t != slices - 1 || tail == 0) return;
           // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
           // only permutes chunks within a row).
@@ -780,15 +819,20 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
     d[i] = 0.0f;
 }
 
-template <class C, class T>
+// With row_token (kGatherX), x is [x_tokens, in] and k-row r of the product reads its row
+// row_token[r].
+template <class C, class T, bool kGatherX = false>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
-               int experts, int64_t rows, int64_t out, int64_t in, bool overwrite) {
-  auto kernel = grouped_tma_dw_kernel<C, T>;
+               int experts, int64_t rows, int64_t out, int64_t in, bool overwrite,
+               const int32_t* row_token = nullptr, int64_t x_tokens = 0) {
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherX>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
   const uint64_t dy_dims[2] = {uint64_t(out), uint64_t(rows)}, dy_strides[1] = {uint64_t(out)};
-  const uint64_t x_dims[2] = {uint64_t(in), uint64_t(rows)}, x_strides[1] = {uint64_t(in)};
+  // (gathering: a map over x's token rows that the kernel does not use)
+  const uint64_t x_dims[2] = {uint64_t(in), uint64_t(kGatherX ? x_tokens : rows)},
+                 x_strides[1] = {uint64_t(in)};
   const CUtensorMap map_dy = tile_map(t, dy, 2, dy_dims, dy_strides, box);
   const CUtensorMap map_x = tile_map(t, x, 2, x_dims, x_strides, box);
   const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, C::kBN);
@@ -805,8 +849,9 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
     zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
     MOE_CUDA_LAUNCH_CHECK();
   }
-  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(map_dy, map_x, dw, offsets, experts,
-                                                               rows, out, in, chunk, overwrite);
+  kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(
+      map_dy, map_x, dw, offsets, experts, rows, out, in, chunk, overwrite,
+      static_cast<const T*>(x), row_token, x_tokens);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -819,7 +864,8 @@ bool compiled_for_sm90a() {
          is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T>));
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true>));
 #else
   return false;
 #endif
@@ -925,7 +971,7 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
 
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
-                     bool overwrite) {
+                     bool overwrite, const int32_t* row_token, int64_t x_tokens) {
   const Mode m = mode();
   // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels.
   if (m == Mode::off || !sm90_available(t) || !aligned16_rows(dy, out) || !aligned16_rows(x, in) ||
@@ -939,8 +985,13 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
     return true;
   }
   with_config(t, m, [&](auto cfg, auto zero) {
-    launch_dw<decltype(cfg), decltype(zero)>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                             overwrite);
+    using C = decltype(cfg);
+    using T = decltype(zero);
+    if (row_token != nullptr)
+      launch_dw<C, T, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
+                            row_token, x_tokens);
+    else
+      launch_dw<C, T>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite);
   });
   return true;
 }

@@ -361,6 +361,33 @@ void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Ten
   cuda::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
+// grouped_linear_backward on rows row_token[r] of x [N, in]: dw by the sm_90 dw kernel with the
+// gather fused into its loads, dx = dy w[e] as always; elsewhere the permute into a buffer of its
+// own first (cudaMalloc per call, as below).
+void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x,
+                                           Tensor row_token, Tensor w, Tensor offsets,
+                                           bool dw_overwrite) {
+  constexpr const char* op = "grouped_linear_backward_gathered";
+  grouped_dims(x, w, offsets, op);  // offsets' shape and device, the grid's limits
+  const GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
+  MOE_CHECK(row_token.device == x.device, std::string(op) + ": row_token must be on " +
+                                              x.device.str() + ", got " + row_token.device.str());
+  const int32_t* off = data_of<int32_t>(offsets);
+  if (s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 && x.size(0) > 0 &&
+      grouped_mma_available(x.dtype) &&
+      grouped_sm90_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
+                      static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite,
+                      data_of<int32_t>(row_token), x.size(0))) {
+    grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
+                     s.rows, s.in, s.out, s.out * s.in, false);
+    return;
+  }
+  Buffer rows(x.device, std::max<size_t>(16, size_t(s.rows * s.in) * dtype_size(x.dtype)));
+  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
+  cuda::permute_forward(ctx, xp, x, row_token);
+  grouped_linear_backward_cuda(ctx, dx, dw, dy, xp, w, offsets, dw_overwrite);
+}
+
 // grouped_swiglu_forward on rows row_token[r] of x [N, in]: the gather fused into the sm_90
 // kernel's loads (its producer warpgroup copies A's rows by cp.async); elsewhere the permute into
 // a buffer of its own first (cudaMalloc per call: the trainer takes this op only where the fused
@@ -381,7 +408,7 @@ void grouped_swiglu_forward_gathered_cuda(Ctx& ctx, Tensor gate, Tensor up, Tens
                           data_of<int32_t>(offsets), static_cast<int>(s.experts), s.rows, s.out,
                           s.in, data_of<int32_t>(row_token), x.size(0)))
     return;
-  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
+  Buffer rows(x.device, std::max<size_t>(16, size_t(s.rows * s.in) * dtype_size(x.dtype)));
   const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
   cuda::permute_forward(ctx, xp, x, row_token);
   grouped_swiglu_forward_cuda(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
@@ -408,6 +435,8 @@ MOE_REGISTER_CUDA_OP(linear_forward, &cuda_detail::linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_linear_backward_gathered,
+                     &cuda_detail::grouped_linear_backward_gathered_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward_gathered,
                      &cuda_detail::grouped_swiglu_forward_gathered_cuda);

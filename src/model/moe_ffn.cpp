@@ -77,11 +77,12 @@ MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch, bool rows_wanted) con
   return in;
 }
 
-// MOE_PERMUTE_FUSED=1 (read at every call): where the backward rebuilds the expert rows anyway
-// (train.recompute_expert_rows), the forward's gate and up products read x's rows in expert
-// order themselves (grouped_swiglu_forward_gathered; fused on sm_90 only, elsewhere the op
-// permutes into a buffer of its own) and the forward keeps no permuted copy. Off by default
-// until measured (docs/perf.md, 15th session).
+// MOE_PERMUTE_FUSED=1 (read at every call): where the backward would rebuild the expert rows
+// (train.recompute_expert_rows), the gate and up products' forward and their weight gradients
+// read x's rows in expert order themselves (grouped_swiglu_forward_gathered,
+// grouped_linear_backward_gathered; fused on sm_90 only, elsewhere the ops permute into a buffer
+// of their own), so no permuted copy is made at all. Off by default until measured
+// (docs/perf.md, 15th session).
 bool MoeFfn::gathers_expert_rows() const {
   const char* v = std::getenv("MOE_PERMUTE_FUSED");
   return v != nullptr && std::string(v) == "1" && env_.model.recomputes_expert_rows();
@@ -133,12 +134,14 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
   Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   const size_t experts_mark = s.mark();
-  const ExpertInputs in = expert_inputs(s);
+  // gathering: w1's and w3's weight gradients read x's rows in expert order themselves
+  const bool gather = gathers_expert_rows();
+  const ExpertInputs in = expert_inputs(s, !gather);
   // rebuilt from the layer input and gate / up
-  if (env_.model.recomputes_expert_rows()) permute_forward(ctx, in.xp, x, row_token_);
+  if (env_.model.recomputes_expert_rows() && !gather) permute_forward(ctx, in.xp, x, row_token_);
   if (env_.model.recomputes_expert_inputs())
     swiglu_weighted_forward(ctx, in.hact, hgate_, hup_, row_w_);
-  const int64_t r = in.xp.size(0);
+  const int64_t r = row_token_.size(0);
   Tensor dyp = s.alloc(dt, {r, c.hidden_size});
   Tensor drow_w = s.alloc(acc, {r});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
@@ -146,7 +149,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // Buffers dead by then take the input gradients: dyp once the down projection's backward has
   // run (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine), and dgate once w1's
   // backward has, when it is large enough (F >= d; moe-small: 64 MiB fewer).
-  const int64_t d = in.xp.size(1), f = hgate_.size(1);
+  const int64_t d = x.size(1), f = hgate_.size(1);
   Tensor dxp = dyp;
   Tensor dxp_up = f >= d ? dgate.view({r * f}).rows(0, r * d).view({r, d}) : s.alloc(dt, {r, d});
   // combine (a plain sum: each expert row's gradient is its token's)
@@ -155,8 +158,15 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   const bool dw_overwrite = env_.model.backward_writes_expert_grads();
   grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
                                row_w_, offsets_, dw_overwrite);
-  grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
-  grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_, dw_overwrite);
+  if (gather) {
+    grouped_linear_backward_gathered(ctx, dxp, w1_.g, dgate, x, row_token_, w1_.w, offsets_,
+                                     dw_overwrite);
+    grouped_linear_backward_gathered(ctx, dxp_up, w3_.g, dup, x, row_token_, w3_.w, offsets_,
+                                     dw_overwrite);
+  } else {
+    grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
+    grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_, dw_overwrite);
+  }
   // permute (the gather adds the two input gradients: no pass of its own)
   permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
   permute_weights_backward(ctx, dtopk_w, drow_w, slot_row_);

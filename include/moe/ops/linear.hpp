@@ -28,6 +28,15 @@ MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
         bool dw_overwrite = false),
        (ctx, dx, dw, dy, x, w, offsets, dw_overwrite))
+// grouped_linear_backward on the MoE layer's permuted rows without the permuted copy: row r of
+// its x is row row_token[r] of x [N, in] (bitwise permute_forward into a buffer, then
+// grouped_linear_backward; the CUDA backend fuses the gather into the sm_90 dw kernel's loads).
+// row_token: [R] i32, values in [0, N) (a value outside reads nothing: NaN rows in the permute,
+// zeros in the fused kernel); dx: [R, in]; the rest as above.
+MOE_OP(grouped_linear_backward_gathered,
+       (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor row_token, Tensor w,
+        Tensor offsets, bool dw_overwrite = false),
+       (ctx, dx, dw, dy, x, row_token, w, offsets, dw_overwrite))
 // The experts' gate and up projections and SwiGLU in one call: gate = x w1[e]^T, up = x w3[e]^T
 // per group, h = row_w * silu(gate) * up of the rounded gate and up (bitwise grouped_linear_forward
 // twice and swiglu_weighted_forward; the CUDA backend fuses them on sm_90). gate, up, h: [R, F];
