@@ -1225,6 +1225,57 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// dy's rows gathered into the sm_90 dh and dw kernels' loads (256- and 128-column tiles) and
+// the op's own permute elsewhere ("0"): the bits of permute_forward and
+// grouped_swiglu_down_backward, dw2 added to and overwritten.
+TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backward's bits",
+          "[gpu]") {
+  Ctx gpu = gpu_ctx();
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  std::vector<GroupedCase> cases = swiglu_cases();          // (in: d, the down projection's output)
+  cases.push_back({5000, 64, 136, {0, 4800, 4800, 5000}});  // a hot expert: chunked dw tiles
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, d = gc.in, f = gc.out, n = r / 3 + 1;
+    std::mt19937 rng(static_cast<uint32_t>(r) + 11);
+    std::vector<int32_t> tokens(static_cast<size_t>(r));
+    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    for (DType dt : kDtypes) {
+      const DType acc = acc_dtype(dt);
+      const auto dy = rounded_random_values(dt, n * d, 101),
+                 h = rounded_random_values(dt, r * f, 102),
+                 w2 = rounded_random_values(dt, e * d * f, 103),
+                 gate = rounded_random_values(dt, r * f, 104),
+                 up = rounded_random_values(dt, r * f, 105),
+                 dw0 = rounded_random_values(acc, e * d * f, 106),
+                 row_w = rounded_random_values(acc, r, 107, 0.05, 1.0);
+      DeviceTensor gdy = on_device(dt, {n, d}, dy), gh = on_device(dt, {r, f}, h),
+                   gw2 = on_device(dt, {e, d, f}, w2), ggate = on_device(dt, {r, f}, gate),
+                   gup = on_device(dt, {r, f}, up), goff = ids_on_device(gc.offsets),
+                   grw = on_device(acc, {r}, row_w), gtok = ids_on_device(tokens);
+      DeviceTensor dyp = poisoned(dt, {r, d});
+      permute_forward(gpu, dyp, gdy, gtok);
+      for (bool overwrite : {false, true}) {
+        INFO(dtype_name(dt) << " R=" << r << " tiles " << kernel << " overwrite " << overwrite);
+        DeviceTensor dgate = poisoned(dt, {r, f}), dup = poisoned(dt, {r, f}),
+                     drow = poisoned(acc, {r}), dw2 = on_device(acc, {e, d, f}, dw0);
+        DeviceTensor dgate2 = poisoned(dt, {r, f}), dup2 = poisoned(dt, {r, f}),
+                     drow2 = poisoned(acc, {r}), dw2_2 = on_device(acc, {e, d, f}, dw0);
+        grouped_swiglu_down_backward_gathered(gpu, dgate, dup, drow, dw2, gdy, gtok, gh, gw2, ggate,
+                                              gup, grw, goff, overwrite);
+        grouped_swiglu_down_backward(gpu, dgate2, dup2, drow2, dw2_2, dyp, gh, gw2, ggate, gup, grw,
+                                     goff, overwrite);
+        CHECK(bytes_of(dgate) == bytes_of(dgate2));
+        CHECK(bytes_of(dup) == bytes_of(dup2));
+        CHECK(bytes_of(drow) == bytes_of(drow2));
+        CHECK(bytes_of(dw2) == bytes_of(dw2_2));
+      }
+    }
+  }
+  unsetenv("MOE_GROUPED_SM90");
+}
+
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   Ctx gpu = gpu_ctx();
   DeviceTensor x(DType::f32, {10, 8}), w(DType::f32, {2, 6, 8}), y(DType::f32, {10, 6});

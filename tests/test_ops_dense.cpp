@@ -666,6 +666,41 @@ TEST_CASE("grouped_swiglu_forward_gathered is the permute and grouped_swiglu_for
       Catch::Contains("row_token must be [R] i32"));
 }
 
+TEST_CASE("grouped_swiglu_down_backward_gathered is the permute and the down backward",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;                                 // h = c.x [R, F = kIn], w2 = c.w [E, D = kOut, F]
+  Buf<double> dy = random_buf({3, c.kOut}, 93);  // 3 tokens' gradients for 5 rows
+  Buf<int32_t> row_token({c.kRows});
+  row_token.v = {0, 2, 2, 1, 0};
+  Buf<double> gate = random_buf({c.kRows, c.kIn}, 94), up = random_buf({c.kRows, c.kIn}, 95);
+  Buf<double> row_w = random_buf({c.kRows}, 96);
+  for (auto& w : row_w.v) w = 0.5 + 0.5 * w;
+  Buf<double> dyp({c.kRows, c.kOut});
+  for (int64_t r = 0; r < c.kRows; ++r)
+    for (int64_t j = 0; j < c.kOut; ++j) dyp[r * c.kOut + j] = dy[row_token[r] * c.kOut + j];
+  for (bool overwrite : {false, true}) {
+    INFO("dw_overwrite " << overwrite);
+    Buf<double> dgate({c.kRows, c.kIn}), dup({c.kRows, c.kIn}), drow_w({c.kRows});
+    Buf<double> dw2 = random_buf({c.kExperts, c.kOut, c.kIn}, 97), want_dw2 = dw2;
+    Buf<double> want_dgate({c.kRows, c.kIn}), want_dup({c.kRows, c.kIn}), want_drow_w({c.kRows});
+    grouped_swiglu_down_backward_gathered(ctx, dgate, dup, drow_w, dw2, dy, row_token, c.x, c.w,
+                                          gate, up, row_w, c.offsets, overwrite);
+    grouped_swiglu_down_backward(ctx, want_dgate, want_dup, want_drow_w, want_dw2, dyp, c.x, c.w,
+                                 gate, up, row_w, c.offsets, overwrite);
+    CHECK(dgate.v == want_dgate.v);
+    CHECK(dup.v == want_dup.v);
+    CHECK(drow_w.v == want_drow_w.v);
+    CHECK(dw2.v == want_dw2.v);
+  }
+  Buf<double> dgate({c.kRows, c.kIn}), dup({c.kRows, c.kIn}), drow_w({c.kRows});
+  Buf<double> dw2({c.kExperts, c.kOut, c.kIn}), dy_bad({3, c.kOut + 1});
+  CHECK_THROWS_WITH(
+      grouped_swiglu_down_backward_gathered(ctx, dgate, dup, drow_w, dw2, dy_bad, row_token, c.x,
+                                            c.w, gate, up, row_w, c.offsets),
+      Catch::Contains("grouped_swiglu_down_backward_gathered: dy must be"));
+}
+
 TEST_CASE("grouped_swiglu_down_backward is the down projection's backward and SwiGLU's",
           "[linear][grouped]") {
   Ctx ctx = cpu_ctx();

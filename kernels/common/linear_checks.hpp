@@ -169,4 +169,26 @@ inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const 
   check_row_stat(drow_w, s.rows, h, "grouped_swiglu_down_backward: drow_w");
 }
 
+// grouped_swiglu_down_backward_gathered: dy [N, d], row_token [R] i32, the rest as
+// check_grouped_swiglu_down_backward_args; returns its dimensions (from h and w2).
+inline GroupedDims check_grouped_swiglu_down_backward_gathered_args(
+    const Tensor& dgate, const Tensor& dup, const Tensor& drow_w, const Tensor& dw2,
+    const Tensor& dy, const Tensor& row_token, const Tensor& h, const Tensor& w2,
+    const Tensor& gate, const Tensor& up, const Tensor& row_w) {
+  constexpr const char* op = "grouped_swiglu_down_backward_gathered";
+  check_row_token(row_token, op);
+  const GroupedDims s = linear_grouped_dims(h, w2, op);
+  MOE_CHECK(row_token.size(0) == s.rows, std::string(op) + ": row_token must have h's " +
+                                             std::to_string(s.rows) + " rows, got " +
+                                             row_token.shape_str());
+  MOE_CHECK(
+      dy.ndim == 2 && dy.size(1) == s.out,
+      std::string(op) + ": dy must be [N, " + std::to_string(s.out) + "], got " + dy.shape_str());
+  // the rest against a dy of R rows (shape and dtype only)
+  check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2,
+                                          Tensor(nullptr, dy.dtype, dy.device, {s.rows, s.out}), h,
+                                          w2, gate, up, row_w);
+  return s;
+}
+
 }  // namespace moe

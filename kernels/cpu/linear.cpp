@@ -147,4 +147,18 @@ void grouped_swiglu_down_backward(Ctx& ctx, Tensor dgate, Tensor dup, Tensor dro
   cpu::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
+// The permute into a buffer of its own, then the backward.
+void grouped_swiglu_down_backward_gathered(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
+                                           Tensor dw2, Tensor dy, Tensor row_token, Tensor h,
+                                           Tensor w2, Tensor gate, Tensor up, Tensor row_w,
+                                           Tensor offsets, bool dw_overwrite) {
+  const GroupedDims s = check_grouped_swiglu_down_backward_gathered_args(
+      dgate, dup, drow_w, dw2, dy, row_token, h, w2, gate, up, row_w);
+  Buffer rows(dy.device, static_cast<size_t>(s.rows * s.out) * dtype_size(dy.dtype));
+  const Tensor dyp = rows.as(dy.dtype, {s.rows, s.out});
+  cpu::permute_forward(ctx, dyp, dy, row_token);
+  cpu::grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyp, h, w2, gate, up, row_w,
+                                    offsets, dw_overwrite);
+}
+
 }  // namespace moe::cpu

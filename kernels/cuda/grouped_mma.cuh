@@ -34,15 +34,23 @@ bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 // The wgmma kernels for sm_90 (grouped_wgmma_sm90.cu), tried before the sm_80 ones with the same
 // contract: false, launching nothing, when the device is not sm_90, the binary has no sm_90a code
 // for them, or the operands miss the same alignment requirements.
+// With row_token ([rows] i32; the dx = dy w[e] form, !b_k_fast, only), a is [tokens, k_total]
+// and row r of the product reads its row row_token[r] (the MoE permute fused into the loads).
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
-                       int64_t k_total, int64_t expert_stride, bool b_k_fast);
-// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=. With row_token
-// ([rows] i32), x is [x_tokens, in] and row r of x_e is its row row_token[r] (the MoE permute
-// fused into the loads).
+                       int64_t k_total, int64_t expert_stride, bool b_k_fast,
+                       const int32_t* row_token = nullptr, int64_t tokens = 0);
+// The MoE permute fused into the dw product's loads: the gathered operand is [tokens, cols] and
+// its row r is row row_token[r] ([rows] i32) of that.
+struct DwGather {
+  const int32_t* row_token = nullptr;
+  int64_t tokens = 0;
+  bool dy = false, x = false;  // which of the dw product's operands is gathered (one at most)
+};
+// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=.
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
-                     bool overwrite, const int32_t* row_token = nullptr, int64_t x_tokens = 0);
+                     bool overwrite, DwGather gather = {});
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,

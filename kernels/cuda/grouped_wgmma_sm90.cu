@@ -520,25 +520,26 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // device (the trainer's one compute stream), as norm.cu's scratch does.
 // A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
-// The gathering dw kernel's copy of x's k-slice at k (rows k .. k + 63, those from k1 on zeros)
-// into the B half of a stage: C::kBN / 64 blocks of [64 k-rows][64 columns from n0] in the
-// 128-byte swizzle their TMA loads would give. Thread p (0..127) copies k-row p % 64 of blocks
-// p / 64, p / 64 + 2, ...; a token out of [0, x_tokens) (a caller bug) reads nothing.
-template <class C, class T>
-__device__ __forceinline__ void gather_x_slice(uint32_t b_stage, int p, const T* x_src,
-                                               const int32_t* row_token, int64_t x_tokens,
-                                               int64_t k, int64_t k1, int n0, int64_t in) {
+// The gathering dw kernel's copy of one operand's k-slice at k (rows k .. k + 63, those from k1
+// on zeros): kBlocks blocks of [64 k-rows][64 columns from col0] of rows row_token[k-row] of
+// src [tokens, width], in the 128-byte swizzle their TMA loads would give. Thread p (0..127)
+// copies k-row p % 64 of blocks p / 64, p / 64 + 2, ...; a token out of [0, tokens) (a caller
+// bug) reads nothing.
+template <int kBlocks, class T>
+__device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
+                                              const int32_t* row_token, int64_t tokens, int64_t k,
+                                              int64_t k1, int64_t col0, int64_t width) {
   const int q = p % 64;
   const int32_t token = k + q < k1 ? row_token[k + q] : -1;
-  const bool real = 0 <= token && token < x_tokens;
-  const T* row = real ? x_src + int64_t(token) * in : x_src;
-  for (int j = p / 64; j < C::kBN / 64; j += 2) {
-    const uint32_t line = b_stage + j * Sw128::kBlockBytes + q * Sw128::kRowBytes;
+  const bool real = 0 <= token && token < tokens;
+  const T* row = real ? src + int64_t(token) * width : src;
+  for (int j = p / 64; j < kBlocks; j += 2) {
+    const uint32_t line = dst + j * Sw128::kBlockBytes + q * Sw128::kRowBytes;
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      const int64_t col = n0 + 64 * j + 8 * c;
-      const bool valid = real && col < in;  // in % 8 == 0
-      cp_async16_shared(line + ((c ^ (q & 7)) << 4), valid ? row + col : x_src, valid);
+      const int64_t col = col0 + 64 * j + 8 * c;
+      const bool valid = real && col < width;  // width % 8 == 0
+      cp_async16_shared(line + ((c ^ (q & 7)) << 4), valid ? row + col : src, valid);
     }
   }
 }
@@ -580,16 +581,18 @@ struct DwUnits {
   }
 };
 
-// kGatherX: x's rows are gathered, k-row r being row row_token[r] of x_src [x_tokens, in] (the
-// MoE layer's input, no permuted copy; map_x unused): the producer warpgroup's 128 threads copy
-// them by cp.async (gather_x_slice), dy still by TMA.
-template <class C, class T, bool kGatherX = false>
+// kGatherDy / kGatherX: dy's / x's rows are gathered, k-row r being row row_token[r] of dy_src
+// [tokens, out] / x_src [tokens, in] (the MoE layer's output gradient / input, no permuted copy;
+// that operand's map unused): the producer warpgroup's 128 threads copy them by cp.async
+// (gather_k_rows), the other operand still by TMA.
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x, float* dw,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
-                          int64_t in, int64_t chunk, bool overwrite, const T* x_src,
-                          const int32_t* row_token, int64_t x_tokens) {
+                          int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
+                          const T* x_src, const int32_t* row_token, int64_t tokens) {
+  constexpr bool kGather = kGatherDy || kGatherX;
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -607,14 +610,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       unit_start[experts] = at;
     }
     // (its barrier publishes the table)
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGatherX ? 1 + 128 : 1);
+    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
     const DwUnits units{unit_start, experts, rows, chunk, tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
     if (wg == 0) {
-      release_registers<kGatherX ? kGatherProducerRegs : 40>();
-      // Thread 0 loads by TMA; kGatherX: all 128 copy x's k-rows, thread p row p % 64.
-      if (!kGatherX && threadIdx.x != 0) return;
+      release_registers<kGather ? kGatherProducerRegs : 40>();
+      // Thread 0 loads by TMA; kGather: all 128 copy the gathered k-rows, thread p row p % 64.
+      if (!kGather && threadIdx.x != 0) return;
       const int p = static_cast<int>(threadIdx.x);
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
         int e = 0, c = 0, chunks = 0;
@@ -628,10 +631,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           const uint32_t stage = ring.stage(it), bar = ring.full(it);
           const int32_t k = static_cast<int32_t>(k0) + t * kBK;
           if (p == 0) {
-            mbar_arrive_expect_tx(bar, kGatherX ? C::kABytes : C::kStageBytes);
+            constexpr uint32_t kTmaBytes =
+                (kGatherDy ? 0 : C::kABytes) + (kGatherX ? 0 : C::kBBytes);
+            if constexpr (kTmaBytes > 0)
+              mbar_arrive_expect_tx(bar, kTmaBytes);
+            else
+              mbar_arrive(bar);
+            if constexpr (!kGatherDy) {
 #pragma unroll
-            for (int j = 0; j < kBM / 64; ++j)
-              tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+              for (int j = 0; j < kBM / 64; ++j)
+                tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+            }
             if constexpr (!kGatherX) {
 #pragma unroll
               for (int j = 0; j < C::kBN / 64; ++j)
@@ -639,14 +649,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                             k);
             }
           }
-          if constexpr (kGatherX) {
-            gather_x_slice<C>(stage + C::kABytes, p, x_src, row_token, x_tokens, k, k1, n0, in);
-            cp_async_mbar_arrive(bar);
-          }
+          if constexpr (kGatherDy)
+            gather_k_rows<kBM / 64>(stage, p, dy_src, row_token, tokens, k, k1, m0, out);
+          if constexpr (kGatherX)
+            gather_k_rows<C::kBN / 64>(stage + C::kABytes, p, x_src, row_token, tokens, k, k1, n0,
+                                       in);
+          if constexpr (kGather) cp_async_mbar_arrive(bar);
         }
       }
     } else {
-      claim_registers<kGatherX ? kGatherMathRegs : 232>();
+      claim_registers<kGather ? kGatherMathRegs : 232>();
       const int g = wg - 1;
       const bool leader = threadIdx.x % 128 == 0;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
@@ -668,9 +680,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
         float acc[C::kAcc];
         tma_math_loop<C, T, false, false>(acc, ring, it, slices, g, [&](int t, uint32_t stage) {
-          // kGatherX: the copies into the stage are the generic proxy's, the wgmma read it
+          // kGather: the copies into the stage are the generic proxy's, the wgmma read it
           // through the async proxy
-          if constexpr (kGatherX) fence_proxy_async_smem();
+          if constexpr (kGather) fence_proxy_async_smem();
           if (t != slices - 1 || tail == 0) return;
           // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
           // only permutes chunks within a row).
@@ -819,19 +831,20 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
     d[i] = 0.0f;
 }
 
-// With row_token (kGatherX), x is [x_tokens, in] and k-row r of the product reads its row
-// row_token[r].
-template <class C, class T, bool kGatherX = false>
+// kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
+// g.row_token[r].
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in, bool overwrite,
-               const int32_t* row_token = nullptr, int64_t x_tokens = 0) {
-  auto kernel = grouped_tma_dw_kernel<C, T, kGatherX>;
+               DwGather g = {}) {
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
-  const uint64_t dy_dims[2] = {uint64_t(out), uint64_t(rows)}, dy_strides[1] = {uint64_t(out)};
-  // (gathering: a map over x's token rows that the kernel does not use)
-  const uint64_t x_dims[2] = {uint64_t(in), uint64_t(kGatherX ? x_tokens : rows)},
+  // (a gathered operand: a map over its token rows that the kernel does not use)
+  const uint64_t dy_dims[2] = {uint64_t(out), uint64_t(kGatherDy ? g.tokens : rows)},
+                 dy_strides[1] = {uint64_t(out)};
+  const uint64_t x_dims[2] = {uint64_t(in), uint64_t(kGatherX ? g.tokens : rows)},
                  x_strides[1] = {uint64_t(in)};
   const CUtensorMap map_dy = tile_map(t, dy, 2, dy_dims, dy_strides, box);
   const CUtensorMap map_x = tile_map(t, x, 2, x_dims, x_strides, box);
@@ -851,7 +864,7 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
   }
   kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(
       map_dy, map_x, dw, offsets, experts, rows, out, in, chunk, overwrite,
-      static_cast<const T*>(x), row_token, x_tokens);
+      static_cast<const T*>(dy), static_cast<const T*>(x), g.row_token, g.tokens);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -864,8 +877,10 @@ bool compiled_for_sm90a() {
          is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) &&
          is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, true>)) &&
          is90(compiled_arch(grouped_tma_dw_kernel<C, T>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true>));
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true>));
 #else
   return false;
 #endif
@@ -917,20 +932,26 @@ void with_config(DType t, Mode m, Fn&& fn) {
 
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
-                       int64_t k_total, int64_t expert_stride, bool b_k_fast) {
+                       int64_t k_total, int64_t expert_stride, bool b_k_fast,
+                       const int32_t* row_token, int64_t tokens) {
   const Mode m = mode();
-  if (m == Mode::off || !sm90_available(t) ||
+  // (gathering: the dx = dy w[e] form only, the one the trainer gathers)
+  if (m == Mode::off || !sm90_available(t) || (row_token != nullptr && b_k_fast) ||
       !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, kBM))
     return false;
   if (rows == 0) return true;  // nothing to write (and a tensor map needs a row)
+  const RowsIn in{a, row_token, tokens};
   with_config(t, m, [&](auto cfg, auto zero) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    if (b_k_fast)
-      launch_rows<C, T, true>(ctx, t, {c}, {a}, w, nullptr, offsets, experts, rows, n_total,
-                              k_total, expert_stride);
+    if (row_token != nullptr)
+      launch_rows<C, T, false, false, true>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows,
+                                            n_total, k_total, expert_stride);
+    else if (b_k_fast)
+      launch_rows<C, T, true>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total, k_total,
+                              expert_stride);
     else
-      launch_rows<C, T, false>(ctx, t, {c}, {a}, w, nullptr, offsets, experts, rows, n_total,
+      launch_rows<C, T, false>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total,
                                k_total, expert_stride);
   });
   return true;
@@ -971,12 +992,13 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
 
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
-                     bool overwrite, const int32_t* row_token, int64_t x_tokens) {
+                     bool overwrite, DwGather g) {
   const Mode m = mode();
-  // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels.
-  if (m == Mode::off || !sm90_available(t) || !aligned16_rows(dy, out) || !aligned16_rows(x, in) ||
-      out % 8 != 0 || in % 8 != 0 || reinterpret_cast<uintptr_t>(dw) % 8 != 0 ||
-      experts > kSharedOffsets)
+  // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels. Both operands
+  // gathered (no caller: the producer threads spilled there) declines too.
+  if (m == Mode::off || !sm90_available(t) || (g.dy && g.x) || !aligned16_rows(dy, out) ||
+      !aligned16_rows(x, in) || out % 8 != 0 || in % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(dw) % 8 != 0 || experts > kSharedOffsets)
     return false;
   if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0)
     if (overwrite)
@@ -987,9 +1009,12 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
   with_config(t, m, [&](auto cfg, auto zero) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    if (row_token != nullptr)
-      launch_dw<C, T, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
-                            row_token, x_tokens);
+    if (g.dy)
+      launch_dw<C, T, true, false>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
+                                   g);
+    else if (g.x)
+      launch_dw<C, T, false, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
+                                   g);
     else
       launch_dw<C, T>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite);
   });

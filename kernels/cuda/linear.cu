@@ -377,7 +377,7 @@ void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tenso
       grouped_mma_available(x.dtype) &&
       grouped_sm90_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
                       static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite,
-                      data_of<int32_t>(row_token), x.size(0))) {
+                      {data_of<int32_t>(row_token), x.size(0), false, true})) {
     grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
                      s.rows, s.in, s.out, s.out * s.in, false);
     return;
@@ -427,6 +427,49 @@ void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tenso
   cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
+// grouped_swiglu_down_backward with dy's rows row_token[r] of dy [N, d]: dw2 and dh by the
+// sm_90 kernels with the gather fused into their loads, then the SwiGLU backward as there;
+// elsewhere the permute into a buffer of its own first (cudaMalloc per call, as above).
+void grouped_swiglu_down_backward_gathered_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
+                                                Tensor dw2, Tensor dy, Tensor row_token, Tensor h,
+                                                Tensor w2, Tensor gate, Tensor up, Tensor row_w,
+                                                Tensor offsets, bool dw_overwrite) {
+  constexpr const char* op = "grouped_swiglu_down_backward_gathered";
+  grouped_dims(h, w2, offsets, op);  // offsets' shape and device, the grid's limits
+  const GroupedDims s = check_grouped_swiglu_down_backward_gathered_args(
+      dgate, dup, drow_w, dw2, dy, row_token, h, w2, gate, up, row_w);
+  MOE_CHECK(row_token.device == dy.device, std::string(op) + ": row_token must be on " +
+                                               dy.device.str() + ", got " + row_token.device.str());
+  const int32_t* off = data_of<int32_t>(offsets);
+  const int32_t* tok = data_of<int32_t>(row_token);
+  const int experts = static_cast<int>(s.experts);
+  const int64_t n = dy.size(0), d = s.out, f = s.in;
+  auto permuted_dy = [&](Buffer& rows) {
+    rows = Buffer(dy.device, std::max<size_t>(16, size_t(s.rows * d) * dtype_size(dy.dtype)));
+    const Tensor dyp = rows.as(dy.dtype, {s.rows, d});
+    cuda::permute_forward(ctx, dyp, dy, row_token);
+    return dyp;
+  };
+  if (!(s.rows > 0 && s.experts > 0 && f > 0 && d > 0 && n > 0 && grouped_mma_available(h.dtype) &&
+        grouped_sm90_dw(ctx, h.dtype, data_of<float>(dw2), dy.data, h.data, off, experts, s.rows, d,
+                        f, dw_overwrite, {tok, n, true, false}))) {
+    Buffer rows;
+    const Tensor dyp = permuted_dy(rows);
+    grouped_swiglu_down_backward_cuda(ctx, dgate, dup, drow_w, dw2, dyp, h, w2, gate, up, row_w,
+                                      offsets, dw_overwrite);
+    return;
+  }
+  // dh = dy w2[e] into dgate (the gathered rows kernel, or a permuted copy where it declines)
+  if (!grouped_sm90_rows(ctx, h.dtype, dgate.data, dy.data, w2.data, off, experts, s.rows, f, d,
+                         d * f, false, tok, n)) {
+    Buffer rows;
+    const Tensor dyp = permuted_dy(rows);
+    grouped_mma_rows(ctx, h.dtype, dgate.data, dyp.data, w2.data, off, experts, s.rows, f, d, d * f,
+                     false);
+  }
+  cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
+}
+
 }  // namespace
 }  // namespace moe::cuda_detail
 
@@ -441,4 +484,6 @@ MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forwar
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward_gathered,
                      &cuda_detail::grouped_swiglu_forward_gathered_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward, &cuda_detail::grouped_swiglu_down_backward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward_gathered,
+                     &cuda_detail::grouped_swiglu_down_backward_gathered_cuda);
 }  // namespace moe

@@ -78,10 +78,11 @@ MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch, bool rows_wanted) con
 }
 
 // MOE_PERMUTE_FUSED=1 (read at every call): where the backward would rebuild the expert rows
-// (train.recompute_expert_rows), the gate and up products' forward and their weight gradients
-// read x's rows in expert order themselves (grouped_swiglu_forward_gathered,
-// grouped_linear_backward_gathered; fused on sm_90 only, elsewhere the ops permute into a buffer
-// of their own), so no permuted copy is made at all. Off by default until measured
+// (train.recompute_expert_rows), the gate and up products' forward and weight gradients read x's
+// rows in expert order themselves, and the down projection's backward dy's
+// (grouped_swiglu_forward_gathered, grouped_linear_backward_gathered,
+// grouped_swiglu_down_backward_gathered; fused on sm_90 only, elsewhere the ops permute into a
+// buffer of their own): no permuted copy of either is made. Off by default until measured
 // (docs/perf.md, 15th session).
 bool MoeFfn::gathers_expert_rows() const {
   const char* v = std::getenv("MOE_PERMUTE_FUSED");
@@ -134,7 +135,7 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   Tensor dtopk_w = s.alloc(acc, {topk_w_.size(0), topk_w_.size(1)});
   Tensor dlogits = s.alloc(acc, {logits_.size(0), logits_.size(1)});
   const size_t experts_mark = s.mark();
-  // gathering: w1's and w3's weight gradients read x's rows in expert order themselves
+  // gathering: no permuted copies of x or dy (gathers_expert_rows)
   const bool gather = gathers_expert_rows();
   const ExpertInputs in = expert_inputs(s, !gather);
   // rebuilt from the layer input and gate / up
@@ -142,28 +143,33 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   if (env_.model.recomputes_expert_inputs())
     swiglu_weighted_forward(ctx, in.hact, hgate_, hup_, row_w_);
   const int64_t r = row_token_.size(0);
-  Tensor dyp = s.alloc(dt, {r, c.hidden_size});
+  // the expert rows' output gradient (gathering: read from dy by the down projection's backward)
+  Tensor dyp = gather ? Tensor() : s.alloc(dt, {r, c.hidden_size});
   Tensor drow_w = s.alloc(acc, {r});
   Tensor dgate = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   Tensor dup = s.alloc(dt, {hgate_.size(0), hgate_.size(1)});
   // Buffers dead by then take the input gradients: dyp once the down projection's backward has
-  // run (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine), and dgate once w1's
-  // backward has, when it is large enough (F >= d; moe-small: 64 MiB fewer).
+  // run (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine; gathering, dxp has the
+  // [N*K, d] dyp would have had), and dgate once w1's backward has, when it is large enough
+  // (F >= d; moe-small: 64 MiB fewer).
   const int64_t d = x.size(1), f = hgate_.size(1);
-  Tensor dxp = dyp;
+  Tensor dxp = gather ? s.alloc(dt, {r, d}) : dyp;
   Tensor dxp_up = f >= d ? dgate.view({r * f}).rows(0, r * d).view({r, d}) : s.alloc(dt, {r, d});
-  // combine (a plain sum: each expert row's gradient is its token's)
-  permute_forward(ctx, dyp, dy, row_token_);
-  // experts (the SwiGLU backward gives the routing weights' gradient too)
+  // combine (a plain sum: each expert row's gradient is its token's: the permute of dy, or
+  // gathering, the expert GEMMs read dy's and x's rows themselves); experts (the SwiGLU backward
+  // gives the routing weights' gradient too)
   const bool dw_overwrite = env_.model.backward_writes_expert_grads();
-  grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
-                               row_w_, offsets_, dw_overwrite);
   if (gather) {
+    grouped_swiglu_down_backward_gathered(ctx, dgate, dup, drow_w, w2_.g, dy, row_token_, in.hact,
+                                          w2_.w, hgate_, hup_, row_w_, offsets_, dw_overwrite);
     grouped_linear_backward_gathered(ctx, dxp, w1_.g, dgate, x, row_token_, w1_.w, offsets_,
                                      dw_overwrite);
     grouped_linear_backward_gathered(ctx, dxp_up, w3_.g, dup, x, row_token_, w3_.w, offsets_,
                                      dw_overwrite);
   } else {
+    permute_forward(ctx, dyp, dy, row_token_);
+    grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
+                                 row_w_, offsets_, dw_overwrite);
     grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
     grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_, dw_overwrite);
   }

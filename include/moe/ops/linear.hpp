@@ -66,5 +66,15 @@ MOE_OP(grouped_swiglu_down_backward,
        (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
         Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets, bool dw_overwrite = false),
        (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets, dw_overwrite))
+// grouped_swiglu_down_backward on the MoE layer's output gradient without its permuted copy: row
+// r of its dy is row row_token[r] of dy [N, d] (bitwise permute_forward into a buffer, then
+// grouped_swiglu_down_backward; the CUDA backend fuses the gather into the sm_90 dh and dw
+// kernels' loads). row_token: [R] i32, values in [0, N) (a value outside reads nothing: NaN rows
+// in the permute, zeros in the fused kernels); the rest as above.
+MOE_OP(grouped_swiglu_down_backward_gathered,
+       (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor row_token,
+        Tensor h, Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets,
+        bool dw_overwrite = false),
+       (ctx, dgate, dup, drow_w, dw2, dy, row_token, h, w2, gate, up, row_w, offsets, dw_overwrite))
 
 }  // namespace moe
