@@ -94,7 +94,7 @@ class MoeFfn {
   // The expert GEMMs' inputs: the permuted rows [R, d] and the SwiGLU output [R, F]. The kept
   // activations, or (train.recompute_expert_rows: xp; train.recompute_expert_inputs: both) fresh
   // tensors in `scratch` that the caller fills and releases. rows_wanted false: no fresh xp (the
-  // forward that gathers x's rows itself, gathers_expert_rows).
+  // expert GEMMs gather x's rows themselves: gathers_expert_rows).
   struct ExpertInputs {
     Tensor xp, hact;
   };

@@ -8,7 +8,9 @@
 // and backward as the same stages reversed. Because the weights act before W2, the combine is a
 // plain sum whose backward is a gather, and the weights' gradient comes from the SwiGLU backward
 // (<dh, silu(gate) up> per row): the expert outputs [N*K, d] are never kept for the backward.
-// Every buffer is sized by N*K, known in advance.
+// Every buffer is sized by N*K, known in advance. (MOE_PERMUTE_FUSED=1 with the expert rows
+// recomputed: the expert GEMMs read x's and dy's rows in expert order themselves, and the permuted
+// copies are never made; see gathers_expert_rows.)
 #include <algorithm>
 #include <cstdlib>
 #include <string>
