@@ -1006,13 +1006,25 @@ TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed ord
   unsetenv("MOE_GROUPED_SM90");
 }
 
+// The MoE layer's row -> token map for the gathered ops: r rows over n tokens, at random (tokens
+// taken several times, once or never).
+std::vector<int32_t> random_row_tokens(int64_t r, int64_t n, int64_t seed) {
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::vector<int32_t> tokens(static_cast<size_t>(r));
+  for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint64_t>(n));
+  return tokens;
+}
+
 // The SwiGLU products' cases, {rows, in, features, offsets}: features not a multiple of the
 // 128-feature (forward) or 256-column (dh) tiles, an empty expert, tiles cut mid-expert, more
-// tiles than SMs (the persistent kernel); in = 72 and 136 end mid-slice.
-std::vector<GroupedCase> swiglu_cases() {
-  return {{300, 64, 200, {0, 100, 100, 300}},
-          {1001, 136, 704, {0, 129, 129, 600, 1001}},
-          {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+// tiles than SMs (the persistent kernel); in = 72 and 136 end mid-slice. hot_expert: also one
+// expert with most rows (the dw kernel's chunked tiles).
+std::vector<GroupedCase> swiglu_cases(bool hot_expert = false) {
+  std::vector<GroupedCase> cases = {{300, 64, 200, {0, 100, 100, 300}},
+                                    {1001, 136, 704, {0, 129, 129, 600, 1001}},
+                                    {9000, 72, 264, {0, 1000, 1000, 4100, 8000, 9000}}};
+  if (hot_expert) cases.push_back({5000, 64, 136, {0, 4800, 4800, 5000}});
+  return cases;
 }
 
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
@@ -1077,9 +1089,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, in = gc.in, f = gc.out, n = r / 3 + 1;
-    std::mt19937 rng(static_cast<uint32_t>(r));
-    std::vector<int32_t> tokens(static_cast<size_t>(r));
-    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    const std::vector<int32_t> tokens = random_row_tokens(r, n, r);
     const std::string tag =
         " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
     for (DType dt : kDtypes) {
@@ -1122,14 +1132,11 @@ TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's 
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
-  std::vector<GroupedCase> cases = swiglu_cases();
-  cases.push_back({5000, 64, 136, {0, 4800, 4800, 5000}});  // a hot expert: chunked dw tiles
+  const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, in = gc.in, out = gc.out, n = r / 3 + 1;
-    std::mt19937 rng(static_cast<uint32_t>(r) + 7);
-    std::vector<int32_t> tokens(static_cast<size_t>(r));
-    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    const std::vector<int32_t> tokens = random_row_tokens(r, n, r + 7);
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
       const auto x = rounded_random_values(dt, n * in, 97),
@@ -1233,14 +1240,12 @@ TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backwa
   Ctx gpu = gpu_ctx();
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
-  std::vector<GroupedCase> cases = swiglu_cases();          // (in: d, the down projection's output)
-  cases.push_back({5000, 64, 136, {0, 4800, 4800, 5000}});  // a hot expert: chunked dw tiles
+  // (in: d, the down projection's output)
+  const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, d = gc.in, f = gc.out, n = r / 3 + 1;
-    std::mt19937 rng(static_cast<uint32_t>(r) + 11);
-    std::vector<int32_t> tokens(static_cast<size_t>(r));
-    for (auto& t : tokens) t = static_cast<int32_t>(rng() % static_cast<uint32_t>(n));
+    const std::vector<int32_t> tokens = random_row_tokens(r, n, r + 11);
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
       const auto dy = rounded_random_values(dt, n * d, 101),

@@ -30,6 +30,15 @@ const int32_t* checked_offsets(const Tensor& offsets, int64_t experts, int64_t r
   return o;
 }
 
+// The gathered ops' reference: src's rows row_token[r] copied into `rows` (allocated here).
+Tensor permuted_copy(Ctx& ctx, Buffer& rows, const Tensor& src, const Tensor& row_token) {
+  const int64_t r = row_token.size(0), width = src.size(1);
+  rows = Buffer(src.device, static_cast<size_t>(r * width) * dtype_size(src.dtype));
+  const Tensor copy = rows.as(src.dtype, {r, width});
+  cpu::permute_forward(ctx, copy, src, row_token);
+  return copy;
+}
+
 }  // namespace
 
 // y: [N, out] (= or +=), x: [N, in], w: [out, in]
@@ -117,23 +126,20 @@ void grouped_swiglu_forward(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x
 void grouped_linear_backward_gathered(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x,
                                       Tensor row_token, Tensor w, Tensor offsets,
                                       bool dw_overwrite) {
-  const GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
-  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
-  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
-  cpu::permute_forward(ctx, xp, x, row_token);
-  cpu::grouped_linear_backward(ctx, dx, dw, dy, xp, w, offsets, dw_overwrite);
+  check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
+  Buffer rows;
+  cpu::grouped_linear_backward(ctx, dx, dw, dy, permuted_copy(ctx, rows, x, row_token), w, offsets,
+                               dw_overwrite);
 }
 
 // The permute into a buffer of its own, then the three ops.
 void grouped_swiglu_forward_gathered(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
                                      Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,
                                      Tensor offsets) {
-  const GroupedDims s =
-      check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
-  Buffer rows(x.device, static_cast<size_t>(s.rows * s.in) * dtype_size(x.dtype));
-  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
-  cpu::permute_forward(ctx, xp, x, row_token);
-  cpu::grouped_swiglu_forward(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
+  check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
+  Buffer rows;
+  cpu::grouped_swiglu_forward(ctx, gate, up, h, permuted_copy(ctx, rows, x, row_token), w1, w3,
+                              row_w, offsets);
 }
 
 // dh into dgate, then the elementwise backward in place (swiglu_weighted_backward reads an
@@ -152,12 +158,11 @@ void grouped_swiglu_down_backward_gathered(Ctx& ctx, Tensor dgate, Tensor dup, T
                                            Tensor dw2, Tensor dy, Tensor row_token, Tensor h,
                                            Tensor w2, Tensor gate, Tensor up, Tensor row_w,
                                            Tensor offsets, bool dw_overwrite) {
-  const GroupedDims s = check_grouped_swiglu_down_backward_gathered_args(
-      dgate, dup, drow_w, dw2, dy, row_token, h, w2, gate, up, row_w);
-  Buffer rows(dy.device, static_cast<size_t>(s.rows * s.out) * dtype_size(dy.dtype));
-  const Tensor dyp = rows.as(dy.dtype, {s.rows, s.out});
-  cpu::permute_forward(ctx, dyp, dy, row_token);
-  cpu::grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyp, h, w2, gate, up, row_w,
+  check_grouped_swiglu_down_backward_gathered_args(dgate, dup, drow_w, dw2, dy, row_token, h, w2,
+                                                   gate, up, row_w);
+  Buffer rows;
+  cpu::grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2,
+                                    permuted_copy(ctx, rows, dy, row_token), h, w2, gate, up, row_w,
                                     offsets, dw_overwrite);
 }
 

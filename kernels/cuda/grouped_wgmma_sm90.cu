@@ -335,7 +335,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
     named_barrier_sync(1 + g, 128);
     const int t = static_cast<int>(threadIdx.x) % 128;
     const bool real = r0 + t < r1;
-    if (t < 64) cp_async4(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
+    if (t < 64) cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
     store_piece(g, staging, c, map_c, r0, r1, n0, n_total, columns(0));
     store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, columns(16));
     // The routing weights come from shared memory just before h's pairs pass: loaded from
@@ -355,19 +355,28 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   }
 }
 
-// The gathering rows kernel's copy of one A row: the 64 k of slice k0 of `src` (a row of
-// [*, k_total]) as row p of the stage's A block, in the 128-byte swizzle its TMA load would give
-// (16-byte chunk c at slot c ^ (p % 8)); zeros past k_total (k_total % 8 == 0) and for a row that
-// is not real.
+// The gathering kernels' copies (the MoE permute fused into a product's loads). gathered_row:
+// row i of the gathered operand, src's row row_token[i] of `width` elements, or null where i is
+// not wanted (past the expert's rows) or its token lies outside [0, tokens) (a caller bug: it
+// reads nothing).
 template <class T>
-__device__ __forceinline__ void gather_a_slice(uint32_t stage, int p, const T* src, int64_t k0,
-                                               int64_t k_total, bool real) {
-  const uint32_t line = stage + static_cast<uint32_t>(p) * Sw128::kRowBytes;
+__device__ __forceinline__ const T* gathered_row(const T* src, const int32_t* row_token, int64_t i,
+                                                 bool wanted, int64_t tokens, int64_t width) {
+  const int32_t token = wanted ? row_token[i] : -1;
+  return 0 <= token && token < tokens ? src + int64_t(token) * width : nullptr;
+}
+
+// 64 elements of `row` from column col0 by cp.async as line q of a block in the 128-byte swizzle
+// TMA gives (16-byte chunk c at slot c ^ (q % 8)); zeros past `width` (a multiple of 8), or
+// everywhere for a null row. base: any valid address, for the copies that read nothing.
+template <class T>
+__device__ __forceinline__ void copy_line(uint32_t line, int q, const T* row, const T* base,
+                                          int64_t col0, int64_t width) {
 #pragma unroll
-  for (int c = 0; c < kBK / 8; ++c) {
-    const int64_t k = k0 + 8 * c;
-    const bool valid = real && k < k_total;
-    cp_async16_shared(line + ((c ^ (p & 7)) << 4), valid ? src + k : src, valid);
+  for (int c = 0; c < 8; ++c) {
+    const int64_t col = col0 + 8 * c;
+    const bool valid = row != nullptr && col < width;
+    cp_async_shared<16>(line + ((c ^ (q & 7)) << 4), valid ? row + col : base, valid);
   }
 }
 
@@ -382,7 +391,7 @@ __device__ __forceinline__ void gather_a_slice(uint32_t stage, int p, const T* s
 // and h = row_w * silu(gate) * up (store_tile).
 // kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
 // MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
-// them by cp.async (gather_a_slice).
+// them by cp.async (gathered_row, copy_line).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -438,11 +447,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int64_t r0 = 0, r1 = 0;
         if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
         const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
-        // kGather: rows past the expert's end are zeros (they feed output rows that are not
-        // stored), as is a row whose token is out of range (a caller bug: it reads nothing).
-        const int32_t token = kGather && r0 + p < r1 ? row_token[r0 + p] : -1;
-        const bool real = 0 <= token && token < a_tokens;
-        const T* src = real ? a_src + int64_t(token) * k_total : a_src;
+        // kGather: the A row thread p copies (null past the expert's end: zeros, which feed
+        // output rows that are not stored)
+        const T* src = kGather
+                           ? gathered_row(a_src, row_token, r0 + p, r0 + p < r1, a_tokens, k_total)
+                           : nullptr;
         if (kGather || p == 0) {
           for (int t = 0; t < slices; ++t, ++it) {
             ring.wait_free(it);
@@ -454,7 +463,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               load_b(stage, bar, t, n0, e);
             }
             if constexpr (kGather) {
-              gather_a_slice(stage, p, src, t * kBK, k_total, real);
+              copy_line(stage + p * Sw128::kRowBytes, p, src, a_src, t * kBK, k_total);
               cp_async_mbar_arrive(bar);
             }
           }
@@ -522,26 +531,17 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
 // The gathering dw kernel's copy of one operand's k-slice at k (rows k .. k + 63, those from k1
 // on zeros): kBlocks blocks of [64 k-rows][64 columns from col0] of rows row_token[k-row] of
-// src [tokens, width], in the 128-byte swizzle their TMA loads would give. Thread p (0..127)
-// copies k-row p % 64 of blocks p / 64, p / 64 + 2, ...; a token out of [0, tokens) (a caller
-// bug) reads nothing.
+// src [tokens, width], in the layout their TMA loads would give. Thread p (0..127) copies k-row
+// p % 64 of blocks p / 64, p / 64 + 2, ...
 template <int kBlocks, class T>
 __device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
                                               const int32_t* row_token, int64_t tokens, int64_t k,
                                               int64_t k1, int64_t col0, int64_t width) {
   const int q = p % 64;
-  const int32_t token = k + q < k1 ? row_token[k + q] : -1;
-  const bool real = 0 <= token && token < tokens;
-  const T* row = real ? src + int64_t(token) * width : src;
-  for (int j = p / 64; j < kBlocks; j += 2) {
-    const uint32_t line = dst + j * Sw128::kBlockBytes + q * Sw128::kRowBytes;
-#pragma unroll
-    for (int c = 0; c < 8; ++c) {
-      const int64_t col = col0 + 64 * j + 8 * c;
-      const bool valid = real && col < width;  // width % 8 == 0
-      cp_async16_shared(line + ((c ^ (q & 7)) << 4), valid ? row + col : src, valid);
-    }
-  }
+  const T* row = gathered_row(src, row_token, k + q, k + q < k1, tokens, width);
+  for (int j = p / 64; j < kBlocks; j += 2)
+    copy_line(dst + j * Sw128::kBlockBytes + q * Sw128::kRowBytes, q, row, src, col0 + 64 * j,
+              width);
 }
 
 // The gathering dw producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72

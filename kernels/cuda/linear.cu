@@ -361,59 +361,6 @@ void grouped_swiglu_forward_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Ten
   cuda::swiglu_weighted_forward(ctx, h, gate, up, row_w);
 }
 
-// grouped_linear_backward on rows row_token[r] of x [N, in]: dw by the sm_90 dw kernel with the
-// gather fused into its loads, dx = dy w[e] as always; elsewhere the permute into a buffer of its
-// own first (cudaMalloc per call, as below).
-void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x,
-                                           Tensor row_token, Tensor w, Tensor offsets,
-                                           bool dw_overwrite) {
-  constexpr const char* op = "grouped_linear_backward_gathered";
-  grouped_dims(x, w, offsets, op);  // offsets' shape and device, the grid's limits
-  const GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
-  MOE_CHECK(row_token.device == x.device, std::string(op) + ": row_token must be on " +
-                                              x.device.str() + ", got " + row_token.device.str());
-  const int32_t* off = data_of<int32_t>(offsets);
-  if (s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 && x.size(0) > 0 &&
-      grouped_mma_available(x.dtype) &&
-      grouped_sm90_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
-                      static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite,
-                      {data_of<int32_t>(row_token), x.size(0), false, true})) {
-    grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
-                     s.rows, s.in, s.out, s.out * s.in, false);
-    return;
-  }
-  Buffer rows(x.device, std::max<size_t>(16, size_t(s.rows * s.in) * dtype_size(x.dtype)));
-  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
-  cuda::permute_forward(ctx, xp, x, row_token);
-  grouped_linear_backward_cuda(ctx, dx, dw, dy, xp, w, offsets, dw_overwrite);
-}
-
-// grouped_swiglu_forward on rows row_token[r] of x [N, in]: the gather fused into the sm_90
-// kernel's loads (its producer warpgroup copies A's rows by cp.async); elsewhere the permute into
-// a buffer of its own first (cudaMalloc per call: the trainer takes this op only where the fused
-// kernel runs).
-void grouped_swiglu_forward_gathered_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
-                                          Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,
-                                          Tensor offsets) {
-  constexpr const char* op = "grouped_swiglu_forward_gathered";
-  grouped_dims(x, w1, offsets, op);  // offsets' shape and device, the grid's limits
-  const GroupedDims s =
-      check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
-  MOE_CHECK(row_token.device == x.device, std::string(op) + ": row_token must be on " +
-                                              x.device.str() + ", got " + row_token.device.str());
-  if (s.rows == 0 || s.out == 0) return;
-  if (s.experts > 0 && x.size(0) > 0 &&
-      grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data, w1.data, w3.data,
-                          row_w.dtype == DType::f32 ? data_of<float>(row_w) : nullptr,
-                          data_of<int32_t>(offsets), static_cast<int>(s.experts), s.rows, s.out,
-                          s.in, data_of<int32_t>(row_token), x.size(0)))
-    return;
-  Buffer rows(x.device, std::max<size_t>(16, size_t(s.rows * s.in) * dtype_size(x.dtype)));
-  const Tensor xp = rows.as(x.dtype, {s.rows, s.in});
-  cuda::permute_forward(ctx, xp, x, row_token);
-  grouped_swiglu_forward_cuda(ctx, gate, up, h, xp, w1, w3, row_w, offsets);
-}
-
 // dgate, dup, gate, up, h: [R, F]; dy: [R, d]; w2, dw2: [E, d, F]; row_w, drow_w: [R]. dh goes
 // into dgate and the elementwise backward runs in place (no dh buffer). Applying the SwiGLU
 // backward in the sm_90 dh GEMM's epilogue instead was measured slower on the H200 (857 against
@@ -427,46 +374,98 @@ void grouped_swiglu_down_backward_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tenso
   cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
+// ---- the gathered ops: the MoE permute fused into the sm_90 kernels' loads -------------------
+
+// A gathered op's device checks: grouped_dims' (the offsets, the grid's limits) over the
+// product's x-like operand and w, and row_token on the gathered `src`'s device.
+void check_gathered_device(const Tensor& x, const Tensor& w, const Tensor& offsets,
+                           const Tensor& row_token, const Tensor& src, const char* op) {
+  grouped_dims(x, w, offsets, op);
+  MOE_CHECK(row_token.device == src.device, std::string(op) + ": row_token must be on " +
+                                                src.device.str() + ", got " +
+                                                row_token.device.str());
+}
+
+// Where the fused kernels decline (not sm_90, MOE_GROUPED_SM90 set otherwise): src's rows
+// row_token[r] copied into `rows`, allocated here (cudaMalloc per call: the trainer gathers only
+// on request, for sm_90).
+Tensor permuted_copy(Ctx& ctx, Buffer& rows, const Tensor& src, const Tensor& row_token) {
+  const int64_t r = row_token.size(0), width = src.size(1);
+  rows = Buffer(src.device, std::max<size_t>(16, size_t(r * width) * dtype_size(src.dtype)));
+  const Tensor copy = rows.as(src.dtype, {r, width});
+  cuda::permute_forward(ctx, copy, src, row_token);
+  return copy;
+}
+
+// grouped_linear_backward on rows row_token[r] of x [N, in]: dw by the sm_90 dw kernel with the
+// gather fused into its loads, dx = dy w[e] as always.
+void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x,
+                                           Tensor row_token, Tensor w, Tensor offsets,
+                                           bool dw_overwrite) {
+  check_gathered_device(x, w, offsets, row_token, x, "grouped_linear_backward_gathered");
+  const GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw, dy, x, row_token, w);
+  const int32_t* off = data_of<int32_t>(offsets);
+  if (s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 && x.size(0) > 0 &&
+      grouped_mma_available(x.dtype) &&
+      grouped_sm90_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
+                      static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite,
+                      {data_of<int32_t>(row_token), x.size(0), false, true})) {
+    grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
+                     s.rows, s.in, s.out, s.out * s.in, false);
+    return;
+  }
+  Buffer rows;
+  grouped_linear_backward_cuda(ctx, dx, dw, dy, permuted_copy(ctx, rows, x, row_token), w, offsets,
+                               dw_overwrite);
+}
+
+// grouped_swiglu_forward on rows row_token[r] of x [N, in]: the gather fused into the sm_90
+// kernel's loads (its producer warpgroup copies A's rows by cp.async).
+void grouped_swiglu_forward_gathered_cuda(Ctx& ctx, Tensor gate, Tensor up, Tensor h, Tensor x,
+                                          Tensor row_token, Tensor w1, Tensor w3, Tensor row_w,
+                                          Tensor offsets) {
+  check_gathered_device(x, w1, offsets, row_token, x, "grouped_swiglu_forward_gathered");
+  const GroupedDims s =
+      check_grouped_swiglu_forward_gathered_args(gate, up, h, x, row_token, w1, w3, row_w);
+  if (s.rows == 0 || s.out == 0) return;
+  if (s.experts > 0 && x.size(0) > 0 &&
+      grouped_sm90_swiglu(ctx, x.dtype, gate.data, up.data, h.data, x.data, w1.data, w3.data,
+                          row_w.dtype == DType::f32 ? data_of<float>(row_w) : nullptr,
+                          data_of<int32_t>(offsets), static_cast<int>(s.experts), s.rows, s.out,
+                          s.in, data_of<int32_t>(row_token), x.size(0)))
+    return;
+  Buffer rows;
+  grouped_swiglu_forward_cuda(ctx, gate, up, h, permuted_copy(ctx, rows, x, row_token), w1, w3,
+                              row_w, offsets);
+}
+
 // grouped_swiglu_down_backward with dy's rows row_token[r] of dy [N, d]: dw2 and dh by the
-// sm_90 kernels with the gather fused into their loads, then the SwiGLU backward as there;
-// elsewhere the permute into a buffer of its own first (cudaMalloc per call, as above).
+// sm_90 kernels with the gather fused into their loads, then the SwiGLU backward as there.
 void grouped_swiglu_down_backward_gathered_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
                                                 Tensor dw2, Tensor dy, Tensor row_token, Tensor h,
                                                 Tensor w2, Tensor gate, Tensor up, Tensor row_w,
                                                 Tensor offsets, bool dw_overwrite) {
-  constexpr const char* op = "grouped_swiglu_down_backward_gathered";
-  grouped_dims(h, w2, offsets, op);  // offsets' shape and device, the grid's limits
+  check_gathered_device(h, w2, offsets, row_token, dy, "grouped_swiglu_down_backward_gathered");
   const GroupedDims s = check_grouped_swiglu_down_backward_gathered_args(
       dgate, dup, drow_w, dw2, dy, row_token, h, w2, gate, up, row_w);
-  MOE_CHECK(row_token.device == dy.device, std::string(op) + ": row_token must be on " +
-                                               dy.device.str() + ", got " + row_token.device.str());
   const int32_t* off = data_of<int32_t>(offsets);
   const int32_t* tok = data_of<int32_t>(row_token);
   const int experts = static_cast<int>(s.experts);
   const int64_t n = dy.size(0), d = s.out, f = s.in;
-  auto permuted_dy = [&](Buffer& rows) {
-    rows = Buffer(dy.device, std::max<size_t>(16, size_t(s.rows * d) * dtype_size(dy.dtype)));
-    const Tensor dyp = rows.as(dy.dtype, {s.rows, d});
-    cuda::permute_forward(ctx, dyp, dy, row_token);
-    return dyp;
-  };
+  Buffer rows;
   if (!(s.rows > 0 && s.experts > 0 && f > 0 && d > 0 && n > 0 && grouped_mma_available(h.dtype) &&
         grouped_sm90_dw(ctx, h.dtype, data_of<float>(dw2), dy.data, h.data, off, experts, s.rows, d,
                         f, dw_overwrite, {tok, n, true, false}))) {
-    Buffer rows;
-    const Tensor dyp = permuted_dy(rows);
-    grouped_swiglu_down_backward_cuda(ctx, dgate, dup, drow_w, dw2, dyp, h, w2, gate, up, row_w,
-                                      offsets, dw_overwrite);
+    grouped_swiglu_down_backward_cuda(ctx, dgate, dup, drow_w, dw2,
+                                      permuted_copy(ctx, rows, dy, row_token), h, w2, gate, up,
+                                      row_w, offsets, dw_overwrite);
     return;
   }
   // dh = dy w2[e] into dgate (the gathered rows kernel, or a permuted copy where it declines)
   if (!grouped_sm90_rows(ctx, h.dtype, dgate.data, dy.data, w2.data, off, experts, s.rows, f, d,
-                         d * f, false, tok, n)) {
-    Buffer rows;
-    const Tensor dyp = permuted_dy(rows);
-    grouped_mma_rows(ctx, h.dtype, dgate.data, dyp.data, w2.data, off, experts, s.rows, f, d, d * f,
-                     false);
-  }
+                         d * f, false, tok, n))
+    grouped_mma_rows(ctx, h.dtype, dgate.data, permuted_copy(ctx, rows, dy, row_token).data,
+                     w2.data, off, experts, s.rows, f, d, d * f, false);
   cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 

@@ -147,23 +147,21 @@ __device__ __forceinline__ void tma_store_wait_all() {
 #endif
 }
 
-// Copies the 4 bytes at global `src` to shared address `dst` asynchronously (cp.async, sm_80+);
-// with !valid it writes 4 zero bytes and reads nothing. cp_async_wait_all: this thread's copies
-// have landed (a barrier after it publishes them).
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+// Copies kBytes (4 or 16) at global `src` to shared address `dst` asynchronously (cp.async,
+// sm_80+; 16-byte copies bypass L1); with !valid it writes zeros and reads nothing.
+// cp_async_wait_all: this thread's copies have landed (a barrier after it publishes them).
+template <int kBytes>
+__device__ __forceinline__ void cp_async_shared(uint32_t dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 16, "cp.async copies 4 (.ca) or 16 (.cg) bytes here");
 #if MOE_HAS_WGMMA
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 4 : 0)
-               : "memory");
-#endif
-}
-// 16 bytes from global `src` to shared address `dst` asynchronously (cp.async, L2 only); with
-// !valid it writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16_shared(uint32_t dst, const void* src, bool valid) {
-#if MOE_HAS_WGMMA
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
+  if constexpr (kBytes == 4)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 4 : 0)
+                 : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0)
+                 : "memory");
 #endif
 }
 // An arrival on the barrier at `bar` once this thread's cp.async so far have landed, counted as

@@ -41,8 +41,8 @@ class Pool {
   }
   // Uniform in [lo, hi), never exactly zero, in any float dtype. Drawn in chunks of 1 Mi values
   // on the host's threads, each chunk from a generator of its own seeded from one draw of the
-  // pool's: the same values for any thread count (one thread took most of a minute over
-  // moe-fine's ~1.5 G input values, device time spent waiting).
+  // pool's: the same values for any thread count (drawn on one thread, moe-fine's ~1.5 G input
+  // values kept the GPU waiting: no moe-fine bench run finished within 25 s).
   Tensor random(DType t, std::initializer_list<int64_t> dims, float lo = -1, float hi = 1) {
     Tensor out = zeros(t, dims);
     const int64_t count = out.numel();
