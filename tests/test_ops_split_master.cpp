@@ -16,6 +16,7 @@
 #include "common/float16.hpp"
 #include "common/split_master.hpp"
 #include "moe/ops/elementwise.hpp"
+#include "moe/ops/linear.hpp"
 #include "moe/ops/optim.hpp"
 #include "test_util.hpp"
 
@@ -184,4 +185,34 @@ TEST_CASE("split_master_decode writes each element's decode; bad operands are na
   with_copy.compute_out = s.thi;
   CHECK_THROWS_WITH(adamw_step_split(ctx, s.thi, s.tlo, g, m, v, with_copy),
                     Catch::Contains("compute_out must be empty"));
+}
+
+TEST_CASE(
+    "grouped_linear_forward_adamw: the product, then the update; an overlapping slab throws") {
+  Ctx ctx = cpu_ctx();
+  const int64_t e = 3, in = 8, out = 6, n = 259;
+  std::vector<int32_t> off = {0, 5, 5, 12};
+  const int64_t r = off.back();
+  Buf<double> x = random_buf({r, in}, 51), w = random_buf({e, out, in}, 52);
+  Tensor toff(off.data(), DType::i32, Device{}, {e + 1});
+  Buf<float> p = to_f32(random_buf({n}, 53, -2, 2)), g = to_f32(random_buf({n}, 54, -3, 3));
+  AdamWArgs a;
+  a.lr = 1e-2, a.step = 2, a.weight_decay = 0.1;
+  Buf<float> m1({n}), v1({n}), m2({n}), v2({n});
+  SplitState s1(p.v), s2(p.v);
+  Buf<double> y1({r, out}), y2({r, out});
+  grouped_linear_forward_adamw(ctx, y1, x, w, toff, s1.thi, s1.tlo, g, m1, v1, a);
+  grouped_linear_forward(ctx, y2, x, w, toff);
+  adamw_step_split(ctx, s2.thi, s2.tlo, g, m2, v2, a);
+  CHECK(y1.v == y2.v);
+  CHECK(s1.hi == s2.hi);
+  CHECK(s1.lo == s2.lo);
+  CHECK(m1.v == m2.v);
+  CHECK(v1.v == v2.v);
+  CHECK(s1.decoded() != p.v);  // the update ran
+  // The update's g inside the product's x: refused before anything runs.
+  Tensor g_in_x(x.v.data(), DType::f32, Device{}, {n});
+  CHECK_THROWS_WITH(
+      grouped_linear_forward_adamw(ctx, y1, x, w, toff, s1.thi, s1.tlo, g_in_x, m1, v1, a),
+      Catch::Contains("overlap the product"));
 }

@@ -2,6 +2,8 @@
 // (kernels/cuda/linear.cu) backends: shapes and dtypes only, nothing that reads tensor data or
 // depends on the device (the CPU op also checks the offsets' values; the CUDA op cannot read them).
 #pragma once
+#include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "moe/error.hpp"
@@ -189,6 +191,20 @@ inline GroupedDims check_grouped_swiglu_down_backward_gathered_args(
                                           Tensor(nullptr, dy.dtype, dy.device, {s.rows, s.out}), h,
                                           w2, gate, up, row_w);
   return s;
+}
+
+// grouped_linear_forward_adamw: the update's slab must not overlap the product's operands (the
+// CUDA backend updates it while the product runs).
+inline void check_update_apart(std::initializer_list<const Tensor*> slab,
+                               std::initializer_list<const Tensor*> product, const char* op) {
+  for (const Tensor* a : slab)
+    for (const Tensor* b : product) {
+      if (a->empty() || b->empty()) continue;
+      const auto a0 = reinterpret_cast<uintptr_t>(a->data),
+                 b0 = reinterpret_cast<uintptr_t>(b->data);
+      MOE_CHECK(a0 + a->nbytes() <= b0 || b0 + b->nbytes() <= a0,
+                std::string(op) + ": the updated parameters overlap the product's operands");
+    }
 }
 
 }  // namespace moe

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/linear_checks.hpp"
+#include "common/optim_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/linear.hpp"
@@ -84,6 +85,16 @@ void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offse
            w.ptr<T>() + e * s.out * s.in, s.in, T(0), y.ptr<T>() + r0 * s.out, s.out);
     }
   });
+}
+
+// The product, then the update (the two ops in turn).
+void grouped_linear_forward_adamw(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets, Tensor hi,
+                                  Tensor lo, Tensor g, Tensor m, Tensor v, const AdamWArgs& a) {
+  check_adamw_step_split_args(hi, lo, g, m, v, a);
+  check_update_apart({&hi, &lo, &g, &m, &v}, {&y, &x, &w, &offsets},
+                     "grouped_linear_forward_adamw");
+  cpu::grouped_linear_forward(ctx, y, x, w, offsets);
+  cpu::adamw_step_split(ctx, hi, lo, g, m, v, a);
 }
 
 // dx: [R, in] (overwritten), dw: [E, out, in] (+=, or = with dw_overwrite), dy: [R, out]

@@ -10,6 +10,8 @@
 
 namespace moe::cuda_detail {
 
+struct AdamRider;  // adam_rider.cuh
+
 // Whether the tensor-core path exists in this binary for dtype t on the current device.
 bool grouped_mma_available(DType t);
 
@@ -36,10 +38,14 @@ bool grouped_sm80_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 // for them, or the operands miss the same alignment requirements.
 // With row_token ([rows] i32; the dx = dy w[e] form, !b_k_fast, only), a is [tokens, k_total]
 // and row r of the product reads its row row_token[r] (the MoE permute fused into the loads).
+// With a rider (adam_rider.cuh; not with row_token) the kernel's spare warps carry its AdamW
+// update while the product runs; the caller then finishes it (finish_adam_rider). With rows == 0
+// nothing is launched and the riders carry nothing.
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast,
-                       const int32_t* row_token = nullptr, int64_t tokens = 0);
+                       const int32_t* row_token = nullptr, int64_t tokens = 0,
+                       const AdamRider* rider = nullptr);
 // The MoE permute fused into the dw product's loads: the gathered operand is [tokens, cols] and
 // its row r is row row_token[r] ([rows] i32) of that.
 struct DwGather {

@@ -47,6 +47,7 @@
 #include "cuda/mma_sm80.cuh"
 #include "cuda/silu.cuh"
 #include "cuda/tma_sm90.cuh"
+#include "cuda/adam_rider.cuh"
 #include "cuda/wgmma_sm90.cuh"
 
 namespace moe::cuda_detail {
@@ -366,19 +367,41 @@ __device__ __forceinline__ const T* gathered_row(const T* src, const int32_t* ro
   return 0 <= token && token < tokens ? src + int64_t(token) * width : nullptr;
 }
 
-// 64 elements of `row` from column col0 by cp.async as line q of a block in the 128-byte swizzle
-// TMA gives (16-byte chunk c at slot c ^ (q % 8)); zeros past `width` (a multiple of 8), or
-// everywhere for a null row. base: any valid address, for the copies that read nothing.
+// A warp's cp.async copy of lines line0 .. line0 + 31 (line0 a multiple of 32) of a block in the
+// 128-byte swizzle TMA gives (16-byte chunk c of line q at slot c ^ (q % 8)): 64 elements from
+// column col0 of the row lane l holds (`row`, for line line0 + l; null: zeros), zeros past
+// `width` (a multiple of 8). Each step copies four whole lines, eight lanes per row, so every
+// instruction reads full 128-byte lines: a lane per line read 16 bytes of 32 lines at a time,
+// half of each 32-byte sector, and the gathering kernels ran at 0.65x the TMA ones. base: any
+// valid address, for the copies that read nothing. All 32 lanes call it together.
 template <class T>
-__device__ __forceinline__ void copy_line(uint32_t line, int q, const T* row, const T* base,
-                                          int64_t col0, int64_t width) {
+__device__ __forceinline__ void copy_warp_lines(uint32_t block, int line0, const T* row,
+                                                const T* base, int64_t col0, int64_t width) {
+  const int lane = static_cast<int>(threadIdx.x % 32), c = lane % 8;
+  const int64_t col = col0 + 8 * c;
+  const auto own = reinterpret_cast<unsigned long long>(row);
 #pragma unroll
-  for (int c = 0; c < 8; ++c) {
-    const int64_t col = col0 + 8 * c;
-    const bool valid = row != nullptr && col < width;
-    cp_async_shared<16>(line + ((c ^ (q & 7)) << 4), valid ? row + col : base, valid);
+  for (int i = 0; i < 8; ++i) {
+    const int l = 4 * i + lane / 8;
+    const T* src = reinterpret_cast<const T*>(__shfl_sync(0xffffffffu, own, l));
+    const int q = line0 + l;
+    const bool valid = src != nullptr && col < width;
+    cp_async_shared<16>(block + q * Sw128::kRowBytes + ((c ^ (q & 7)) << 4),
+                        valid ? src + col : base, valid);
   }
 }
+
+// The rows kernel's registers per thread: the producer warpgroup's (its warps 1-3 carry an AdamW
+// rider: at 40 they spilled 72 bytes) and the math warpgroups' (at most 3 x 168 together, the
+// block's: setmaxnreg.inc only takes what a .dec gave back). The SwiGLU kernel carries no rider
+// (its epilogue spilled 64 bytes at 216) and keeps 40 + 2 x 232.
+template <bool kSwiglu>
+constexpr int kRowsProducerRegs = kSwiglu ? 40 : 64;
+template <bool kSwiglu>
+constexpr int kRowsMathRegs = kSwiglu ? 232 : 216;
+static_assert(kRowsProducerRegs<false> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
+                  kRowsProducerRegs<true> + 2 * kRowsMathRegs<true> <= 3 * 168,
+              "setmaxnreg within the block");
 
 // Rows kernel, persistent: block b runs tiles b, b + gridDim.x, ... of (row tile, column tile),
 // columns fastest. While the math warps store one tile, the producer already streams the next
@@ -391,18 +414,15 @@ __device__ __forceinline__ void copy_line(uint32_t line, int q, const T* row, co
 // and h = row_w * silu(gate) * up (store_tile).
 // kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
 // MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
-// them by cp.async (gathered_row, copy_line).
+// them by cp.async (gathered_row, copy_warp_lines).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false>
-__global__ void __launch_bounds__(kTmaThreads, 1)
-    grouped_tma_rows_kernel(const __grid_constant__ CUtensorMap map_a,
-                            const __grid_constant__ CUtensorMap map_b,
-                            const __grid_constant__ CUtensorMap map_b2,
-                            const __grid_constant__ CUtensorMap map_c,
-                            const __grid_constant__ CUtensorMap map_up,
-                            const __grid_constant__ CUtensorMap map_h, T* c, T* c_up, T* c_h,
-                            const float* row_w, const int32_t* offsets, int experts, int64_t rows,
-                            int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles,
-                            const T* a_src, const int32_t* row_token, int64_t a_tokens) {
+__global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
+    const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
+    const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_c,
+    const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_h, T* c,
+    T* c_up, T* c_h, const float* row_w, const int32_t* offsets, int experts, int64_t rows,
+    int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles, const T* a_src,
+    const int32_t* row_token, int64_t a_tokens, const AdamRider rider) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -417,7 +437,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         shared_offsets[i] = offsets[i];
       offsets = shared_offsets;
     }
-    // (its barrier publishes the offsets' copy)
+    // The math warpgroups done with their tiles (the riders stop at 2).
+    __shared__ int math_done;
+    if (threadIdx.x == 0) math_done = 0;
+    // (its barrier publishes the offsets' copy and math_done)
     const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     const int slices = static_cast<int>((k_total + kBK - 1) / kBK);
@@ -437,10 +460,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
     };
     if (wg == 0) {
-      release_registers<40>();
+      release_registers<kRowsProducerRegs<kSwiglu>>();
       // Thread 0 loads by TMA (warp 0 scans the offsets); kGather: all 128 threads copy A's rows,
-      // thread p row p.
-      if (!kGather && threadIdx.x >= 32) return;
+      // thread p row p. Otherwise warps 1-3 carry the rider's AdamW (if any) until the math
+      // warpgroups are done.
+      if (!kGather && threadIdx.x >= 32) {
+        if constexpr (!kSwiglu) {
+          if (rider.quads > 0) ride_adam(rider, &math_done, 2);
+        }
+        return;
+      }
       const int p = static_cast<int>(threadIdx.x);
       for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         int e = 0;
@@ -463,7 +492,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
               load_b(stage, bar, t, n0, e);
             }
             if constexpr (kGather) {
-              copy_line(stage + p * Sw128::kRowBytes, p, src, a_src, t * kBK, k_total);
+              copy_warp_lines(stage, p & ~31, src, a_src, t * kBK, k_total);
               cp_async_mbar_arrive(bar);
             }
           }
@@ -471,7 +500,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         __syncwarp();
       }
     } else {
-      claim_registers<232>();
+      claim_registers<kRowsMathRegs<kSwiglu>>();
       const int g = wg - 1;
       const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
       // kSwiglu: each math warpgroup's 64 routing weights, after the staging, in the 1 KiB kept
@@ -502,7 +531,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
                                   row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
       }
-      if (threadIdx.x % 128 == 0) tma_store_wait_all();  // its TMA stores have landed
+      if (threadIdx.x % 128 == 0) {
+        tma_store_wait_all();  // its TMA stores have landed
+        atomicAdd(&math_done, 1);
+      }
     }
   }
 }
@@ -531,8 +563,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 // k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
 // The gathering dw kernel's copy of one operand's k-slice at k (rows k .. k + 63, those from k1
 // on zeros): kBlocks blocks of [64 k-rows][64 columns from col0] of rows row_token[k-row] of
-// src [tokens, width], in the layout their TMA loads would give. Thread p (0..127) copies k-row
-// p % 64 of blocks p / 64, p / 64 + 2, ...
+// src [tokens, width], in the layout their TMA loads would give. Thread p (0..127) holds k-row
+// p % 64, and its warp copies its 32 k-rows of blocks p / 64, p / 64 + 2, ... (copy_warp_lines).
 template <int kBlocks, class T>
 __device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
                                               const int32_t* row_token, int64_t tokens, int64_t k,
@@ -540,8 +572,7 @@ __device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
   const int q = p % 64;
   const T* row = gathered_row(src, row_token, k + q, k + q < k1, tokens, width);
   for (int j = p / 64; j < kBlocks; j += 2)
-    copy_line(dst + j * Sw128::kBlockBytes + q * Sw128::kRowBytes, q, row, src, col0 + 64 * j,
-              width);
+    copy_warp_lines(dst + j * Sw128::kBlockBytes, q & ~31, row, src, col0 + 64 * j, width);
 }
 
 // The gathering dw producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72
@@ -783,7 +814,7 @@ struct RowsIn {
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
-                 int64_t k_total, int64_t expert_stride) {
+                 int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
   auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, kRowsSmemBytes<C>); });
@@ -814,7 +845,7 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
       map_a, map_b, map_b2, map_c, map_up, map_h, static_cast<T*>(out.c), static_cast<T*>(out.up),
       static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles,
-      static_cast<const T*>(a), in.row_token, in.tokens);
+      static_cast<const T*>(a), in.row_token, in.tokens, rider);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -933,10 +964,12 @@ void with_config(DType t, Mode m, Fn&& fn) {
 bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast,
-                       const int32_t* row_token, int64_t tokens) {
+                       const int32_t* row_token, int64_t tokens, const AdamRider* rider) {
   const Mode m = mode();
-  // (gathering: the dx = dy w[e] form only, the one the trainer gathers)
+  // (gathering: the dx = dy w[e] form only, the one the trainer gathers; a rider: not with it,
+  // the producer warpgroup's threads all copy there)
   if (m == Mode::off || !sm90_available(t) || (row_token != nullptr && b_k_fast) ||
+      (rider != nullptr && row_token != nullptr) ||
       !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, kBM))
     return false;
   if (rows == 0) return true;  // nothing to write (and a tensor map needs a row)
@@ -949,10 +982,10 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                                             n_total, k_total, expert_stride);
     else if (b_k_fast)
       launch_rows<C, T, true>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total, k_total,
-                              expert_stride);
+                              expert_stride, rider ? *rider : AdamRider{});
     else
       launch_rows<C, T, false>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total,
-                               k_total, expert_stride);
+                               k_total, expert_stride, rider ? *rider : AdamRider{});
   });
   return true;
 }

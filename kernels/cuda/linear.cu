@@ -35,6 +35,8 @@
 #include <string>
 
 #include "common/linear_checks.hpp"
+#include "common/optim_checks.hpp"
+#include "cuda/adam_rider.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
@@ -303,6 +305,30 @@ void grouped_linear_forward_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor 
   });
 }
 
+// The update rides in the sm_90 product's spare warps where it can (adam_rider.cuh), finished
+// behind it; otherwise the two ops in turn.
+void grouped_linear_forward_adamw_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets,
+                                       Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
+                                       const AdamWArgs& a) {
+  const GroupedDims s = grouped_dims(x, w, offsets, "grouped_linear_forward_adamw");
+  check_grouped_linear_forward_args(s, y, x, w);
+  check_adamw_step_split_args(hi, lo, g, m, v, a);
+  check_on_gpu({&hi, &lo, &g, &m, &v}, "grouped_linear_forward_adamw");
+  check_update_apart({&hi, &lo, &g, &m, &v}, {&y, &x, &w, &offsets},
+                     "grouped_linear_forward_adamw");
+  if (s.out > 0 && s.experts > 0 && hi.numel() > 0 && adam_rider_fits(hi, lo, g, m, v, a)) {
+    const AdamRider r = make_adam_rider(ctx, hi, lo, g, m, v, a);
+    if (grouped_sm90_rows(ctx, x.dtype, y.data, x.data, w.data, data_of<int32_t>(offsets),
+                          static_cast<int>(s.experts), s.rows, s.out, s.in, s.out * s.in, true,
+                          nullptr, 0, &r)) {
+      finish_adam_rider(ctx, r);
+      return;
+    }
+  }
+  grouped_linear_forward_cuda(ctx, y, x, w, offsets);
+  adamw_step_split(ctx, hi, lo, g, m, v, a);
+}
+
 // dx: [R, in] (overwritten), dw: [E, out, in] (+=, or = with dw_overwrite), dy: [R, out]
 void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                                   Tensor offsets, bool dw_overwrite) {
@@ -476,6 +502,7 @@ namespace moe {
 MOE_REGISTER_CUDA_OP(linear_forward, &cuda_detail::linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
+MOE_REGISTER_CUDA_OP(grouped_linear_forward_adamw, &cuda_detail::grouped_linear_forward_adamw_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward_gathered,
                      &cuda_detail::grouped_linear_backward_gathered_cuda);

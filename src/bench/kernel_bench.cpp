@@ -307,6 +307,24 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     adamw_step_split(ctx, shi, slo, sg, sm, sv, na);
   });
 
+  // ---- AdamW carried by a grouped GEMM's spare warps (grouped_linear_forward_adamw) against
+  // the two in turn, over a quarter of the slab (the riders can finish it within the product)
+  // and the whole of it (the finishing kernel does the rest) ----
+  {
+    Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));
+    for (const int64_t part : {slab / 4 / 4 * 4, slab}) {
+      Tensor hi = shi.rows(0, part), lo = slo.rows(0, part), g = sg.rows(0, part);
+      Tensor m1 = sm.rows(0, part), v1 = sv.rows(0, part);
+      const std::string what = "grouped_gemm maxvio 0 + adamw_split " + shape({part});
+      add("adamw_rider", what + ", in turn", 0, false, 0, 0, [&] {
+        grouped_linear_forward(ctx, y, x, w, off);
+        adamw_step_split(ctx, hi, lo, g, m1, v1, AdamWArgs{});
+      });
+      add("adamw_rider", what + ", carried", 0, false, 0, 0,
+          [&] { grouped_linear_forward_adamw(ctx, y, x, w, off, hi, lo, g, m1, v1, AdamWArgs{}); });
+    }
+  }
+
   // ---- the experts' gate and up GEMMs with SwiGLU (fused on sm_90), even routing ----
   {
     Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));

@@ -1,6 +1,7 @@
 // Matmuls with weights stored [out_features, in_features] row-major (Hugging Face layout).
 #pragma once
 #include "moe/ops/common.hpp"
+#include "moe/ops/optim.hpp"
 
 namespace moe {
 
@@ -28,6 +29,15 @@ MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
         bool dw_overwrite = false),
        (ctx, dx, dw, dy, x, w, offsets, dw_overwrite))
+// grouped_linear_forward(y, x, w, offsets), then adamw_step_split(hi, lo, g, m, v, a) over a
+// parameter slab that y, x, w and offsets do not overlap (hi, lo, g, m, v as adamw_step_split
+// takes them): bitwise the two ops in turn. The CUDA backend runs the update in the sm_90
+// product's spare warps while its tensor cores work (kernels/cuda/adam_rider.cuh) and finishes
+// what they left behind it; elsewhere, or with a.grad_sq_out, it runs the two ops in turn.
+MOE_OP(grouped_linear_forward_adamw,
+       (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor offsets, Tensor hi, Tensor lo, Tensor g,
+        Tensor m, Tensor v, const AdamWArgs& a),
+       (ctx, y, x, w, offsets, hi, lo, g, m, v, a))
 // grouped_linear_backward on the MoE layer's permuted rows without the permuted copy: row r of
 // its x is row row_token[r] of x [N, in] (bitwise permute_forward into a buffer, then
 // grouped_linear_backward; the CUDA backend fuses the gather into the sm_90 dw kernel's loads).
