@@ -5,6 +5,7 @@
 
 #include "cuda/adam_rider.cuh"
 #include "cuda/cuda_common.cuh"
+#include "cuda/vec16.cuh"
 
 namespace moe::cuda_detail {
 namespace {
@@ -18,16 +19,13 @@ __global__ void __launch_bounds__(kFinishThreads) finish_adam_rider_kernel(AdamR
   ride_adam(r);
 }
 
-bool aligned(const Tensor& t, uintptr_t bytes) {
-  return reinterpret_cast<uintptr_t>(t.data) % bytes == 0;
-}
-
 }  // namespace
 
 bool adam_rider_fits(const Tensor& hi, const Tensor& lo, const Tensor& g, const Tensor& m,
                      const Tensor& v, const AdamWArgs& a) {
-  return hi.numel() % 4 == 0 && a.grad_sq_out.empty() && aligned(hi, 8) && aligned(lo, 8) &&
-         aligned(g, 16) && aligned(m, 16) && aligned(v, 16);
+  auto aligned8 = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 8 == 0; };
+  return hi.numel() % 4 == 0 && a.grad_sq_out.empty() && aligned8(hi) && aligned8(lo) &&
+         aligned16({g.data, m.data, v.data});
 }
 
 AdamRider make_adam_rider(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
