@@ -20,7 +20,8 @@ if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
     $(command -v ninja >/dev/null && echo -G Ninja)
   # the binary and the GPU tests: every CUDA source, and the CPU sources linked with it
   gpu_tests=$(ls tests/test_gpu_*.cpp | xargs -n1 basename | sed 's/\.cpp$//')
-  cmake --build build-cuda -j "$(nproc)" --target moe-train $gpu_tests
+  cmake --build build-cuda -j "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)" \
+    --target moe-train $gpu_tests
   ctest --test-dir build-cuda --output-on-failure -L gpu
 fi
 BUILD_DIR=build-asan scripts/build.sh --asan
