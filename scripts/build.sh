@@ -21,5 +21,5 @@ done
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" "${args[@]}"
-# nproc obeys OMP_NUM_THREADS (scripts/test.sh sets it to 1 for ctest): count the cores without it.
+# nproc obeys OMP_NUM_THREADS, which a caller may have set for its runs: count the cores without it.
 cmake --build "$BUILD_DIR" -j "$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
