@@ -230,7 +230,9 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   };
 
   // ---- references: copy bandwidth, dense GEMM rate at the expert GEMM's shape ----
-  const int64_t copy_elems = std::max<int64_t>(r * d, int64_t{1} << 22);
+  // The copy moves at least 2 x 256 MiB, several times the L2 (50 MiB on an H200): a smaller one
+  // (moe-t4's 2 x 16 MiB) ran from L2 at 5.2 TB/s and understated every row's share of DRAM's rate.
+  const int64_t copy_elems = std::max<int64_t>(r * d, (int64_t{256} << 20) / es);
   Tensor src = pool.random(dt, {copy_elems}), dst = pool.zeros(dt, {copy_elems});
   const double copy_bytes = 2.0 * static_cast<double>(copy_elems * es);
   BenchRow copy_row = add("copy", shape({copy_elems}) + " " + dtype_name(dt), copy_bytes, false, 0,
@@ -258,15 +260,26 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   Tensor logits = pool.random(acc, {n, e}, -3, 3), probs = pool.zeros(acc, {n, e});
   Tensor topk_idx = pool.zeros(DType::i32, {n, k}), topk_w = pool.zeros(acc, {n, k});
   Tensor counts = pool.zeros(DType::i32, {e});
-  add("router", shape({n, e}) + " top-" + std::to_string(k),
-      double(n * e * as * 2 + n * k * (4 + as) + e * 4), false, bw, 0.6,
+  add("router_topk", shape({n, e}) + " top-" + std::to_string(k) + " from logits",
+      double(n * e * as * 2 + n * k * (4 + as) + e * 4), false, bw, 0,
       [&] { router_topk_forward(ctx, probs, topk_idx, topk_w, counts, logits, Tensor(), true); });
+  // The router as the model runs it (router_forward): from the layer's input x to the routing, the
+  // gate's product included (one launch where it is fused; the bytes: x and w read, the logits,
+  // probabilities and picks written). The row above is its second half alone, a pass over [N, E]
+  // values too short for any share of the copy rate.
+  Tensor tokens = pool.random(dt, {n, d}), gate_w = pool.random(acc, {e, d}, -0.05f, 0.05f);
+  Tensor gate_logits = pool.zeros(acc, {n, e});
+  add("router", shape({n, d}) + " x " + shape({e, d}) + "^T top-" + std::to_string(k),
+      double(n * d * es + e * d * as + 2 * n * e * as + n * k * (4 + as) + e * 4), false, bw, 0.6,
+      [&] {
+        router_forward(ctx, gate_logits, probs, topk_idx, topk_w, counts, tokens, gate_w, Tensor(),
+                       true);
+      });
 
   // ---- permute and combine over the router's real plan ----
   Tensor offsets = pool.zeros(DType::i32, {e + 1}), row_token = pool.zeros(DType::i32, {r});
   Tensor slot_row = pool.zeros(DType::i32, {r});
   moe_permute_plan(ctx, offsets, row_token, slot_row, topk_idx);
-  Tensor tokens = pool.random(dt, {n, d});
   add("permute", shape({n, d}) + " -> " + shape({r, d}), double(2 * r * d * es + r * 4), false, bw,
       0.6, [&] { permute_forward(ctx, x, tokens, row_token); });
   // The combine is the plain gather-sum of permute_backward (the routing weights act in the
@@ -453,9 +466,15 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
       1, std::min<int64_t>(t, static_cast<int64_t>(std::ceil(m.mod.capacity * double(t) - 1e-9))));
   Tensor scores = pool.random(acc, {b, t}), sel = pool.zeros(DType::i32, {b, keep});
   Tensor mask = pool.zeros(acc, {b, t});
-  add("mod_select", shape({b, t}) + " keep " + std::to_string(keep),
-      double(b * t * as * 2 + b * keep * 4), false, bw, 0.6,
+  add("mod_select_scores", shape({b, t}) + " keep " + std::to_string(keep) + " from scores",
+      double(b * t * as * 2 + b * keep * 4), false, bw, 0,
       [&] { mod_select(ctx, sel, mask, scores); });
+  // The selection as the model runs it (mod_route): from the block's input x, the router's
+  // product included (one launch where it is fused); the row above is its second half alone.
+  Tensor mod_w = pool.random(acc, {1, d}, -0.05f, 0.05f);
+  add("mod_select", shape({n, d}) + " x " + shape({1, d}) + "^T keep " + std::to_string(keep),
+      double(n * d * es + d * as + b * t * as * 2 + b * keep * 4), false, bw, 0.6,
+      [&] { mod_route(ctx, scores, sel, mask, tokens, mod_w); });
   Tensor xs = pool.zeros(dt, {b * keep, d}), ys = pool.random(dt, {b * keep, d});
   Tensor scattered = pool.zeros(dt, {n, d});
   add("mod_gather", shape({b * keep, d}), double(2 * b * keep * d * es), false, bw, 0.6,

@@ -43,6 +43,15 @@ enum StatIndex : int64_t { kStatLm = 0, kStatAux = 1, kStatZ = 2, kStatModPred =
 void router_matmul_forward(Ctx& ctx, const LayerEnv& env, Tensor y, Tensor x, Tensor w);
 void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor dy,
                             Tensor x, Tensor w);
+// The routers with their product: the MoE gate's logits and routing (router_topk_forward's
+// outputs) and the MoD router's scores and selection (mod_select's). Where the product is the
+// narrow fused one they are one op each (router_forward, mod_route: one launch on sm_80+ GPUs),
+// unless MOE_ROUTER_FUSED=0 (read at every call), which runs the product and the routing apart.
+void router_route_forward(Ctx& ctx, const LayerEnv& env, Tensor logits, Tensor probs,
+                          Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor x, Tensor w,
+                          Tensor bias, bool norm_topk_prob);
+void mod_route_forward(Ctx& ctx, const LayerEnv& env, Tensor scores, Tensor sel, Tensor mask,
+                       Tensor x, Tensor w);
 
 // Rows of a layer's input: B sequences of T tokens (T = C inside a MoD block).
 struct Dims {

@@ -51,8 +51,7 @@ void ModBlock::plan(Arena& acts) {
 void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   const Tensor scores = scores_.view({dims_.B, dims_.T});
   const Tensor sel_pos = sel_.view({dims_.B * keep_});  // positions of the kept tokens
-  router_matmul_forward(ctx, env_, scores_, x, router_.master);
-  mod_select(ctx, sel_, mask_, scores);
+  mod_route_forward(ctx, env_, scores, sel_, mask_, x, router_.master);
   // causal predictor on stop-gradient x
   router_matmul_forward(ctx, env_, pred_h_, x, fc1_.master);
   silu_forward(ctx, pred_a_, pred_h_);

@@ -95,9 +95,9 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   const auto& c = env_.cfg;
   Arena& s = env_.scratch;
   // route, in the accumulation dtype (fp32 router math with the master gate weights)
-  router_matmul_forward(ctx, env_, logits_, x, gate_.master);
   Tensor bias = c.router_bias_update_rate > 0 ? bias_ : Tensor();
-  router_topk_forward(ctx, probs_, topk_idx_, topk_w_, counts_, logits_, bias, c.norm_topk_prob);
+  router_route_forward(ctx, env_, logits_, probs_, topk_idx_, topk_w_, counts_, x, gate_.master,
+                       bias, c.norm_topk_prob);
   router_aux_loss_forward(ctx, aux_losses_, logits_, probs_, counts_, c.num_experts_per_tok,
                           c.router_aux_loss_coef, c.router_z_loss_coef);
   // permute

@@ -25,6 +25,7 @@
 #include "moe/ops/bf16_split.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
+#include "moe/ops/mod.hpp"
 #include "moe/ops/router.hpp"
 
 namespace moe {
@@ -34,6 +35,12 @@ constexpr int64_t kFusedRouterOutputs = 16;
 
 bool fused(const Tensor& w) {
   return w.size(0) <= kFusedRouterOutputs;
+}
+
+// The routers' one-op paths (router_forward, mod_route) unless MOE_ROUTER_FUSED=0.
+bool fused_routing(const Tensor& w) {
+  const char* v = std::getenv("MOE_ROUTER_FUSED");
+  return fused(w) && (v == nullptr || std::string(v) != "0");
 }
 
 // The bf16 tensor-core path (see the top comment): bf16 compute, an fp32 master w, the switch
@@ -129,6 +136,27 @@ void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw,
     linear_backward(ctx, dx, dw, dy, xa, w, true);
   }
   env.scratch.release(mark);
+}
+
+void router_route_forward(Ctx& ctx, const LayerEnv& env, Tensor logits, Tensor probs,
+                          Tensor topk_idx, Tensor topk_w, Tensor counts, Tensor x, Tensor w,
+                          Tensor bias, bool norm_topk_prob) {
+  if (fused_routing(w)) {
+    router_forward(ctx, logits, probs, topk_idx, topk_w, counts, x, w, bias, norm_topk_prob);
+    return;
+  }
+  router_matmul_forward(ctx, env, logits, x, w);
+  router_topk_forward(ctx, probs, topk_idx, topk_w, counts, logits, bias, norm_topk_prob);
+}
+
+void mod_route_forward(Ctx& ctx, const LayerEnv& env, Tensor scores, Tensor sel, Tensor mask,
+                       Tensor x, Tensor w) {
+  if (fused_routing(w)) {
+    mod_route(ctx, scores, sel, mask, x, w);
+    return;
+  }
+  router_matmul_forward(ctx, env, scores.view({scores.numel(), 1}), x, w);
+  mod_select(ctx, sel, mask, scores);
 }
 
 }  // namespace moe

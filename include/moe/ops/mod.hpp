@@ -10,6 +10,14 @@ namespace moe {
 // sel: [B, C] i32, mask: [B, T] float (1 where selected, else 0: the predictor's target),
 // scores: [B, T], of mask's dtype (fp32 in the model)
 MOE_OP(mod_select, (Ctx & ctx, Tensor sel, Tensor mask, Tensor scores), (ctx, sel, mask, scores))
+// The MoD router and selection in one op: router_logits_forward(scores viewed [B*T, 1], x, w),
+// then mod_select(sel, mask, scores). scores, mask: [B, T] acc_dtype(x), sel: [B, C] i32,
+// x: [B*T, d], w: [1, d] acc_dtype(x). On CUDA (sm_80+, 16-bit x, d a multiple of 8) one launch:
+// the scores as router_forward computes logits (tensor cores; fp32 rounding away from
+// router_logits_forward), and the block that writes a sequence's last score selects that sequence
+// exactly as mod_select selects on those scores (bitwise). Elsewhere the two ops in turn.
+MOE_OP(mod_route, (Ctx & ctx, Tensor scores, Tensor sel, Tensor mask, Tensor x, Tensor w),
+       (ctx, scores, sel, mask, x, w))
 // The gather and scatter ops require sel strictly ascending inside [0, T) per sequence (as
 // mod_select writes it) and check it; T = x.size(0) / B.
 // xs[b*C + c, :] = x[b*T + sel[b, c], :]       xs: [B*C, d], x: [B*T, d]

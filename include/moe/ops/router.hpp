@@ -39,6 +39,19 @@ MOE_OP(router_aux_loss_backward,
         double aux_coef, double z_coef, double grad_scale),
        (ctx, dlogits, logits, probs, counts, k, aux_coef, z_coef, grad_scale))
 
+// The router in one op: router_logits_forward(logits, x, w), then router_topk_forward(probs,
+// topk_idx, topk_w, counts, logits, bias, norm_topk_prob) on those logits. On CUDA, where the
+// device has sm_80 tensor cores, x is 16-bit with rows of a multiple of 8 elements and E <= 8, it
+// is one launch that reads x once: the gate products on tensor cores (tf32, with w split exactly
+// into three parts, so every product is exact and only the fp32 sums' order differs from
+// router_logits_forward: the logits agree with it to fp32 rounding, not bitwise), then each token
+// routed from its logits in registers exactly as router_topk_forward routes those logits
+// (bitwise). Elsewhere the two ops in turn.
+MOE_OP(router_forward,
+       (Ctx & ctx, Tensor logits, Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor counts,
+        Tensor x, Tensor w, Tensor bias, bool norm_topk_prob),
+       (ctx, logits, probs, topk_idx, topk_w, counts, x, w, bias, norm_topk_prob))
+
 // Aux-loss-free balancing: bias_e += rate * sign(mean(load) - load_e), sign(0) = 0.
 // bias: [E], load: [E]
 // (float, routed slots summed over the step's micro-batches).

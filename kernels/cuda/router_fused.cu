@@ -1,0 +1,370 @@
+// The routers in one launch each: router_forward (the MoE gate's logits, softmax, top-K,
+// renormalisation and counts) and mod_route (the MoD router's scores and the per-sequence top-C
+// selection). Each reads the 16-bit residual stream x once, so it is bound by that read (32 MiB
+// for a 16K-token micro-batch at d = 1024), where the two-op paths read x in one launch and then
+// the logits or scores again in a second, latency-bound one (a few microseconds of a pass over
+// [N, 8] values, ~5 % of the copy rate).
+//
+// The gate product on tensor cores. An FMA loop over x's rows (router_logits.cu) has to read every
+// W value it multiplies from shared memory: at E = 8 those reads, not DRAM, bound it (41 % of the
+// copy rate). Here mma.sync m16n8k8 in tf32 takes 16 rows x 8 experts per instruction, W stays in
+// registers and L1, and the product is exact where it matters: 16-bit x values are exact in tf32
+// (bf16: 8 significant bits, f16: 11), and w = hi + mid + lo splits each fp32 weight exactly into
+// three tf32 parts (the top 11 significant bits by truncation, the next 11 of the remainder, and
+// the at most 2 left), so every product of the three mma per k-step is exact in fp32 and only the
+// order of the fp32 sums differs from router_logits_forward's.
+// - A block of 4 warps takes 32 rows (two m16 tiles); warp w takes the k-blocks of 32 columns w,
+//   w + 4, ...; each lane reads one 16-byte chunk (8 columns) of each of its 4 rows per k-block,
+//   kBatch k-blocks at a time (16 loads in flight a lane), whose 8 values feed four mma k-steps:
+//   a thread's A-fragment columns t and t + 4 of step s are its chunk's values 2s and 2s + 1, and
+//   its B fragment (expert g, the same k rows) is w[g] at the same 8 columns, so any permutation
+//   of k within a k-block pairs A and B alike. Rows of a multiple of 8 elements, 16-byte aligned.
+// - The four warps' partial sums go through shared memory and are added in warp order: every
+//   logit's summation order depends on d alone, not on the grid or the device.
+// - router_forward: lane r of warp 0 then holds row r's E <= 8 logits, writes them and routes the
+//   token itself (TokenRouter of router_rows.cuh with one lane per token: the code and layout of
+//   router_topk_forward for E <= 8, so the routing is bitwise that op's on these logits); the
+//   counts go through a per-block histogram and the last block's ticket (finish_counts).
+// - mod_route: lane r writes row r's score; a per-sequence ticket counts the rows written, and the
+//   block that writes a sequence's last rows selects it (select_sequence of mod_select.cuh, the
+//   code of mod_select), reading the scores through L2 behind a fence. Most sequences finish while
+//   other blocks still stream x, so only the last selections are a tail.
+// The tickets and the count accumulator are device globals, zero between launches (the last user
+// resets them): calls on two streams of one device at once are not supported (as router.cu's
+// scratch). Elsewhere (no sm_80 code, other dtypes or shapes) each op runs its two ops in turn.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "common/mod_checks.hpp"
+#include "common/router_checks.hpp"
+#include "cuda/cuda_common.cuh"
+#include "cuda/mma_common.cuh"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/mod_select.cuh"
+#include "cuda/router_rows.cuh"
+#include "moe/ops/mod.hpp"
+#include "moe/ops/router.hpp"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr int kGateWarps = 4;  // warps of a block: each sums a quarter of the k-blocks
+constexpr int kGateThreads = kGateWarps * kWarp;
+constexpr int kTiles = 2;                   // m16 row tiles of a block
+constexpr int kBlockRows = 16 * kTiles;     // rows of a block: one per lane of warp 0
+[[maybe_unused]] constexpr int kBatch = 4;  // k-blocks of 32 columns a lane loads at once
+constexpr int kMaxExperts = 8;              // one n8 tile
+constexpr int kMaxSequences = 8192;         // mod_route's per-sequence tickets
+constexpr int kBlocksPerSm = 4;             // the launch bounds' occupancy (128 registers)
+static_assert(kBlockRows == kWarp, "a block's rows are routed by the lanes of warp 0");
+
+__device__ int g_router_ticket;
+__device__ int32_t g_router_counts[kMaxExperts];
+__device__ int g_mod_tickets[kMaxSequences];
+
+// ---- the gate product ---------------------------------------------------------------------------
+
+// The tf32 bit pattern of v's leading 11 significant bits (truncated: exact in tf32).
+__device__ __forceinline__ uint32_t tf32_top(float v) {
+  return __float_as_uint(v) & 0xffffe000u;
+}
+
+// w = hi + mid + lo exactly, each part exact in tf32 (see the top comment).
+[[maybe_unused]] __device__ __forceinline__ void split_tf32(float w, uint32_t& hi, uint32_t& mid,
+                                                            uint32_t& lo) {
+  hi = tf32_top(w);
+  const float r = w - __uint_as_float(hi);  // the low 13 bits of w's significand: exact
+  mid = tf32_top(r);
+  lo = __float_as_uint(r - __uint_as_float(mid));  // at most 2 significant bits: exact
+}
+
+// A 16-byte chunk of 8 16-bit values as fp32 bit patterns (exact, and exact in tf32).
+template <class T>
+__device__ __forceinline__ void widen8(const uint4& c, uint32_t (&o)[8]) {
+  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      o[2 * i] = words[i] << 16;
+      o[2 * i + 1] = words[i] & 0xffff0000u;
+    } else {
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
+      o[2 * i] = __float_as_uint(f.x);
+      o[2 * i + 1] = __float_as_uint(f.y);
+    }
+  }
+}
+
+// c += a b for one m16n8k8 tf32 tile (fp32 accumulators).
+[[maybe_unused]] __device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1,
+                                                          uint32_t a2, uint32_t a3, uint32_t b0,
+                                                          uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// The logits x[row0 + r, :] w^T of the block's rows: lane r of warp 0 gets row r's (experts past
+// n_exp: 0). Every thread of the block calls it (it ends with a barrier).
+template <class T>
+__device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
+                          const float* __restrict__ w, int64_t row0, int64_t n_tok, int64_t d,
+                          int n_exp) {
+  __shared__ float part[kGateWarps][kBlockRows][kMaxExperts + 1];  // +1: no bank conflicts
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane / 4, t4 = lane % 4;  // the mma fragments' group and thread in group
+  const int64_t chunks = d / 8, kblocks = (chunks + 3) / 4;
+  // Rows 16 i + 8 h + g of the block (null past N) and expert g's weights (null past E).
+  const T* rows[kTiles][2];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n = row0 + 16 * i + 8 * h + g;
+      rows[i][h] = n < n_tok ? x + n * d : nullptr;
+    }
+  const float* wg = g < n_exp ? w + int64_t(g) * d : nullptr;
+  float c[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[i][j] = 0.0f;
+  for (int64_t kb0 = warp; kb0 < kblocks; kb0 += int64_t(kGateWarps) * kBatch) {
+    uint4 xc[kBatch][kTiles][2];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t q = (kb0 + b * kGateWarps) * 4 + t4;
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          xc[b][i][h] = rows[i][h] && q < chunks
+                            ? __ldg(reinterpret_cast<const uint4*>(rows[i][h] + q * 8))
+                            : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int64_t q = (kb0 + b * kGateWarps) * 4 + t4;
+      if (kb0 + b * kGateWarps >= kblocks) break;  // the same for the whole warp
+      float wv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      if (wg && q < chunks) {
+        const float4 lo4 = __ldg(reinterpret_cast<const float4*>(wg + q * 8));
+        const float4 hi4 = __ldg(reinterpret_cast<const float4*>(wg + q * 8 + 4));
+        wv[0] = lo4.x, wv[1] = lo4.y, wv[2] = lo4.z, wv[3] = lo4.w;
+        wv[4] = hi4.x, wv[5] = hi4.y, wv[6] = hi4.z, wv[7] = hi4.w;
+      }
+      uint32_t wp[3][8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) split_tf32(wv[j], wp[0][j], wp[1][j], wp[2][j]);
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        uint32_t top[8], bottom[8];  // rows g and g + 8 of the tile
+        widen8<T>(xc[b][i][0], top);
+        widen8<T>(xc[b][i][1], bottom);
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+          for (int p = 0; p < 3; ++p)
+            mma_tf32(c[i], top[2 * s], bottom[2 * s], top[2 * s + 1], bottom[2 * s + 1],
+                     wp[p][2 * s], wp[p][2 * s + 1]);
+      }
+    }
+  }
+  // c[i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), experts 2 t4 and 2 t4 + 1.
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    part[warp][16 * i + g][2 * t4] = c[i][0];
+    part[warp][16 * i + g][2 * t4 + 1] = c[i][1];
+    part[warp][16 * i + g + 8][2 * t4] = c[i][2];
+    part[warp][16 * i + g + 8][2 * t4 + 1] = c[i][3];
+  }
+  __syncthreads();
+  if (warp == 0)
+#pragma unroll
+    for (int e = 0; e < kMaxExperts; ++e) {
+      float s = part[0][lane][e];
+#pragma unroll
+      for (int v = 1; v < kGateWarps; ++v) s += part[v][lane][e];
+      logit[e] = s;
+    }
+}
+
+// ---- router_forward -----------------------------------------------------------------------------
+
+template <class T, bool kPacked>
+__global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
+    router_forward_kernel(float* __restrict__ logits, float* __restrict__ probs,
+                          int32_t* __restrict__ idx, float* __restrict__ topk_w,
+                          int32_t* __restrict__ counts, const T* __restrict__ x,
+                          const float* __restrict__ w, const float* __restrict__ bias,
+                          int64_t n_tok, int64_t d, int n_exp, int k, bool norm_topk_prob,
+                          RowLayout lay) {
+  if constexpr (kHasSm80) {
+    __shared__ int32_t hist[kMaxExperts];
+    if (threadIdx.x < kMaxExperts) hist[threadIdx.x] = 0;  // read after gate_rows' barrier
+    const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
+    float lg[kLaneValues];
+    gate_rows<T>(lg, x, w, row0, n_tok, d, n_exp);
+    if (threadIdx.x < kWarp) {
+      const int64_t n = row0 + threadIdx.x;
+      const bool valid = n < n_tok;
+      const int64_t row_n = valid ? n : 0;
+      float* l = logits + row_n * n_exp;
+      if (valid) {
+        if (lay.vec) {  // E = 4 or 8, rows 16-byte aligned
+#pragma unroll
+          for (int e = 0; e < kMaxExperts; e += 4)
+            if (e < n_exp)
+              *reinterpret_cast<float4*>(l + e) =
+                  make_float4(lg[e], lg[e + 1], lg[e + 2], lg[e + 3]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < kMaxExperts; ++e)
+            if (e < n_exp) l[e] = lg[e];
+        }
+      }
+      // One lane per token (E <= 8): the group butterflies are empty, so lanes route on their own.
+      const TokenRouter<float, kPacked> router(probs, idx, topk_w, hist, bias, n_exp, k,
+                                               norm_topk_prob, lay);
+      router.route(lg, l, row_n, valid);
+    }
+    const RouterScratch scratch{&g_router_ticket, nullptr, g_router_counts};
+    finish_counts(counts, hist, true, scratch, n_exp);
+  }
+}
+
+// ---- mod_route ----------------------------------------------------------------------------------
+
+template <class T>
+__global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
+    mod_route_kernel(float* __restrict__ scores, int32_t* __restrict__ sel,
+                     float* __restrict__ mask, const T* __restrict__ x, const float* __restrict__ w,
+                     int64_t n_tok, int64_t d, int t, int c) {
+  if constexpr (kHasSm80) {
+    __shared__ int done[kBlockRows];  // sequences whose last rows this block wrote
+    __shared__ int n_done;
+    const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
+    float lg[kMaxExperts];
+    gate_rows<T>(lg, x, w, row0, n_tok, d, 1);
+    if (threadIdx.x < kWarp && row0 + threadIdx.x < n_tok) scores[row0 + threadIdx.x] = lg[0];
+    __threadfence();  // the scores before the tickets that publish them
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int m = 0;
+      const int64_t end = min(row0 + kBlockRows, n_tok);
+      for (int64_t r = row0; r < end;) {
+        const int64_t b = r / t, seq_end = min((b + 1) * t, end);
+        const int rows = static_cast<int>(seq_end - r);
+        if (atomicAdd(&g_mod_tickets[b], rows) + rows == t) done[m++] = static_cast<int>(b);
+        r = seq_end;
+      }
+      n_done = m;
+    }
+    __syncthreads();
+    for (int i = 0; i < n_done; ++i) {
+      __threadfence();  // the other blocks' scores, published by their tickets
+      const int64_t b = done[i];
+      select_sequence<float, kGateThreads>(sel + b * c, mask + b * t, scores + b * t, t, c);
+      __syncthreads();  // the selection's shared memory is free for the next sequence
+      if (threadIdx.x == 0) g_mod_tickets[b] = 0;
+    }
+  }
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+
+// Whether the one-launch path takes x [N, d] against n_exp gate rows w: device code for sm_80+,
+// 16-bit x, whole 16-byte chunks per row and aligned rows.
+template <class Kernel>
+bool fused_path(Kernel kernel, const Tensor& x, const Tensor& w, int64_t n_exp) {
+  static std::once_flag once;
+  static bool has_mma = false;
+  std::call_once(once, [&] { has_mma = compiled_arch(kernel) >= 80; });
+  const int64_t d = x.size(1);
+  return has_mma && (x.dtype == DType::bf16 || x.dtype == DType::f16) && n_exp >= 1 &&
+         n_exp <= kMaxExperts && d > 0 && d % 8 == 0 && aligned16({x.data, w.data});
+}
+
+unsigned gate_grid(int64_t n_tok) {
+  return static_cast<unsigned>((n_tok + kBlockRows - 1) / kBlockRows);
+}
+
+void router_forward(Ctx& ctx, Tensor logits, Tensor probs, Tensor topk_idx, Tensor topk_w,
+                    Tensor counts, Tensor x, Tensor w, Tensor bias, bool norm_topk_prob) {
+  const RouterLogitsDims s = check_router_logits_forward_args(logits, x, w, ctx.device);
+  check_router_topk_forward_args(probs, topk_idx, topk_w, counts, logits, bias);
+  const bool fused = fused_path(router_forward_kernel<__nv_bfloat16, true>, x, w, s.e) && s.n > 0 &&
+                     s.n <= (int64_t(1) << 40);
+  if (!fused) {
+    ::moe::cuda::router_logits_forward(ctx, logits, x, w);
+    ::moe::cuda::router_topk_forward(ctx, probs, topk_idx, topk_w, counts, logits, bias,
+                                     norm_topk_prob);
+    return;
+  }
+  // router_topk_forward's layout for E <= 8: one lane per token (see row_layout, router.cu).
+  const bool contiguous = s.e % kVec<float> == 0;
+  const RowLayout lay{1, 0, contiguous, contiguous && aligned16({logits.data, probs.data})};
+  const int k = static_cast<int>(topk_idx.size(1));
+  auto launch = [&](auto kernel, auto zero) {
+    using T = decltype(zero);
+    kernel<<<gate_grid(s.n), kGateThreads, 0, stream_of(ctx)>>>(
+        data_of<float>(logits), data_of<float>(probs), data_of<int32_t>(topk_idx),
+        data_of<float>(topk_w), data_of<int32_t>(counts), data_of<const T>(x),
+        data_of<const float>(w), bias.empty() ? nullptr : data_of<const float>(bias), s.n, s.d,
+        static_cast<int>(s.e), k, norm_topk_prob, lay);
+    MOE_CUDA_LAUNCH_CHECK();
+  };
+  const bool packed = bias.empty();
+  if (x.dtype == DType::bf16) {
+    if (packed)
+      launch(router_forward_kernel<__nv_bfloat16, true>, __nv_bfloat16{});
+    else
+      launch(router_forward_kernel<__nv_bfloat16, false>, __nv_bfloat16{});
+  } else {
+    if (packed)
+      launch(router_forward_kernel<__half, true>, __half{});
+    else
+      launch(router_forward_kernel<__half, false>, __half{});
+  }
+}
+
+void mod_route(Ctx& ctx, Tensor scores, Tensor sel, Tensor mask, Tensor x, Tensor w) {
+  MOE_CHECK(scores.ndim == 2, "mod_route: scores must be [B, T], got " + scores.shape_str());
+  const Tensor flat = scores.view({scores.numel(), 1});
+  const RouterLogitsDims s = check_router_logits_forward_args(flat, x, w, ctx.device);
+  check_mod_select_args(sel, mask, scores);
+  const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
+  const bool fused = fused_path(mod_route_kernel<__nv_bfloat16>, x, w, s.e) && s.e == 1 && b > 0 &&
+                     t > 0 && b <= kMaxSequences && t <= INT32_MAX;
+  if (!fused) {
+    ::moe::cuda::router_logits_forward(ctx, flat, x, w);
+    ::moe::cuda::mod_select(ctx, sel, mask, scores);
+    return;
+  }
+  auto launch = [&](auto kernel, auto zero) {
+    using T = decltype(zero);
+    kernel<<<gate_grid(s.n), kGateThreads, 0, stream_of(ctx)>>>(
+        data_of<float>(scores), data_of<int32_t>(sel), data_of<float>(mask), data_of<const T>(x),
+        data_of<const float>(w), s.n, s.d, static_cast<int>(t), static_cast<int>(c));
+    MOE_CUDA_LAUNCH_CHECK();
+  };
+  if (x.dtype == DType::bf16)
+    launch(mod_route_kernel<__nv_bfloat16>, __nv_bfloat16{});
+  else
+    launch(mod_route_kernel<__half>, __half{});
+}
+
+}  // namespace
+}  // namespace moe::cuda_detail
+
+MOE_REGISTER_CUDA_OP(router_forward, &::moe::cuda_detail::router_forward);
+MOE_REGISTER_CUDA_OP(mod_route, &::moe::cuda_detail::mod_route);
