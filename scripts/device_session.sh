@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the H200, in one call (about 7-8 minutes from a cold machine): every GPU test in the sm_90
 # and PTX-only sm_75 builds (device_gpu_tests.sh --sm75), the kernel rows of `moe-train bench`
-# for moe-small and moe-fine, the peer table (device_bench.sh), a moe-small profile, the MoD
-# step ratio (moe-small with model.mod.enabled against the table's plain run) with a profile of
-# the MoD run, a moe-fine profile and moe-fine with MOE_PERMUTE_FUSED=1. Prints
+# for moe-small, moe-fine and moe-t4, the peer table (device_bench.sh), a moe-small profile, the
+# MoD step ratio (moe-small with model.mod.enabled against the table's plain run) with a profile
+# of the MoD run and the MoD run with MOE_ROUTER_FUSED=0, and a moe-fine profile. Prints
 # one summary last; logs under $OUT (default /tmp/session). The peer script is the one copied
 # from ../shared/peers into the checkout (an ignored folder named in the device call's carry).
 #   scripts/device_session.sh PEER_SCRIPT
@@ -14,7 +14,7 @@ OUT=${OUT:-/tmp/session}
 mkdir -p "$OUT"
 OUT="$OUT/tests" scripts/device_gpu_tests.sh --sm75 >/dev/null 2>&1
 moe=build-gpu-sm90/moe-train
-for c in moe-small moe-fine; do
+for c in moe-small moe-fine moe-t4; do
   timeout 120 "$moe" bench --config "configs/$c.json" >"$OUT/bench.$c.log" 2>&1
 done
 OUT="$OUT/peer" RUN_TIMEOUT=100 scripts/device_bench.sh build-gpu-sm90 "$peer" \
@@ -29,14 +29,13 @@ timeout 120 "$moe" train --profile --config configs/moe-small.json --set model.m
   --set train.out_dir=\""$OUT/mod-profile-run"\" >"$OUT/mod.profile.log" 2>&1
 timeout 120 "$moe" train --profile --config configs/moe-fine.json \
   --set train.out_dir=\""$OUT/fine-profile-run"\" >"$OUT/fine.profile.log" 2>&1
-# The permute fused into the SwiGLU forward (MOE_PERMUTE_FUSED=1; moe-fine recomputes its expert
-# rows) against the table's plain moe-fine run.
-MOE_PERMUTE_FUSED=1 timeout 120 "$moe" train --config configs/moe-fine.json \
-  --set train.out_dir=\""$OUT/fine-gather-run"\" >"$OUT/fine.gather.log" 2>&1
+# The routers as two ops each (MOE_ROUTER_FUSED=0) against the MoD run above.
+MOE_ROUTER_FUSED=0 timeout 120 "$moe" train --config configs/moe-small.json \
+  --set model.mod.enabled=true --set train.out_dir=\""$OUT/mod-unfused-run"\" >"$OUT/mod.unfused.log" 2>&1
 {
   echo "== GPU tests (rc 0 = pass)"
   sed 's/  */ /g' "$OUT/tests/summary.txt"
-  for c in moe-small moe-fine; do
+  for c in moe-small moe-fine moe-t4; do
     echo "== moe-train bench, $c (the rooflines and the rows with a target)"
     grep -E "^(family|copy|dense_gemm |attention|residual_add|zero_grads|cross_entropy|adamw|permute|grouped_swiglu|.*>= )" "$OUT/bench.$c.log" | cut -c1-120
   done
@@ -51,9 +50,8 @@ MOE_PERMUTE_FUSED=1 timeout 120 "$moe" train --config configs/moe-fine.json \
     "the time (bar 0.65x)"
   echo "== MoD profile (ms per step)"
   sed -n '/profile:/,/total/p' "$OUT/mod.profile.log" | head -16
-  fine=$(grep -o 'tok/s [0-9]*' "$OUT/peer/ours.moe-fine.log" | tail -1 | awk '{print $2}')
-  gather=$(grep -o 'tok/s [0-9]*' "$OUT/fine.gather.log" | tail -1 | awk '{print $2}')
-  echo "== moe-fine with MOE_PERMUTE_FUSED=1: ${gather:-?} tok/s against ${fine:-?}"
+  unfused=$(grep -o 'tok/s [0-9]*' "$OUT/mod.unfused.log" | tail -1 | awk '{print $2}')
+  echo "== MoD with MOE_ROUTER_FUSED=0 (the routers as two ops each): ${unfused:-?} tok/s against ${mod:-?}"
   echo "== moe-fine profile (ms per step)"
   sed -n '/profile:/,/total/p' "$OUT/fine.profile.log" | head -16
 } | tee "$OUT/summary.txt"

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "common/mod_checks.hpp"
 #include "cuda/cuda_common.cuh"
@@ -235,6 +236,11 @@ __global__ void __launch_bounds__(kRowThreads)
   __syncthreads();
   const int64_t per_row = vec ? d / kV : d, items = int64_t(span) * per_row;
   const int64_t base = (b * t + p0) * d;  // the block's first element of x and out
+  // Item i: the block's row r and its first column (a chunk's when vec, else an element's).
+  auto item = [&](int64_t i) {
+    const int r = static_cast<int>(i / per_row);
+    return std::pair<int, int64_t>(r, (i - r * per_row) * (vec ? kV : 1));
+  };
   for (int64_t i0 = threadIdx.x; i0 < items; i0 += int64_t(kUnroll) * blockDim.x) {
     if (vec) {
       Vec16<T> xv[kUnroll], yv[kUnroll];
@@ -242,8 +248,7 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = i0 + u * int64_t(blockDim.x);
         if (i >= items) break;
-        const int r = static_cast<int>(i / per_row);
-        const int64_t col = (i - r * per_row) * kV;
+        const auto [r, col] = item(i);
         xv[u] = load16(x + base + r * d + col);
         if (slot_of[r] >= 0) yv[u] = load16(ys + slot_of[r] * d + col);
       }
@@ -251,8 +256,7 @@ __global__ void __launch_bounds__(kRowThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t i = i0 + u * int64_t(blockDim.x);
         if (i >= items) break;
-        const int r = static_cast<int>(i / per_row);
-        const int64_t col = (i - r * per_row) * kV;
+        const auto [r, col] = item(i);
         Vec16<T> o = xv[u];
         if (slot_of[r] >= 0) {
           const A g = gate_of[r];
@@ -266,8 +270,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     } else {
       for (int64_t i = i0; i < items && i < i0 + int64_t(kUnroll) * blockDim.x; i += blockDim.x) {
-        const int r = static_cast<int>(i / per_row);
-        const int64_t col = i - r * per_row;
+        const auto [r, col] = item(i);
         const T xe = x[base + r * d + col];
         if (slot_of[r] < 0) {
           out[base + r * d + col] = xe;
