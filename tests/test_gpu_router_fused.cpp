@@ -132,6 +132,7 @@ TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select
     check_mod(dt, 7, 10, 3, 64, 13);         // blocks that finish several sequences
     check_mod(dt, 3, 40, 40, 32, 14);        // C = T
     check_mod(dt, 2, 50, 1, 8, 15);          // C = 1, d = 8
+    check_mod(dt, 2, 5000, 300, 64, 18);     // T past the scores staged in shared memory
   }
   check_mod(DType::f32, 4, 100, 13, 64, 16);   // the two ops in turn
   check_mod(DType::bf16, 4, 100, 13, 60, 17);  // d not a multiple of 8

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(int32_t* __restrict__ sel, T* __restrict__ mask, const T* __restrict__ scores,
                   int t, int c) {
   const int64_t b = blockIdx.x;
-  select_sequence<T, kSelectThreads>(sel + b * c, mask + b * t, scores + b * t, t, c);
+  select_sequence<T, kSelectThreads, false>(sel + b * c, mask + b * t, scores + b * t, t, c);
 }
 
 // ---- gather / scatter rows ----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // Mixture-of-Depths top-C selection of one sequence by one block (a radix select over the scores'
 // order-preserving keys; see mod.cu's top comment for the design): shared by mod.cu's select
 // kernel (a block of 1024 threads per sequence) and router_fused.cu's mod_route (the block that
-// finishes a sequence's scores selects it).
+// finishes a sequence's scores selects it, from a copy in shared memory).
 #pragma once
 #include <cstdint>
 
@@ -119,11 +119,19 @@ __device__ __forceinline__ void find_digit(const int* hist, int k, int* out) {
   }
 }
 
+// The score i of r (global or shared memory); through L2 (ld.global.cg) when kL2: global
+// scores that other blocks wrote in the same launch (behind a fence and a ticket).
+template <bool kL2, class T>
+__device__ __forceinline__ T score_at(const T* r, int i) {
+  if constexpr (kL2)
+    return __ldcg(r + i);
+  else
+    return r[i];
+}
+
 // The selection of one sequence by the whole block (blockDim.x == kThreads, every thread calls
-// it): s[:] = the C best positions of scores r[0, t), ascending; m[:] = 1 there, else 0. Scores
-// are read through L2 (ld.global.cg), so a block may select a sequence whose scores other blocks
-// wrote in the same launch (behind a fence and a ticket).
-template <class T, int kThreads>
+// it): s[:] = the C best positions of scores r[0, t), ascending; m[:] = 1 there, else 0.
+template <class T, int kThreads, bool kL2>
 __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, const T* __restrict__ r,
                                 int t, int c) {
   using K = key_t<T>;
@@ -145,7 +153,7 @@ __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, cons
       for (int i = threadIdx.x; i < kBins; i += kThreads) hist[(pass + 1) & 1][i] = 0;
       for (int i0 = 0; i0 < t; i0 += kThreads) {  // uniform trip count: whole warps
         const int i = i0 + static_cast<int>(threadIdx.x);
-        const K key = i < t ? score_key(__ldcg(r + i)) : K(0);
+        const K key = i < t ? score_key(score_at<kL2>(r, i)) : K(0);
         const bool cand = i < t && (key & pmask) == prefix;
         const int digit = cand ? static_cast<int>((key >> shift) & K(kBins - 1)) : kBins;
         const unsigned peers = __match_any_sync(kSelectFullMask, digit);
@@ -165,7 +173,7 @@ __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, cons
   const int lo = min(t, static_cast<int>(threadIdx.x) * per), hi = min(t, lo + per);
   int n_gt = 0, n_eq = 0;
   for (int i = lo; i < hi; ++i) {
-    const K key = score_key(__ldcg(r + i)) & pmask;
+    const K key = score_key(score_at<kL2>(r, i)) & pmask;
     n_gt += key > prefix;
     n_eq += key == prefix;
   }
@@ -174,7 +182,7 @@ __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, cons
   // Kept before this segment: every greater key and the first k ties.
   int out = gt_before + min(eq_before, k), tie = eq_before;
   for (int i = lo; i < hi; ++i) {
-    const K key = score_key(__ldcg(r + i)) & pmask;
+    const K key = score_key(score_at<kL2>(r, i)) & pmask;
     const bool eq = key == prefix;
     const bool kept = key > prefix || (eq && tie < k);
     tie += eq;

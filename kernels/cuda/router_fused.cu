@@ -13,13 +13,16 @@
 // three tf32 parts (the top 11 significant bits by truncation, the next 11 of the remainder, and
 // the at most 2 left), so every product of the three mma per k-step is exact in fp32 and only the
 // order of the fp32 sums differs from router_logits_forward's.
-// - A block of 4 warps takes 32 rows (two m16 tiles); warp w takes the k-blocks of 32 columns w,
-//   w + 4, ...; each lane reads one 16-byte chunk (8 columns) of each of its 4 rows per k-block,
-//   kBatch k-blocks at a time (16 loads in flight a lane), whose 8 values feed four mma k-steps:
+// - A block of 4 warps takes 16 rows (one m16 tile); warp w takes the k-blocks of 32 columns w,
+//   w + 4, ...; each lane reads one 16-byte chunk (8 columns) of each of its 2 rows per k-block,
+//   kBatch k-blocks at a time (16 loads in flight a lane: all of a warp's at d = 1024, so a block
+//   is one round trip to DRAM, not two behind each other), whose 8 values feed four mma k-steps:
 //   a thread's A-fragment columns t and t + 4 of step s are its chunk's values 2s and 2s + 1, and
 //   its B fragment (expert g, the same k rows) is w[g] at the same 8 columns, so any permutation
 //   of k within a k-block pairs A and B alike. Rows of a multiple of 8 elements, 16-byte aligned.
-// - The four warps' partial sums go through shared memory and are added in warp order: every
+// - Each weight part sums into accumulators of its own (three short chains of dependent mma),
+//   added lo + mid + hi; the four warps' partial sums go through shared memory and are added in
+//   warp order: every
 //   logit's summation order depends on d alone, not on the grid or the device.
 // - router_forward: lane r of warp 0 then holds row r's E <= 8 logits, writes them and routes the
 //   token itself (TokenRouter of router_rows.cuh with one lane per token: the code and layout of
@@ -27,8 +30,9 @@
 //   counts go through a per-block histogram and the last block's ticket (finish_counts).
 // - mod_route: lane r writes row r's score; a per-sequence ticket counts the rows written, and the
 //   block that writes a sequence's last rows selects it (select_sequence of mod_select.cuh, the
-//   code of mod_select), reading the scores through L2 behind a fence. Most sequences finish while
-//   other blocks still stream x, so only the last selections are a tail.
+//   code of mod_select), from a copy of the scores staged in shared memory through L2 behind a
+//   fence (up to T = 4096; read through L2 beyond). The selections of the sequences finished
+//   last are the kernel's tail.
 // The tickets and the count accumulator are device globals, zero between launches (the last user
 // resets them): calls on two streams of one device at once are not supported (as router.cu's
 // scratch). Elsewhere (no sm_80 code, other dtypes or shapes) each op runs its two ops in turn.
@@ -55,13 +59,14 @@ namespace {
 
 constexpr int kGateWarps = 4;  // warps of a block: each sums a quarter of the k-blocks
 constexpr int kGateThreads = kGateWarps * kWarp;
-constexpr int kTiles = 2;                   // m16 row tiles of a block
+constexpr int kTiles = 1;                   // m16 row tiles of a block
 constexpr int kBlockRows = 16 * kTiles;     // rows of a block: one per lane of warp 0
-[[maybe_unused]] constexpr int kBatch = 4;  // k-blocks of 32 columns a lane loads at once
+[[maybe_unused]] constexpr int kBatch = 8;  // k-blocks of 32 columns a lane loads at once
 constexpr int kMaxExperts = 8;              // one n8 tile
 constexpr int kMaxSequences = 8192;         // mod_route's per-sequence tickets
 constexpr int kBlocksPerSm = 4;             // the launch bounds' occupancy (128 registers)
-static_assert(kBlockRows == kWarp, "a block's rows are routed by the lanes of warp 0");
+constexpr int kMaxStagedScores = 4096;      // mod_route: a sequence's scores in shared memory
+static_assert(kBlockRows <= kWarp, "a block's rows are routed by the lanes of warp 0");
 
 __device__ int g_router_ticket;
 __device__ int32_t g_router_counts[kMaxExperts];
@@ -133,11 +138,14 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
       rows[i][h] = n < n_tok ? x + n * d : nullptr;
     }
   const float* wg = g < n_exp ? w + int64_t(g) * d : nullptr;
-  float c[kTiles][4];
+  // One accumulator per weight part: three dependency chains of mma, not one three times longer.
+  float c[3][kTiles][4];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i)
+  for (int p = 0; p < 3; ++p)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) c[i][j] = 0.0f;
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[p][i][j] = 0.0f;
   for (int64_t kb0 = warp; kb0 < kblocks; kb0 += int64_t(kGateWarps) * kBatch) {
     uint4 xc[kBatch][kTiles][2];
 #pragma unroll
@@ -174,21 +182,25 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
         for (int s = 0; s < 4; ++s)
 #pragma unroll
           for (int p = 0; p < 3; ++p)
-            mma_tf32(c[i], top[2 * s], bottom[2 * s], top[2 * s + 1], bottom[2 * s + 1],
+            mma_tf32(c[p][i], top[2 * s], bottom[2 * s], top[2 * s + 1], bottom[2 * s + 1],
                      wp[p][2 * s], wp[p][2 * s + 1]);
       }
     }
   }
-  // c[i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), experts 2 t4 and 2 t4 + 1.
+  // c[p][i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), experts 2 t4 and 2 t4 + 1; the parts
+  // added small to large (lo + mid, then hi).
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
-    part[warp][16 * i + g][2 * t4] = c[i][0];
-    part[warp][16 * i + g][2 * t4 + 1] = c[i][1];
-    part[warp][16 * i + g + 8][2 * t4] = c[i][2];
-    part[warp][16 * i + g + 8][2 * t4 + 1] = c[i][3];
+    float s[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) s[j] = (c[2][i][j] + c[1][i][j]) + c[0][i][j];
+    part[warp][16 * i + g][2 * t4] = s[0];
+    part[warp][16 * i + g][2 * t4 + 1] = s[1];
+    part[warp][16 * i + g + 8][2 * t4] = s[2];
+    part[warp][16 * i + g + 8][2 * t4 + 1] = s[3];
   }
   __syncthreads();
-  if (warp == 0)
+  if (warp == 0 && lane < kBlockRows)
 #pragma unroll
     for (int e = 0; e < kMaxExperts; ++e) {
       float s = part[0][lane][e];
@@ -214,7 +226,7 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
     float lg[kLaneValues];
     gate_rows<T>(lg, x, w, row0, n_tok, d, n_exp);
-    if (threadIdx.x < kWarp) {
+    if (threadIdx.x < kBlockRows) {
       const int64_t n = row0 + threadIdx.x;
       const bool valid = n < n_tok;
       const int64_t row_n = valid ? n : 0;
@@ -255,7 +267,7 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
     float lg[kMaxExperts];
     gate_rows<T>(lg, x, w, row0, n_tok, d, 1);
-    if (threadIdx.x < kWarp && row0 + threadIdx.x < n_tok) scores[row0 + threadIdx.x] = lg[0];
+    if (threadIdx.x < kBlockRows && row0 + threadIdx.x < n_tok) scores[row0 + threadIdx.x] = lg[0];
     __threadfence();  // the scores before the tickets that publish them
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -270,10 +282,29 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
       n_done = m;
     }
     __syncthreads();
+    __shared__ float staged[kMaxStagedScores];
     for (int i = 0; i < n_done; ++i) {
       __threadfence();  // the other blocks' scores, published by their tickets
       const int64_t b = done[i];
-      select_sequence<float, kGateThreads>(sel + b * c, mask + b * t, scores + b * t, t, c);
+      const float* r = scores + b * t;
+      if (t <= kMaxStagedScores) {
+        // The selection reads every score 2-4 times: stage them, with kStageLoads loads in
+        // flight a thread (one after another, each would wait on L2 in turn).
+        constexpr int kStageLoads = 8;
+        for (int i0 = threadIdx.x; i0 < t; i0 += kStageLoads * kGateThreads) {
+          float v[kStageLoads];
+#pragma unroll
+          for (int u = 0; u < kStageLoads; ++u)
+            if (i0 + u * kGateThreads < t) v[u] = __ldcg(r + i0 + u * kGateThreads);
+#pragma unroll
+          for (int u = 0; u < kStageLoads; ++u)
+            if (i0 + u * kGateThreads < t) staged[i0 + u * kGateThreads] = v[u];
+        }
+        __syncthreads();
+        select_sequence<float, kGateThreads, false>(sel + b * c, mask + b * t, staged, t, c);
+      } else {
+        select_sequence<float, kGateThreads, true>(sel + b * c, mask + b * t, r, t, c);
+      }
       __syncthreads();  // the selection's shared memory is free for the next sequence
       if (threadIdx.x == 0) g_mod_tickets[b] = 0;
     }
