@@ -13,17 +13,17 @@
 // three tf32 parts (the top 11 significant bits by truncation, the next 11 of the remainder, and
 // the at most 2 left), so every product of the three mma per k-step is exact in fp32 and only the
 // order of the fp32 sums differs from router_logits_forward's.
-// - A block of 4 warps takes 16 rows (one m16 tile); warp w takes the k-blocks of 32 columns w,
-//   w + 4, ...; each lane reads one 16-byte chunk (8 columns) of each of its 2 rows per k-block,
-//   kBatch k-blocks at a time (16 loads in flight a lane: all of a warp's at d = 1024, so a block
-//   is one round trip to DRAM, not two behind each other), whose 8 values feed four mma k-steps:
+// - A block of 4 warps takes 32 rows (two m16 tiles); warp w takes the k-blocks of 32 columns w,
+//   w + 4, ...; each lane reads one 16-byte chunk (8 columns) of each of its 4 rows per k-block,
+//   kBatch k-blocks at a time, the next batch's loads issued before this one's products (16 loads
+//   in flight a lane, through the math too), whose 8 values feed four mma k-steps:
 //   a thread's A-fragment columns t and t + 4 of step s are its chunk's values 2s and 2s + 1, and
 //   its B fragment (expert g, the same k rows) is w[g] at the same 8 columns, so any permutation
 //   of k within a k-block pairs A and B alike. Rows of a multiple of 8 elements, 16-byte aligned.
-// - Each weight part sums into accumulators of its own (three short chains of dependent mma),
-//   added lo + mid + hi; the four warps' partial sums go through shared memory and are added in
-//   warp order: every
-//   logit's summation order depends on d alone, not on the grid or the device.
+// - The hi part and the two small parts sum into accumulators of their own (shorter chains of
+//   dependent mma), added at the end; the four warps' partial sums go through shared memory and are
+//   added in warp order: every logit's summation order depends on d alone, not on the grid or the
+//   device.
 // - router_forward: lane r of warp 0 then holds row r's E <= 8 logits, writes them and routes the
 //   token itself (TokenRouter of router_rows.cuh with one lane per token: the code and layout of
 //   router_topk_forward for E <= 8, so the routing is bitwise that op's on these logits); the
@@ -59,9 +59,9 @@ namespace {
 
 constexpr int kGateWarps = 4;  // warps of a block: each sums a quarter of the k-blocks
 constexpr int kGateThreads = kGateWarps * kWarp;
-constexpr int kTiles = 1;                   // m16 row tiles of a block
+constexpr int kTiles = 2;                   // m16 row tiles of a block
 constexpr int kBlockRows = 16 * kTiles;     // rows of a block: one per lane of warp 0
-[[maybe_unused]] constexpr int kBatch = 8;  // k-blocks of 32 columns a lane loads at once
+[[maybe_unused]] constexpr int kBatch = 2;  // k-blocks of 32 columns a lane loads at once
 constexpr int kMaxExperts = 8;              // one n8 tile
 constexpr int kMaxSequences = 8192;         // mod_route's per-sequence tickets
 constexpr int kBlocksPerSm = 4;             // the launch bounds' occupancy (128 registers)
@@ -138,16 +138,17 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
       rows[i][h] = n < n_tok ? x + n * d : nullptr;
     }
   const float* wg = g < n_exp ? w + int64_t(g) * d : nullptr;
-  // One accumulator per weight part: three dependency chains of mma, not one three times longer.
-  float c[3][kTiles][4];
+  // Two accumulators a tile (the hi part's, the mid and lo parts'): shorter chains of dependent
+  // mma than one (a third accumulator spills at the 128 registers of 4 blocks an SM).
+  float c[2][kTiles][4];
 #pragma unroll
-  for (int p = 0; p < 3; ++p)
+  for (int p = 0; p < 2; ++p)
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) c[p][i][j] = 0.0f;
-  for (int64_t kb0 = warp; kb0 < kblocks; kb0 += int64_t(kGateWarps) * kBatch) {
-    uint4 xc[kBatch][kTiles][2];
+  // The batch of k-blocks from kb0 on (zeros past d and past N).
+  auto load_batch = [&](uint4(&xc)[kBatch][kTiles][2], int64_t kb0) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t q = (kb0 + b * kGateWarps) * 4 + t4;
@@ -159,6 +160,15 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
                             ? __ldg(reinterpret_cast<const uint4*>(rows[i][h] + q * 8))
                             : make_uint4(0, 0, 0, 0);
     }
+  };
+  // Software pipeline: the next batch's loads are issued before this one's products, so the
+  // block keeps DRAM busy through its math (with one batch at a time, the blocks of a wave loaded
+  // and computed in lockstep and DRAM idled through every compute phase).
+  constexpr int64_t kStep = int64_t(kGateWarps) * kBatch;
+  uint4 cur[kBatch][kTiles][2], nxt[kBatch][kTiles][2];
+  if (warp < kblocks) load_batch(cur, warp);
+  for (int64_t kb0 = warp; kb0 < kblocks; kb0 += kStep) {
+    if (kb0 + kStep < kblocks) load_batch(nxt, kb0 + kStep);
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t q = (kb0 + b * kGateWarps) * 4 + t4;
@@ -176,24 +186,30 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         uint32_t top[8], bottom[8];  // rows g and g + 8 of the tile
-        widen8<T>(xc[b][i][0], top);
-        widen8<T>(xc[b][i][1], bottom);
+        widen8<T>(cur[b][i][0], top);
+        widen8<T>(cur[b][i][1], bottom);
 #pragma unroll
         for (int s = 0; s < 4; ++s)
 #pragma unroll
           for (int p = 0; p < 3; ++p)
-            mma_tf32(c[p][i], top[2 * s], bottom[2 * s], top[2 * s + 1], bottom[2 * s + 1],
-                     wp[p][2 * s], wp[p][2 * s + 1]);
+            mma_tf32(c[p == 0 ? 0 : 1][i], top[2 * s], bottom[2 * s], top[2 * s + 1],
+                     bottom[2 * s + 1], wp[p][2 * s], wp[p][2 * s + 1]);
       }
     }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b)
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) cur[b][i][h] = nxt[b][i][h];
   }
-  // c[p][i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), experts 2 t4 and 2 t4 + 1; the parts
-  // added small to large (lo + mid, then hi).
+  // c[p][i]: rows 16 i + g (0, 1) and 16 i + g + 8 (2, 3), experts 2 t4 and 2 t4 + 1; the small
+  // parts' sum added to the hi part's.
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
     float s[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) s[j] = (c[2][i][j] + c[1][i][j]) + c[0][i][j];
+    for (int j = 0; j < 4; ++j) s[j] = c[1][i][j] + c[0][i][j];
     part[warp][16 * i + g][2 * t4] = s[0];
     part[warp][16 * i + g][2 * t4 + 1] = s[1];
     part[warp][16 * i + g + 8][2 * t4] = s[2];
