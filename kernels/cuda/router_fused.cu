@@ -34,7 +34,7 @@
 //   fence (up to T = 4096; read through L2 beyond). The selections of the sequences finished
 //   last are the kernel's tail.
 // Measured on the H200 (docs/perf.md, 19th session; bench rows router and mod_select, moe-small):
-// router_forward 14.2 us against 21.6 + 6.2 for the two ops, mod_route 17.7 us.
+// router_forward 14.2 us against 21.6 + 6.7 for the two ops, mod_route 17.7 us.
 // The tickets and the count accumulator are device globals, zero between launches (the last user
 // resets them): calls on two streams of one device at once are not supported (as router.cu's
 // scratch). Elsewhere (no sm_80 code, other dtypes or shapes) each op runs its two ops in turn.
