@@ -10,8 +10,8 @@ trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL $*"; exit 1; }
 
 # a small corpus of real English text that does not change with the project: three fortune
-# files of the `fortunes` package (scripts/setup.sh installs it); without them, this project's own
-# documentation (which every session edits, so only the structural checks below are made of it)
+# files of the `fortunes` package (scripts/setup.sh installs it); where they are missing, this
+# project's own documentation
 corpus=()
 for f in /usr/share/games/fortunes/{computers,linux,science}; do [ -f "$f" ] && corpus+=("$f"); done
 [ ${#corpus[@]} -gt 0 ] || corpus=("$src"/README.md "$src"/docs/*.md)
