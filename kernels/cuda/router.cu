@@ -1,6 +1,8 @@
 // MoE router on CUDA: softmax over experts, top-K selection, renormalisation and per-expert counts
 // in one launch; its backward; the auxiliary load-balance and z losses and their gradient; the
-// aux-loss-free bias update. Semantics follow kernels/cpu/router.cpp exactly.
+// aux-loss-free bias update. Semantics follow kernels/cpu/router.cpp exactly. The per-token code
+// of the top-K forward (layouts, butterflies, selection order, TokenRouter, finish_counts) lives in
+// router_rows.cuh, shared with router_fused.cu's one-launch router_forward.
 //
 // Design (router rows are short, E values, and the ops are bandwidth-bound passes over [N, E]):
 // - A group of G lanes per token, G the smallest power of 2 (<= 32) with 8 * G >= E, so each lane

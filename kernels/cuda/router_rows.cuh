@@ -1,7 +1,7 @@
 // The per-token router code shared by router.cu's top-K kernels and router_fused.cu's fused
 // router: a token's E values spread over a group of lanes (RowLayout, LaneSpan), group
 // butterflies, the selection order (Cand, sort8, group_best), the per-block counts (finish_counts)
-// and route_token, one token's softmax, top-K, renormalisation and counts (the semantics of
+// and TokenRouter, one token's softmax, top-K, renormalisation and counts (the semantics of
 // router_topk_forward, moe/ops/router.hpp; see router.cu's top comment for the design).
 #pragma once
 #include <cstdint>
