@@ -1,7 +1,7 @@
 // PTX wrappers for the sm_80+ tensor-core path: cp.async (global -> shared copies that bypass
 // the registers, so loads of the next k-slices overlap the math of this one), ldmatrix (a warp
 // loads 8x8 16-bit tiles from shared memory straight into mma fragment layout, optionally
-// transposed) and mma.sync m16n8k16 with fp32 accumulation for f16 and bf16.
+// transposed) and mma.sync m16n8k16 with fp32 accumulation for f16 and bf16 (m16n8k8 for tf32).
 //
 // Every wrapper's body exists only in device code compiled for sm_80+ (kHasSm80); callers wrap
 // their use in `if constexpr (kHasSm80)` and the host launches them only where compiled_arch()
@@ -84,6 +84,20 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// c += A B for one 16x8x8 tf32 step (the operands: fp32 bit patterns, exact in tf32), the same
+// fragment layout as mma_16816 with k 0-3 in a0/a1/b0 and 4-7 in a2/a3/b1 (a1, a3: eight rows
+// down).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 #endif
 }
 

@@ -69,6 +69,8 @@ constexpr int kMaxSequences = 8192;         // mod_route's per-sequence tickets
 constexpr int kBlocksPerSm = 4;             // the launch bounds' occupancy (128 registers)
 constexpr int kMaxStagedScores = 4096;      // mod_route: a sequence's scores in shared memory
 static_assert(kBlockRows <= kWarp, "a block's rows are routed by the lanes of warp 0");
+static_assert(kMaxExperts == kLaneValues,
+              "a routing lane holds its token's logits as TokenRouter's values");
 
 __device__ int g_router_ticket;
 __device__ int32_t g_router_counts[kMaxExperts];
@@ -88,36 +90,6 @@ __device__ __forceinline__ uint32_t tf32_top(float v) {
   const float r = w - __uint_as_float(hi);  // the low 13 bits of w's significand: exact
   mid = tf32_top(r);
   lo = __float_as_uint(r - __uint_as_float(mid));  // at most 2 significant bits: exact
-}
-
-// A 16-byte chunk of 8 16-bit values as fp32 bit patterns (exact, and exact in tf32).
-template <class T>
-__device__ __forceinline__ void widen8(const uint4& c, uint32_t (&o)[8]) {
-  const uint32_t words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      o[2 * i] = words[i] << 16;
-      o[2 * i + 1] = words[i] & 0xffff0000u;
-    } else {
-      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-      o[2 * i] = __float_as_uint(f.x);
-      o[2 * i + 1] = __float_as_uint(f.y);
-    }
-  }
-}
-
-// c += a b for one m16n8k8 tf32 tile (fp32 accumulators).
-[[maybe_unused]] __device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1,
-                                                          uint32_t a2, uint32_t a3, uint32_t b0,
-                                                          uint32_t b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#endif
 }
 
 // The logits x[row0 + r, :] w^T of the block's rows: lane r of warp 0 gets row r's (experts past
@@ -150,24 +122,26 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
 #pragma unroll
       for (int j = 0; j < 4; ++j) c[p][i][j] = 0.0f;
   // The batch of k-blocks from kb0 on (zeros past d and past N).
-  auto load_batch = [&](uint4(&xc)[kBatch][kTiles][2], int64_t kb0) {
+  auto load_batch = [&](Vec16<T>(&xc)[kBatch][kTiles][2], int64_t kb0) {
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t q = (kb0 + b * kGateWarps) * 4 + t4;
 #pragma unroll
       for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          xc[b][i][h] = rows[i][h] && q < chunks
-                            ? __ldg(reinterpret_cast<const uint4*>(rows[i][h] + q * 8))
-                            : make_uint4(0, 0, 0, 0);
+        for (int h = 0; h < 2; ++h) {
+          xc[b][i][h] = zero_chunk<T>();
+          if (rows[i][h] && q < chunks)  // read-only path (ld.global.nc)
+            *reinterpret_cast<uint4*>(&xc[b][i][h]) =
+                __ldg(reinterpret_cast<const uint4*>(rows[i][h] + q * 8));
+        }
     }
   };
   // Software pipeline: the next batch's loads are issued before this one's products, so the
   // block keeps DRAM busy through its math (with one batch at a time, the blocks of a wave loaded
   // and computed in lockstep and DRAM idled through every compute phase).
   constexpr int64_t kStep = int64_t(kGateWarps) * kBatch;
-  uint4 cur[kBatch][kTiles][2], nxt[kBatch][kTiles][2];
+  Vec16<T> cur[kBatch][kTiles][2], nxt[kBatch][kTiles][2];
   if (warp < kblocks) load_batch(cur, warp);
   for (int64_t kb0 = warp; kb0 < kblocks; kb0 += kStep) {
     if (kb0 + kStep < kblocks) load_batch(nxt, kb0 + kStep);
@@ -187,15 +161,16 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
       for (int j = 0; j < 8; ++j) split_tf32(wv[j], wp[0][j], wp[1][j], wp[2][j]);
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        uint32_t top[8], bottom[8];  // rows g and g + 8 of the tile
-        widen8<T>(cur[b][i][0], top);
-        widen8<T>(cur[b][i][1], bottom);
+        float top[8], bottom[8];  // rows g and g + 8 of the tile, exact in tf32
+        widen_chunk(cur[b][i][0], top);
+        widen_chunk(cur[b][i][1], bottom);
 #pragma unroll
         for (int s = 0; s < 4; ++s)
 #pragma unroll
           for (int p = 0; p < 3; ++p)
-            mma_tf32(c[p == 0 ? 0 : 1][i], top[2 * s], bottom[2 * s], top[2 * s + 1],
-                     bottom[2 * s + 1], wp[p][2 * s], wp[p][2 * s + 1]);
+            mma_tf32(c[p == 0 ? 0 : 1][i], __float_as_uint(top[2 * s]),
+                     __float_as_uint(bottom[2 * s]), __float_as_uint(top[2 * s + 1]),
+                     __float_as_uint(bottom[2 * s + 1]), wp[p][2 * s], wp[p][2 * s + 1]);
       }
     }
 #pragma unroll
@@ -242,7 +217,7 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     __shared__ int32_t hist[kMaxExperts];
     if (threadIdx.x < kMaxExperts) hist[threadIdx.x] = 0;  // read after gate_rows' barrier
     const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
-    float lg[kLaneValues];
+    float lg[kMaxExperts];
     gate_rows<T>(lg, x, w, row0, n_tok, d, n_exp);
     if (threadIdx.x < kBlockRows) {
       const int64_t n = row0 + threadIdx.x;
@@ -301,8 +276,8 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     }
     __syncthreads();
     __shared__ float staged[kMaxStagedScores];
+    if (n_done > 0) __threadfence();  // the other blocks' scores, published by their tickets
     for (int i = 0; i < n_done; ++i) {
-      __threadfence();  // the other blocks' scores, published by their tickets
       const int64_t b = done[i];
       const float* r = scores + b * t;
       if (t <= kMaxStagedScores) {

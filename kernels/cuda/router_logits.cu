@@ -80,13 +80,6 @@ struct DwPartials {  // for add_column_partials (column_partials.cuh)
 
 // ---- chunks of a row ----------------------------------------------------------------------------
 
-template <class T>
-__device__ __forceinline__ Vec16<T> zero_chunk() {
-  Vec16<T> z;
-  *reinterpret_cast<uint4*>(&z) = make_uint4(0, 0, 0, 0);
-  return z;
-}
-
 // Chunk q of a row (elements q*V .. q*V + V-1), zeros past d; one 16-byte access when `vec`.
 template <class T>
 __device__ __forceinline__ Vec16<T> load_chunk(const T* row, int64_t q, int64_t d, bool vec) {
@@ -107,30 +100,6 @@ __device__ __forceinline__ void store_chunk(T* row, int64_t q, int64_t d, bool v
 #pragma unroll
   for (int j = 0; j < V; ++j)
     if (q * V + j < d) row[q * V + j] = c.v[j];
-}
-
-// The chunk's values in acc_t, exactly (bf16 is the top half of an fp32: a shift). 16-bit chunks
-// are taken as four 32-bit words, so the compiler keeps them packed in four registers.
-template <class T>
-__device__ __forceinline__ void widen_chunk(const Vec16<T>& c, acc_t<T> (&out)[kVec<T>]) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) {
-    const uint4 u = *reinterpret_cast<const uint4*>(&c);
-    const uint32_t words[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-        out[2 * i] = __uint_as_float(words[i] << 16);
-        out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-      } else {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&words[i]));
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec<T>; ++j) out[j] = load(c.v[j]);
-  }
 }
 
 // kR rows' chunk q (zeros for a row past N: a null pointer).
