@@ -826,6 +826,53 @@ TEST_CASE("gpu linear: backward dx (=, +=, skipped) and dw +=", "[gpu]") {
   }
 }
 
+TEST_CASE("gpu linear_*_batched: three weights against one x", "[gpu]") {
+  // The strided-batched launches (the attention's q, k, v projections): y[b] (poisoned first) and
+  // dw[b] += against the CPU ops; dx (=, += and none) is the three products in turn, so bitwise
+  // linear_backward called three times on the GPU (whose dx the test above checks).
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t nb = 3;
+  for (const LinearShape& sh : kLinearShapes)
+    for (DType dt : kDtypes) {
+      const std::string tag = " [" + std::to_string(sh.n) + "x" + std::to_string(sh.in) + "->3x" +
+                              std::to_string(sh.out) + "]";
+      const DType acc_dt = acc_dtype(dt);
+      const auto x = rounded_random_values(dt, sh.n * sh.in, 80),
+                 w = rounded_random_values(dt, nb * sh.out * sh.in, 81);
+      const auto dy = rounded_random_values(dt, nb * sh.n * sh.out, 82);
+      const auto dx0 = rounded_random_values(dt, sh.n * sh.in, 83);
+      const auto dw0 = rounded_random_values(acc_dt, nb * sh.out * sh.in, 84);
+      Buf<double> hx = host({sh.n, sh.in}, x), hw = host({nb, sh.out, sh.in}, w);
+      Buf<double> hdy = host({nb, sh.n, sh.out}, dy), hy({nb, sh.n, sh.out});
+      DeviceTensor gx = on_device(dt, {sh.n, sh.in}, x), gw = on_device(dt, {nb, sh.out, sh.in}, w);
+      DeviceTensor gdy = on_device(dt, {nb, sh.n, sh.out}, dy);
+      cpu::linear_forward_batched(cpu, hy, hx, hw);
+      DeviceTensor gy = poisoned(dt, {nb, sh.n, sh.out});
+      linear_forward_batched(gpu, gy, gx, gw);
+      check_close("linear_forward_batched" + tag, dt, download(gy), hy.v, sum_tol(dt, sh.in));
+      for (int mode = 0; mode < 3; ++mode) {  // dx =, dx +=, no dx
+        const bool acc = mode == 1, skip = mode == 2;
+        Buf<double> hdw = host({nb, sh.out, sh.in}, dw0);
+        cpu::linear_backward_batched(cpu, Tensor{}, hdw, hdy, hx, hw, acc);
+        DeviceTensor gdx = acc ? on_device(dt, {sh.n, sh.in}, dx0) : poisoned(dt, {sh.n, sh.in});
+        DeviceTensor gdw = on_device(acc_dt, {nb, sh.out, sh.in}, dw0);
+        linear_backward_batched(gpu, skip ? Tensor{} : gdx.t, gdw, gdy, gx, gw, acc);
+        const std::string m = mode == 0 ? " (dx =)" : mode == 1 ? " (dx +=)" : " (no dx)";
+        check_close_accumulated("linear_backward_batched dw" + m + tag, acc_dt, download(gdw),
+                                hdw.v, dw0, sum_tol(acc_dt, sh.n));
+        if (skip) continue;
+        DeviceTensor want_dx =
+            acc ? on_device(dt, {sh.n, sh.in}, dx0) : poisoned(dt, {sh.n, sh.in});
+        DeviceTensor scratch_dw =
+            on_device(acc_dt, {sh.out, sh.in}, std::vector<double>(sh.out * sh.in, 0.0));
+        for (int64_t b = 0; b < nb; ++b)
+          linear_backward(gpu, want_dx, scratch_dw, gdy.t.rows(b, b + 1).view({sh.n, sh.out}), gx,
+                          gw.t.rows(b, b + 1).view({sh.out, sh.in}), acc || b > 0);
+        check_exact("linear_backward_batched dx" + m + tag, dt, download(gdx), download(want_dx));
+      }
+    }
+}
+
 // ---- grouped linear -----------------------------------------------------------------------------
 
 namespace {

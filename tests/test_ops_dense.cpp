@@ -435,6 +435,38 @@ TEST_CASE("linear_backward matches finite differences and honours its flags", "[
   for (size_t i = 0; i < dw.size(); ++i) CHECK(dw3[i] == Approx(dw[i]).epsilon(1e-13));
 }
 
+TEST_CASE("linear_*_batched are the plain ops per weight, dx summed", "[linear]") {
+  // Three weights against one x (the attention's q, k, v): y[b] bitwise linear_forward's, dx the
+  // plain backward's in turn (the first = or +=, then +=), dw[b] += each; bad shapes throw.
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 6, in = 5, out = 4, nb = 3;
+  Buf<double> x = random_buf({n, in}, 61), w = random_buf({nb, out, in}, 62);
+  Buf<double> dy = random_buf({nb, n, out}, 63), dx0 = random_buf({n, in}, 64);
+  Buf<double> dw0 = random_buf({nb, out, in}, 65);
+  Buf<double> y({nb, n, out});
+  linear_forward_batched(ctx, y, x, w);
+  for (bool acc : {false, true}) {
+    Buf<double> dx = dx0, dw = dw0, want_dx = dx0, want_dw = dw0;
+    linear_backward_batched(ctx, dx, dw, dy, x, w, acc);
+    for (int64_t b = 0; b < nb; ++b) {
+      Buf<double> yb({n, out});
+      linear_forward(ctx, yb, x, w.t.rows(b, b + 1).view({out, in}), false);
+      CHECK(std::vector<double>(y.v.begin() + b * n * out, y.v.begin() + (b + 1) * n * out) ==
+            yb.v);
+      linear_backward(ctx, want_dx, want_dw.t.rows(b, b + 1).view({out, in}),
+                      dy.t.rows(b, b + 1).view({n, out}), x, w.t.rows(b, b + 1).view({out, in}),
+                      acc || b > 0);
+    }
+    CHECK(dx.v == want_dx.v);
+    CHECK(dw.v == want_dw.v);
+  }
+  Buf<double> bad_y({nb - 1, n, out}), bad_w({out, in});
+  CHECK_THROWS_AS(linear_forward_batched(ctx, bad_y, x, w), InternalError);
+  CHECK_THROWS_AS(linear_forward_batched(ctx, y, x, bad_w), InternalError);
+  Buf<double> bad_dw({nb, out, in + 1});
+  CHECK_THROWS_AS(linear_backward_batched(ctx, Tensor{}, bad_dw, dy, x, w, false), InternalError);
+}
+
 TEST_CASE("linear f32 agrees with f64", "[linear][f32]") {
   Ctx ctx = cpu_ctx();
   const int64_t n = 33, in = 65, out = 17;

@@ -47,6 +47,20 @@ inline LinearDims check_linear_backward_args(const Tensor& dx, const Tensor& dw,
   return s;
 }
 
+// The batched linears (one x against B weights): w [B, out, in] and y / dy [B, N, out] with the
+// same B >= 1; batch_item(t, b) is batch b as the plain op's 2-d view.
+inline int64_t linear_batch(const Tensor& y, const Tensor& w, const char* op) {
+  MOE_CHECK(w.ndim == 3, std::string(op) + ": w must be [B, out, in], got " + w.shape_str());
+  MOE_CHECK(y.ndim == 3 && y.size(0) == w.size(0) && w.size(0) >= 1,
+            std::string(op) + ": w " + w.shape_str() + " and the outputs " + y.shape_str() +
+                " must be [B, out, in] and [B, N, out] with the same B >= 1");
+  return w.size(0);
+}
+
+inline Tensor batch_item(const Tensor& t, int64_t b) {
+  return t.rows(b, b + 1).view({t.size(1), t.size(2)});
+}
+
 // The [E, out, in] weight and [R, in] rows of a grouped linear.
 struct GroupedDims {
   int64_t rows, in, out, experts;

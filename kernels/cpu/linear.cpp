@@ -70,6 +70,23 @@ void linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor
   });
 }
 
+// y: [B, N, out], x: [N, in], w: [B, out, in]
+void linear_forward_batched(Ctx& ctx, Tensor y, Tensor x, Tensor w) {
+  const int64_t batch = linear_batch(y, w, "linear_forward_batched");
+  for (int64_t b = 0; b < batch; ++b)
+    cpu::linear_forward(ctx, batch_item(y, b), x, batch_item(w, b), false);
+}
+
+// dx: [N, in] (= or +=; skipped when empty), dw: [B, out, in] (+=), dy: [B, N, out]
+void linear_backward_batched(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                             bool accumulate_dx) {
+  const int64_t batch = linear_batch(dy, w, "linear_backward_batched");
+  check_shape(dw, {batch, w.size(1), w.size(2)}, "linear_backward_batched: dw");
+  for (int64_t b = 0; b < batch; ++b)
+    cpu::linear_backward(ctx, dx, batch_item(dw, b), batch_item(dy, b), x, batch_item(w, b),
+                         accumulate_dx || b > 0);
+}
+
 // y: [R, out], x: [R, in], w: [E, out, in], offsets: [E+1]
 void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offsets) {
   const GroupedDims s = linear_grouped_dims(x, w, "grouped_linear_forward");

@@ -230,6 +230,29 @@ void gemm_cm(Ctx& ctx, DType dt, DType c_dt, cublasOperation_t opa, cublasOperat
                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+// gemm_cm over `batch` products, operand i at a + i stride_a (stride 0: one shared operand), b
+// and c likewise; one cuBLAS launch (f32 / f16 / bf16; f64 runs the products in turn).
+void gemm_cm_batched(Ctx& ctx, DType dt, DType c_dt, cublasOperation_t opa, cublasOperation_t opb,
+                     int64_t m, int64_t n, int64_t k, const void* a, int64_t lda, int64_t stride_a,
+                     const void* b, int64_t ldb, int64_t stride_b, double beta, void* c,
+                     int64_t ldc, int64_t stride_c, int64_t batch, const char* op) {
+  if (dt == DType::f64) {
+    const size_t es = sizeof(double);
+    for (int64_t i = 0; i < batch; ++i)
+      gemm_cm(ctx, dt, c_dt, opa, opb, m, n, k, static_cast<const char*>(a) + i * stride_a * es,
+              lda, static_cast<const char*>(b) + i * stride_b * es, ldb, beta,
+              static_cast<char*>(c) + i * stride_c * es, ldc, op);
+    return;
+  }
+  BlasCall call(ctx);
+  const cudaDataType_t type = cuda_type(dt, op), c_type = cuda_type(c_dt, op);
+  const float one = 1.0f, beta_f = static_cast<float>(beta);
+  MOE_CUBLAS_CHECK(cublasGemmStridedBatchedEx(
+      call.handle(), opa, opb, as_int(m, op), as_int(n, op), as_int(k, op), &one, a, type,
+      as_int(lda, op), stride_a, b, type, as_int(ldb, op), stride_b, &beta_f, c, c_type,
+      as_int(ldc, op), stride_c, as_int(batch, op), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 void check_float(DType t, const char* op) {
   MOE_CHECK(t == DType::f32 || t == DType::f64 || t == DType::f16 || t == DType::bf16,
             std::string(op) + ": unsupported dtype " + dtype_name(t));
@@ -268,6 +291,48 @@ void linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, T
   // dw^T [in, out] += x^T [in, N] (x's buffer) dy [N, out] (T of dy's buffer), dw in acc_dtype(x)
   gemm_cm(ctx, x.dtype, dw.dtype, CUBLAS_OP_N, CUBLAS_OP_T, s.in, s.out, s.n, x.data, s.in, dy.data,
           s.out, 1.0, dw.data, s.in, "linear_backward");
+}
+
+// y: [B, N, out] (=), x: [N, in], w: [B, out, in]: the B products in one launch.
+void linear_forward_batched_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w) {
+  const int64_t batch = linear_batch(y, w, "linear_forward_batched");
+  const LinearDims s = check_linear_forward_args(batch_item(y, 0), x, batch_item(w, 0));
+  check_float(x.dtype, "linear_forward_batched");
+  if (s.n == 0 || s.out == 0 || s.in == 0) {  // the plain op's empty cases
+    for (int64_t b = 0; b < batch; ++b)
+      linear_forward_cuda(ctx, batch_item(y, b), x, batch_item(w, b), false);
+    return;
+  }
+  // y[b]^T [out, N] = w[b] [out, in] (T of w's buffer) x^T [in, N] (x's buffer, shared)
+  gemm_cm_batched(ctx, x.dtype, y.dtype, CUBLAS_OP_T, CUBLAS_OP_N, s.out, s.n, s.in, w.data, s.in,
+                  s.out * s.in, x.data, s.in, 0, 0.0, y.data, s.out, s.n * s.out, batch,
+                  "linear_forward_batched");
+}
+
+// dx: [N, in] (= or +=; skipped when empty), dw: [B, out, in] (+=), dy: [B, N, out]: dx as B
+// products in turn (each adds into dx), the weight gradients in one launch.
+void linear_backward_batched_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
+                                  bool accumulate_dx) {
+  const int64_t batch = linear_batch(dy, w, "linear_backward_batched");
+  check_shape(dw, {batch, w.size(1), w.size(2)}, "linear_backward_batched: dw");
+  const LinearDims s =
+      check_linear_backward_args(dx, batch_item(dw, 0), batch_item(dy, 0), x, batch_item(w, 0));
+  check_float(x.dtype, "linear_backward_batched");
+  if (s.n == 0 || s.in == 0 || s.out == 0) {  // the plain op's empty cases
+    for (int64_t b = 0; b < batch; ++b)
+      linear_backward_cuda(ctx, dx, batch_item(dw, b), batch_item(dy, b), x, batch_item(w, b),
+                           accumulate_dx || b > 0);
+    return;
+  }
+  if (!dx.empty())
+    for (int64_t b = 0; b < batch; ++b)  // dx^T [in, N] (+)= w[b]^T [in, out] dy[b]^T [out, N]
+      gemm_cm(ctx, x.dtype, x.dtype, CUBLAS_OP_N, CUBLAS_OP_N, s.in, s.n, s.out,
+              batch_item(w, b).data, s.in, batch_item(dy, b).data, s.out,
+              accumulate_dx || b > 0 ? 1.0 : 0.0, dx.data, s.in, "linear_backward_batched");
+  // dw[b]^T [in, out] += x^T [in, N] (x's buffer, shared) dy[b] [N, out] (T of dy[b]'s buffer)
+  gemm_cm_batched(ctx, x.dtype, dw.dtype, CUBLAS_OP_N, CUBLAS_OP_T, s.in, s.out, s.n, x.data, s.in,
+                  0, dy.data, s.out, s.n * s.out, 1.0, dw.data, s.in, s.out * s.in, batch,
+                  "linear_backward_batched");
 }
 
 // ---- host side: grouped -------------------------------------------------------------------------
@@ -501,6 +566,8 @@ void grouped_swiglu_down_backward_gathered_cuda(Ctx& ctx, Tensor dgate, Tensor d
 namespace moe {
 MOE_REGISTER_CUDA_OP(linear_forward, &cuda_detail::linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(linear_backward, &cuda_detail::linear_backward_cuda);
+MOE_REGISTER_CUDA_OP(linear_forward_batched, &cuda_detail::linear_forward_batched_cuda);
+MOE_REGISTER_CUDA_OP(linear_backward_batched, &cuda_detail::linear_backward_batched_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward_adamw, &cuda_detail::grouped_linear_forward_adamw_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);

@@ -123,9 +123,14 @@ class SelfAttention {
   void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, Tensor pos);
 
  private:
+  // The i-th [B, T, heads, hd] of a [3 B, T, heads, hd] tensor.
+  static Tensor stacked(Tensor t, int64_t i);
+
   const LayerEnv& env_;
   ParamView wq_, wk_, wv_, wo_;
   Dims dims_{0, 0};
+  bool stacked_qkv_ = false;  // nh == nkv: q_, k_ and v_ side by side in qkv_
+  Tensor qkv_;
   Tensor q_, k_, v_, att_, lse_;
 };
 

@@ -15,6 +15,18 @@ MOE_OP(linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, bool accumulate_dx),
        (ctx, dx, dw, dy, x, w, accumulate_dx))
 
+// One x against B weights (the attention's q, k and v projections): y[b] = x w[b]^T, y: [B, N,
+// out], w: [B, out, in], x: [N, in]; B >= 1. Bitwise linear_forward per b; the CUDA backend
+// issues the B products as one launch (cuBLAS strided batched).
+MOE_OP(linear_forward_batched, (Ctx & ctx, Tensor y, Tensor x, Tensor w), (ctx, y, x, w))
+// dx = sum_b dy[b] w[b] (+= when accumulate_dx; skipped when dx is empty), dw[b] += dy[b]^T x:
+// linear_backward per b in turn (the first with accumulate_dx, the others accumulating), dw
+// [B, out, in] in acc_dtype(x), dy: [B, N, out]. The CUDA backend issues the B weight gradients
+// as one launch.
+MOE_OP(linear_backward_batched,
+       (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, bool accumulate_dx),
+       (ctx, dx, dw, dy, x, w, accumulate_dx))
+
 // Grouped (per-expert) linear over rows sorted by expert: rows [offsets[e], offsets[e+1]) use w[e].
 // y: [R, out], x: [R, in], w: [E, out, in], offsets: [E+1] i32 (offsets[0] = 0, offsets[E] = R),
 // resident on ctx's device (never copied to the host by the CUDA backend). Empty groups are fine.
