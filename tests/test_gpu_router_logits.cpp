@@ -9,14 +9,18 @@
 // once to x's dtype (rtol_for(x): bf16 2e-2, f16 4e-3).
 //
 // The kernels' summation orders depend on the shape only, so results must also be bitwise the
-// same on a second run and for views of every input one element off 16-byte alignment (the
-// element-by-element path).
+// same on a second run, and for the general kernels (E > 8, f32, f64) for views of every input
+// one element off 16-byte alignment (the element-by-element path). The gate's shape (16-bit x,
+// E <= 8, aligned rows) has kernels of its own (the tf32 tensor-core product of router_fused.cu,
+// the one-pass backward of router_backward_rows.cu) with other summation orders, so there an
+// unaligned view runs the general kernels and is checked against the CPU op instead.
 //
 // Also the bf16 split behind the wider router matmuls (split_bf16, sum_column_blocks bitwise the
 // CPU ops; linear_forward's fp32 y from bf16 operands against a double reference).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -86,8 +90,8 @@ Bits run_gpu(const Inputs& in, int offset, std::vector<double>* logits = nullptr
   return {bytes_of(gl), bytes_of(gdx), bytes_of(gdw)};
 }
 
-void check_case(DType dt, int64_t n, int64_t d, int64_t e, uint64_t seed) {
-  INFO(dtype_name(dt) << " N=" << n << " d=" << d << " E=" << e);
+void check_case(DType dt, int64_t n, int64_t d, int64_t e, uint64_t seed, int offset = 0) {
+  INFO(dtype_name(dt) << " N=" << n << " d=" << d << " E=" << e << " offset " << offset);
   const Inputs in(dt, n, d, e, seed);
   // CPU reference in f64 on the same (rounded) values.
   Ctx cctx = cpu_ctx();
@@ -97,12 +101,12 @@ void check_case(DType dt, int64_t n, int64_t d, int64_t e, uint64_t seed) {
   cpu::router_logits_backward(cctx, dx, dw, dl, x, w);
 
   std::vector<double> g_logits, g_dx, g_dw;
-  const Bits first = run_gpu(in, 0, &g_logits, &g_dx, &g_dw);
+  const Bits first = run_gpu(in, offset, &g_logits, &g_dx, &g_dw);
   expect_close(g_logits, logits.v, rtol_for(in.acc), "logits");
   expect_close(g_dx, dx.v, rtol_for(dt), "dx");
   expect_close(g_dw, dw.v, rtol_for(in.acc), "dw");
   // Deterministic: a second run gives the same bits.
-  CHECK(run_gpu(in, 0) == first);
+  CHECK(run_gpu(in, offset) == first);
 }
 
 }  // namespace
@@ -131,14 +135,52 @@ TEST_CASE("gpu router_logits: many tokens (persistent blocks, many dw partials)"
   check_case(DType::bf16, 16384, 1024, 8, 23);  // the model's shape
 }
 
+TEST_CASE("gpu router_logits: the gate's one-pass backward at every row-lane width",
+          "[gpu][router_logits]") {
+  // d / 8 chunks in row lanes of 32 (d <= 256: 8 row lanes a block), 64, 128 and 256 (d = 2048:
+  // one row lane); E from 1 to 8; N giving one block (direct into dw), a few, and the full 132
+  // with rows left over per row lane; d = 2056 is past the one-pass kernel (general kernels).
+  for (DType dt : {DType::bf16, DType::f16}) {
+    check_case(dt, 63, 256, 8, 51);     // one block: dw written directly
+    check_case(dt, 1001, 512, 3, 52);   // 15 blocks, 4 row lanes of 64
+    check_case(dt, 9001, 2048, 8, 53);  // 132 blocks, one row lane of 256
+    check_case(dt, 777, 8, 1, 54);      // one chunk a row
+    check_case(dt, 300, 2056, 7, 55);   // past 2048: the general kernels
+  }
+}
+
+TEST_CASE("gpu router_logits: the backward without dx updates dw alone", "[gpu][router_logits]") {
+  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {{700, 1024, 4}, {50, 96, 8}};
+  for (DType dt : {DType::bf16, DType::f32})
+    for (auto [n, d, e] : shapes) {
+      INFO(dtype_name(dt) << " N=" << n << " d=" << d << " E=" << e);
+      const Inputs in(dt, n, d, e, 61);
+      Ctx cctx = cpu_ctx();
+      Host x({n, d}, in.x), w({e, d}, in.w), dl({n, e}, in.dl), dw({e, d}, in.dw0);
+      cpu::router_logits_backward(cctx, Tensor(), dw, dl, x, w);
+      Ctx ctx = gpu_ctx();
+      DeviceTensor gx = on_device(dt, {n, d}, in.x), gw = on_device(in.acc, {e, d}, in.w);
+      DeviceTensor gdl = on_device(in.acc, {n, e}, in.dl), gdw = on_device(in.acc, {e, d}, in.dw0);
+      router_logits_backward(ctx, Tensor(), gdw, gdl, gx, gw);
+      expect_close(download(gdw), dw.v, rtol_for(in.acc), "dw");
+    }
+}
+
 TEST_CASE("gpu router_logits: results do not depend on the alignment of the views",
           "[gpu][router_logits]") {
   // Every input and output one element into its buffer (a 2-byte offset for 16-bit x): rows are
-  // read element by element, and every output must be bitwise the one of aligned views.
+  // read element by element, and every output must be bitwise the one of aligned views. At the
+  // gate's shape (16-bit x, E = 8) the aligned views run kernels of their own: the shifted ones
+  // are checked against the CPU op (check_case's bounds).
   for (DType dt : kFloatTypes)
     for (int64_t e : {8, 64}) {
       INFO(dtype_name(dt) << " E=" << e);
       const Inputs in(dt, 203, 1024, e, 31);
+      const bool own_kernels = (dt == DType::bf16 || dt == DType::f16) && e <= 8;
+      if (own_kernels) {
+        check_case(dt, 203, 1024, e, 31, /*offset=*/1);
+        continue;
+      }
       const Bits aligned = run_gpu(in, 0), shifted = run_gpu(in, 1);
       CHECK(aligned.logits == shifted.logits);
       CHECK(aligned.dx == shifted.dx);

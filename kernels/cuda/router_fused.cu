@@ -33,8 +33,12 @@
 //   code of mod_select), from a copy of the scores staged in shared memory through L2 behind a
 //   fence (up to T = 4096; read through L2 beyond). The selections of the sequences finished
 //   last are the kernel's tail.
-// Measured on the H200 (docs/perf.md, 19th session; bench rows router and mod_select, moe-small):
-// router_forward 14.2 us against 21.6 + 6.7 for the two ops, mod_route 17.7 us.
+// - router_logits_forward at the same shape (E <= 8, through router_paths.hpp): the product alone,
+//   lane r of warp 0 writing row r's logits (gate_logits_kernel): router_forward's logits bitwise.
+// Measured on the H200 (docs/perf.md, 19th and 20th sessions; bench rows router, mod_select and
+// router_logits, moe-small): router_forward 14.2 us against 21.6 + 6.7 for the two ops, mod_route
+// 17.7 us, router_logits_forward 9.9-10.0 us against 21.9 for router_logits.cu's FMA kernel.
+// Asking L2 for a block's whole rows first (prefetch.global.L2) made them slower (16.4 / 12.2 us).
 // The tickets and the count accumulator are device globals, zero between launches (the last user
 // resets them): calls on two streams of one device at once are not supported (as router.cu's
 // scratch). Elsewhere (no sm_80 code, other dtypes or shapes) each op runs its two ops in turn.
@@ -52,6 +56,7 @@
 #include "cuda/mma_common.cuh"
 #include "cuda/mma_sm80.cuh"
 #include "cuda/mod_select.cuh"
+#include "cuda/router_paths.hpp"
 #include "cuda/router_rows.cuh"
 #include "moe/ops/mod.hpp"
 #include "moe/ops/router.hpp"
@@ -247,6 +252,26 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
   }
 }
 
+// ---- router_logits_forward (E <= 8) -------------------------------------------------------------
+
+// The product alone (router_logits_forward's path for the gate's shape): the logits router_forward
+// writes, bitwise.
+template <class T>
+__global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
+    gate_logits_kernel(float* __restrict__ logits, const T* __restrict__ x,
+                       const float* __restrict__ w, int64_t n_tok, int64_t d, int n_exp) {
+  if constexpr (kHasSm80) {
+    const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
+    float lg[kMaxExperts];
+    gate_rows<T>(lg, x, w, row0, n_tok, d, n_exp);
+    const int64_t n = row0 + threadIdx.x;
+    if (threadIdx.x < kBlockRows && n < n_tok)
+#pragma unroll
+      for (int e = 0; e < kMaxExperts; ++e)
+        if (e < n_exp) logits[n * n_exp + e] = lg[e];
+  }
+}
+
 // ---- mod_route ----------------------------------------------------------------------------------
 
 template <class T>
@@ -388,6 +413,25 @@ void mod_route(Ctx& ctx, Tensor scores, Tensor sel, Tensor mask, Tensor x, Tenso
 }
 
 }  // namespace
+
+bool router_logits_forward_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w) {
+  const int64_t n = x.size(0), e = w.size(0);
+  if (!fused_path(gate_logits_kernel<__nv_bfloat16>, x, w, e) || n < 1 || n > (int64_t(1) << 40))
+    return false;
+  auto launch = [&](auto kernel, auto zero) {
+    using T = decltype(zero);
+    kernel<<<gate_grid(n), kGateThreads, 0, stream_of(ctx)>>>(
+        data_of<float>(logits), data_of<const T>(x), data_of<const float>(w), n, x.size(1),
+        static_cast<int>(e));
+    MOE_CUDA_LAUNCH_CHECK();
+  };
+  if (x.dtype == DType::bf16)
+    launch(gate_logits_kernel<__nv_bfloat16>, __nv_bfloat16{});
+  else
+    launch(gate_logits_kernel<__half>, __half{});
+  return true;
+}
+
 }  // namespace moe::cuda_detail
 
 MOE_REGISTER_CUDA_OP(router_forward, &::moe::cuda_detail::router_forward);

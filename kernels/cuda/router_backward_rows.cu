@@ -1,0 +1,243 @@
+// router_logits_backward in one pass over the rows, for the MoE gate's shape (16-bit x, E <= 8,
+// d a multiple of 8 up to 2048): dx += dl w and dw += dl^T x together. The general kernels of
+// router_logits.cu make two passes (dx, then dw) with W in shared memory and a lane layout built
+// for any E; at E = 8 they reached 35 % of the copy rate (70 us for moe-small's 96 MiB: read x,
+// read and write dx), held back by the shared-memory reads of W and by one chunk of a row in
+// flight per lane. Here:
+// - A thread owns one 16-byte chunk of columns (8 values) of every row its row lane visits: it
+//   keeps W's 8 x 8 values for those columns and its 8 x 8 dw sums in registers (no shared memory
+//   in the loop), and runs each row's dx chunk (sum over e in order, added to dx, rounded once, as
+//   router_logits.cu's dx) and its dw products (fma into the sums, rows in order).
+// - A block of 256 threads is 256 / C row lanes of C = d / 8 (rounded up to a power of two from
+//   a warp) threads; each row lane takes a contiguous share of the block's rows, kBatch rows at a
+//   time, the next batch's x and dx chunks loaded before this one's math (16 bytes x 2 x kBatch
+//   a thread in flight: 32 KiB an SM). dl comes one value a lane (row u, expert e of the batch for
+//   lane 8 u + e) and is passed round by shuffles.
+// Measured on the H200 (docs/perf.md, 20th session; bench row router_logits_bwd, moe-small):
+// 56.7-59.2 us against 70.1 for the two passes (35 -> 42 % of the copy rate). Nsight Compute: DRAM
+// 29 %, SM 42 %, 8 warps an SM (the 230 registers of W and the sums allow one block): latency
+// bound, one batch in flight at a time per warp. L2 prefetches of the rows three batches ahead
+// (prefetch.global.L2) gained ~4 % and were not kept; what is left to try is a ring of rows in
+// shared memory filled by cp.async / TMA, many batches deep.
+// - dw: the row lanes' sums are added in row-lane order through shared memory and each block
+//   writes its partial [E, d] to a device scratch; add_column_partials (column_partials.cuh) adds
+//   the partials to dw in a fixed order. The blocks' row ranges depend on N, d and E alone, so dw
+//   is bitwise the same on every run and device (no atomics).
+// Where it does not apply (other dtypes or shapes, dx aliasing x) router_logits.cu's kernels run.
+// The scratch is one per device, used in stream order: calls on two streams at once would race
+// on it and are not supported (as router_logits.cu's).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/column_partials.cuh"
+#include "cuda/cuda_common.cuh"
+#include "cuda/router_paths.hpp"
+#include "cuda/vec16.cuh"
+
+namespace moe::cuda_detail {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+constexpr int kMaxExperts = 8;        // W's and dw's rows a thread holds (8 x 8 registers each)
+constexpr int kChunk = 8;             // values of a 16-bit chunk
+constexpr int kBatch = 4;             // rows a row lane loads at once (dl: one value a lane)
+constexpr int kMaxChunks = kThreads;  // d / 8: one chunk a thread in a row lane of 256
+constexpr int64_t kMaxBlocks = 132;   // partials: about one block per H200 SM
+constexpr int64_t kMinRows = 64;      // rows a block takes at least
+constexpr size_t kScratchBytes = size_t(4) << 20;
+static_assert(kBatch * kMaxExperts == kWarp, "a batch's dl values are one per lane");
+
+__device__ float g_router_rows_partials[kScratchBytes / sizeof(float)];
+struct RowsPartials {  // for add_column_partials
+  template <class A>
+  __device__ static const A* get() {
+    return reinterpret_cast<const A*>(g_router_rows_partials);
+  }
+};
+
+// x and dx chunks of one batch of rows, and this lane's dl value.
+template <class T>
+struct Batch {
+  Vec16<T> x[kBatch], dx[kBatch];
+  float dl;
+};
+
+template <class T, bool kDx>
+__device__ __forceinline__ void load_batch(Batch<T>& b, const T* __restrict__ x, const T* dx,
+                                           const float* __restrict__ dl, int64_t r0, int64_t r_end,
+                                           int64_t col, int64_t d, int n_exp, bool active,
+                                           int lane) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const bool ok = active && r0 + u < r_end;
+    b.x[u] = zero_chunk<T>();
+    if (ok)  // read-only path (ld.global.nc)
+      *reinterpret_cast<uint4*>(&b.x[u]) =
+          __ldg(reinterpret_cast<const uint4*>(x + (r0 + u) * d + col));
+    if constexpr (kDx) b.dx[u] = ok ? load16(dx + (r0 + u) * d + col) : zero_chunk<T>();
+  }
+  const int64_t r = r0 + lane / kMaxExperts;
+  const int e = lane % kMaxExperts;
+  b.dl = r < r_end && e < n_exp ? __ldg(dl + r * n_exp + e) : 0.0f;
+}
+
+// grid: the row blocks, kThreads threads: kThreads / lanes row lanes of `lanes` threads.
+// `direct`: one block, whose sums go straight into dw (no partials).
+template <class T, bool kDx>
+__global__ void __launch_bounds__(kThreads, 1)
+    router_backward_rows_kernel(T* dx, float* __restrict__ dw, const float* __restrict__ dl,
+                                const T* __restrict__ x, const float* __restrict__ w, int64_t n_tok,
+                                int64_t d, int n_exp, int lanes, bool direct) {
+  const int row_lanes = kThreads / lanes;
+  const int h = threadIdx.x / lanes, j = threadIdx.x % lanes, lane = threadIdx.x % kWarp;
+  const int64_t col = int64_t(j) * kChunk;
+  const bool active = col < d;
+  const int64_t blocks = gridDim.x, b = blockIdx.x;
+  const int64_t rb = n_tok * b / blocks, re = n_tok * (b + 1) / blocks;
+  const int64_t r_begin = rb + (re - rb) * h / row_lanes;
+  const int64_t r_end = rb + (re - rb) * (h + 1) / row_lanes;
+  // W's columns of this thread (zeros past E); the dw sums.
+  float wr[kMaxExperts][kChunk], acc[kMaxExperts][kChunk];
+#pragma unroll
+  for (int e = 0; e < kMaxExperts; ++e) {
+    float4 lo = make_float4(0, 0, 0, 0), hi = lo;
+    if (kDx && active && e < n_exp) {
+      lo = __ldg(reinterpret_cast<const float4*>(w + e * d + col));
+      hi = __ldg(reinterpret_cast<const float4*>(w + e * d + col + 4));
+    }
+    wr[e][0] = lo.x, wr[e][1] = lo.y, wr[e][2] = lo.z, wr[e][3] = lo.w;
+    wr[e][4] = hi.x, wr[e][5] = hi.y, wr[e][6] = hi.z, wr[e][7] = hi.w;
+#pragma unroll
+    for (int v = 0; v < kChunk; ++v) acc[e][v] = 0.0f;
+  }
+  Batch<T> cur, nxt;
+  if (r_begin < r_end)
+    load_batch<T, kDx>(cur, x, dx, dl, r_begin, r_end, col, d, n_exp, active, lane);
+  // Every lane of a warp is in one row lane (lanes is a multiple of 32): the loop, its breaks and
+  // shuffles are uniform over the warp.
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kBatch) {
+    if (r0 + kBatch < r_end)
+      load_batch<T, kDx>(nxt, x, dx, dl, r0 + kBatch, r_end, col, d, n_exp, active, lane);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (r0 + u >= r_end) break;
+      float g[kMaxExperts];
+#pragma unroll
+      for (int e = 0; e < kMaxExperts; ++e)
+        g[e] = __shfl_sync(kFullMask, cur.dl, u * kMaxExperts + e);
+      float xv[kChunk];
+      widen_chunk(cur.x[u], xv);
+#pragma unroll
+      for (int e = 0; e < kMaxExperts; ++e)
+        if (e < n_exp)
+#pragma unroll
+          for (int v = 0; v < kChunk; ++v) acc[e][v] = fmaf(g[e], xv[v], acc[e][v]);
+      if constexpr (kDx) {
+        if (active) {
+          float s[kChunk], old[kChunk];
+#pragma unroll
+          for (int v = 0; v < kChunk; ++v) s[v] = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kMaxExperts; ++e)
+            if (e < n_exp)
+#pragma unroll
+              for (int v = 0; v < kChunk; ++v) s[v] = fmaf(g[e], wr[e][v], s[v]);
+          widen_chunk(cur.dx[u], old);
+          Vec16<T> out;
+#pragma unroll
+          for (int v = 0; v < kChunk; ++v) out.v[v] = store<T>(old[v] + s[v]);
+          store16(dx + (r0 + u) * d + col, out);
+        }
+      }
+    }
+    cur = nxt;
+  }
+  // The row lanes' sums, added in row-lane order by row lane 0.
+  __shared__ float red[kMaxExperts * kChunk][kThreads / 2];
+  for (int hh = 1; hh < row_lanes; ++hh) {
+    if (h == hh)
+#pragma unroll
+      for (int e = 0; e < kMaxExperts; ++e)
+#pragma unroll
+        for (int v = 0; v < kChunk; ++v) red[e * kChunk + v][j] = acc[e][v];
+    __syncthreads();
+    if (h == 0)
+#pragma unroll
+      for (int e = 0; e < kMaxExperts; ++e)
+#pragma unroll
+        for (int v = 0; v < kChunk; ++v) acc[e][v] += red[e * kChunk + v][j];
+    __syncthreads();
+  }
+  if (h != 0 || !active) return;
+  float* out = direct ? dw : g_router_rows_partials + b * n_exp * d;
+#pragma unroll
+  for (int e = 0; e < kMaxExperts; ++e) {
+    if (e >= n_exp) break;
+    float4* p = reinterpret_cast<float4*>(out + e * d + col);
+    float4 lo = make_float4(acc[e][0], acc[e][1], acc[e][2], acc[e][3]);
+    float4 hi = make_float4(acc[e][4], acc[e][5], acc[e][6], acc[e][7]);
+    if (direct) {
+      const float4 a = p[0], c = p[1];
+      lo = make_float4(a.x + lo.x, a.y + lo.y, a.z + lo.z, a.w + lo.w);
+      hi = make_float4(c.x + hi.x, c.y + hi.y, c.z + hi.z, c.w + hi.w);
+    }
+    p[0] = lo;
+    p[1] = hi;
+  }
+}
+
+bool overlaps(const Tensor& a, const Tensor& b) {
+  const char* pa = static_cast<const char*>(a.data);
+  const char* pb = static_cast<const char*>(b.data);
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+}  // namespace
+
+bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
+                                 Tensor w) {
+  const int64_t n = x.size(0), d = x.size(1), e = w.size(0);
+  const bool wants_dx = !dx.empty();
+  if (!(x.dtype == DType::bf16 || x.dtype == DType::f16) || e < 1 || e > kMaxExperts || n < 1 ||
+      d < kChunk || d % kChunk != 0 || d / kChunk > kMaxChunks)
+    return false;
+  if (!aligned16({x.data, w.data, dw.data}) || (wants_dx && !aligned16({dx.data})) ||
+      (wants_dx && overlaps(dx, x)))
+    return false;
+  // Row lanes of a multiple of 32 threads dividing 256: 32, 64, 128 or 256.
+  int lanes = kWarp;
+  while (lanes < d / kChunk) lanes *= 2;
+  // Row blocks from N, d and E alone (dw's summation order).
+  int64_t blocks = std::min(kMaxBlocks, std::max<int64_t>(1, n / kMinRows));
+  blocks = std::min<int64_t>(blocks, static_cast<int64_t>(kScratchBytes / sizeof(float)) / (e * d));
+  if (blocks < 1) return false;
+  const bool direct = blocks == 1;
+  cudaStream_t stream = stream_of(ctx);
+  auto launch = [&](auto kernel, auto zero) {
+    using T = decltype(zero);
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+        wants_dx ? data_of<T>(dx) : nullptr, data_of<float>(dw), data_of<const float>(dlogits),
+        data_of<const T>(x), data_of<const float>(w), n, d, static_cast<int>(e), lanes, direct);
+    MOE_CUDA_LAUNCH_CHECK();
+  };
+  if (x.dtype == DType::bf16) {
+    if (wants_dx)
+      launch(router_backward_rows_kernel<__nv_bfloat16, true>, __nv_bfloat16{});
+    else
+      launch(router_backward_rows_kernel<__nv_bfloat16, false>, __nv_bfloat16{});
+  } else {
+    if (wants_dx)
+      launch(router_backward_rows_kernel<__half, true>, __half{});
+    else
+      launch(router_backward_rows_kernel<__half, false>, __half{});
+  }
+  if (!direct) add_column_partials<float, RowsPartials>(stream, data_of<float>(dw), blocks, e * d);
+  return true;
+}
+
+}  // namespace moe::cuda_detail

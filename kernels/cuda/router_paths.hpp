@@ -1,0 +1,17 @@
+// Fast paths of the router matmul ops (router_logits.cu) that live in files of their own. Each
+// returns false, launching nothing, where it does not apply; the caller then runs its general
+// kernels. The arguments have been checked by the op.
+#pragma once
+#include "moe/ops/common.hpp"
+
+namespace moe::cuda_detail {
+
+// logits = x w^T on tf32 tensor cores (router_fused.cu): sm_80+ device code, 16-bit x, E <= 8.
+bool router_logits_forward_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w);
+
+// dx += dl w (unless dx is empty) and dw += dl^T x in one pass (router_backward_rows.cu): 16-bit
+// x, E <= 8, d a multiple of 8 up to 2048.
+bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
+                                 Tensor w);
+
+}  // namespace moe::cuda_detail
