@@ -16,6 +16,7 @@
 #include "moe/memory.hpp"
 #include "moe/ops/attention.hpp"
 #include "moe/ops/elementwise.hpp"
+#include "moe/ops/embedding.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/mod.hpp"
@@ -412,6 +413,19 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
         [&] { linear_backward(ctx, ldx, ldw, ldy, lx, lw, false); });
   };
   linear_rows("linear_proj", dt, d, d);
+  // The attention's q, k and v projections as the model issues them with as many key / value
+  // heads as query heads: one batched product over the shared input (linear_*_batched).
+  {
+    Tensor qx = pool.random(dt, {n, d}), qw = pool.random(dt, {3, d, d}, -0.05f, 0.05f);
+    Tensor qy = pool.zeros(dt, {3, n, d}), qdy = pool.random(dt, {3, n, d});
+    Tensor qdx = pool.zeros(dt, {n, d}), qdw = pool.zeros(acc, {3, d, d});
+    const double fl = 3 * 2.0 * double(n) * double(d) * double(d);
+    const std::string det = shape({n, d}) + " x 3 x " + shape({d, d}) + "^T " + dtype_name(dt);
+    add("linear_qkv", det, fl, true, gemm_rate, 0,
+        [&] { linear_forward_batched(ctx, qy, qx, qw); });
+    add("linear_qkv_bwd", det + " (dx, dw)", 2 * fl, true, gemm_bwd_rate, 0,
+        [&] { linear_backward_batched(ctx, qdx, qdw, qdy, qx, qw, false); });
+  }
   linear_rows("lm_head", dt, d, m.vocab_size);
   linear_rows("router_linear", acc, d, e);
 
@@ -496,6 +510,17 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   std::vector<int32_t> tg(static_cast<size_t>(n));
   for (auto& id : tg) id = static_cast<int32_t>(pool.rng()() % static_cast<uint64_t>(vocab));
   Tensor targets = pool.ints({n}, tg);
+  // The token embedding's backward: dout's rows added into the fp32 table's rows of their ids
+  // (bytes: dout read, the rows read and written).
+  {
+    Tensor table_grad = pool.zeros(acc, {vocab, d}), dout = pool.random(dt, {n, d});
+    std::vector<int32_t> eid(static_cast<size_t>(n));
+    for (auto& id : eid) id = static_cast<int32_t>(pool.rng()() % static_cast<uint64_t>(vocab));
+    Tensor ids = pool.ints({n}, eid);
+    add("embedding_bwd", shape({n, d}) + " into " + shape({vocab, d}) + " " + dtype_name(acc),
+        double(n * d * (es + 2 * as)), false, bw, 0,
+        [&] { embedding_backward(ctx, table_grad, dout, ids); });
+  }
   add("cross_entropy_fwd", shape({n, vocab}), double(n * vocab * es + n * (4 + 2 * as)), false, bw,
       0, [&] { cross_entropy_forward(ctx, losses, ce_lse, head, targets); });
   add("cross_entropy_bwd", shape({n, vocab}) + " in place", double(2 * n * vocab * es), false, bw,
