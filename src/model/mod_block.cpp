@@ -87,8 +87,14 @@ void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos
   Tensor dph = s.alloc(acc, {n, p});
   mod_scatter_backward(ctx, dx, dys, dscores.view({dims_.B, dims_.T}), dout, x, ys_, scores, sel_);
   inner_.backward(ctx, dxs, dys, xs_, sel_pos, grad_scale);
+  // The router's gradient: dscores is 0 off the selected rows (the top-C choice passes none), so
+  // its dw and its dx term come from the B*C selected rows of x (xs_) alone, the dx term added
+  // into dxs before the gather's backward adds dxs into dx: a pass over 1/capacity fewer rows
+  // (x read and dx updated) than over all of them.
+  Tensor dscores_sel = s.alloc(acc, {dims_.B * keep_, 1});
+  mod_gather_forward(ctx, dscores_sel, dscores, sel_);
+  router_matmul_backward(ctx, env_, dxs, router_.g, dscores_sel, xs_, router_.master);
   mod_gather_backward(ctx, dx, dxs, sel_);
-  router_matmul_backward(ctx, env_, dx, router_.g, dscores, x, router_.master);
   // predictor: parameters only (x is stop-gradient)
   bce_with_logits_backward(ctx, dlogit.view({n}), pred_logit_.view({n}), mask_.view({n}),
                            grad_scale * env_.cfg.mod.predictor_loss_coef);
