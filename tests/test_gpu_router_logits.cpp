@@ -138,12 +138,13 @@ TEST_CASE("gpu router_logits: many tokens (persistent blocks, many dw partials)"
 TEST_CASE("gpu router_logits: the gate's one-pass backward at every row-lane width",
           "[gpu][router_logits]") {
   // d / 8 chunks in row lanes of 32 (d <= 256: 8 row lanes a block), 64, 128 and 256 (d = 2048:
-  // one row lane); E from 1 to 8; N giving one block (direct into dw), a few, and the full 132
-  // with rows left over per row lane; d = 2056 is past the one-pass kernel (general kernels).
+  // one row lane); E from 1 to 8; N giving one block (direct into dw), a few, and as many as the
+  // partials' scratch holds at d = 2048 (64), with rows left over per row lane (the most blocks,
+  // 132, run in "many tokens" above at d = 256); d = 2056 is past the one-pass kernel.
   for (DType dt : {DType::bf16, DType::f16}) {
     check_case(dt, 63, 256, 8, 51);     // one block: dw written directly
     check_case(dt, 1001, 512, 3, 52);   // 15 blocks, 4 row lanes of 64
-    check_case(dt, 9001, 2048, 8, 53);  // 132 blocks, one row lane of 256
+    check_case(dt, 9001, 2048, 8, 53);  // 64 blocks, one row lane of 256
     check_case(dt, 777, 8, 1, 54);      // one chunk a row
     check_case(dt, 300, 2056, 7, 55);   // past 2048: the general kernels
   }
