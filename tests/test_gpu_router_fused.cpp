@@ -6,7 +6,8 @@
 // scores (those ops have their own CPU-oracle tests). Outputs are poisoned before each call, a
 // second call must give the same bits (the tickets and counters reset themselves), and the shapes
 // take both paths: the one-launch kernel (16-bit x, d a multiple of 8, E <= 8) and the two ops in
-// turn (f32 x, E = 16, d = 100).
+// turn (f32 x, E = 16, d = 100). router_logits_forward gives router_forward's logits bitwise (at
+// the one-launch shape it takes the same tensor-core product).
 #include <cstdint>
 #include <vector>
 
@@ -70,6 +71,11 @@ void check_router(DType dt, int64_t n, int64_t d, int64_t e, int64_t k, bool wit
     int64_t routed = 0;
     for (int32_t c : download_i32(counts)) routed += c;
     CHECK(routed == n * k);
+    // router_logits_forward takes the same product at this shape (or the same fallback): the same
+    // logits, bitwise.
+    DeviceTensor logits2 = poisoned(acc, {n, e});
+    router_logits_forward(ctx, logits2, x, w);
+    CHECK(bytes_of(logits2) == bytes_of(logits));
     if (logits_out) *logits_out = download(logits);
     return RouterBits{bytes_of(logits), bytes_of(probs), bytes_of(idx), bytes_of(tw),
                       bytes_of(counts)};

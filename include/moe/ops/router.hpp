@@ -43,8 +43,9 @@ MOE_OP(router_aux_loss_backward,
 // topk_idx, topk_w, counts, logits, bias, norm_topk_prob) on those logits. On CUDA, where the
 // device has sm_80 tensor cores, x is 16-bit with rows of a multiple of 8 elements and E <= 8, it
 // is one launch that reads x once: the gate products on tensor cores (tf32, with w split exactly
-// into three parts, so every product is exact and only the fp32 sums' order differs from
-// router_logits_forward: the logits agree with it to fp32 rounding, not bitwise), then each token
+// into three parts, so every product is exact and only the fp32 sums' order differs from the
+// CPU's router_logits_forward: the logits agree with it to fp32 rounding, and bitwise with the
+// CUDA router_logits_forward, which takes the same product at that shape), then each token
 // routed from its logits in registers exactly as router_topk_forward routes those logits
 // (bitwise). Elsewhere the two ops in turn.
 MOE_OP(router_forward,
@@ -66,11 +67,13 @@ MOE_OP(add_counts, (Ctx & ctx, Tensor acc, Tensor counts), (ctx, acc, counts))
 // x and no separate GEMM are needed.
 // logits = x w^T in acc_dtype(x) arithmetic (x widened exactly; fp32 for f32/f16/bf16 x, f64 for
 // f64 x). logits: [N, E] acc_dtype(x); x: [N, d] any float dtype; w: [E, d] acc_dtype(x) (the
-// master gate weights).
+// master gate weights). On CUDA at the MoE gate's shape (sm_80+, 16-bit x, d a multiple of 8,
+// E <= 8) the product runs on tensor cores as router_forward's (exact tf32 parts, fp32 sums).
 MOE_OP(router_logits_forward, (Ctx & ctx, Tensor logits, Tensor x, Tensor w), (ctx, logits, x, w))
 // dx += dlogits w (accumulated in acc arithmetic onto dx's value and rounded once to dx's dtype =
 // x's dtype; skipped when dx is empty: the MoD predictor's input is stop-gradient), dw +=
-// dlogits^T x (acc dtype). dlogits: [N, E] acc dtype.
+// dlogits^T x (acc dtype). dlogits: [N, E] acc dtype. On CUDA at the gate's shape (16-bit x,
+// E <= 8, d a multiple of 8 up to 2048) dx and dw come from one pass over the rows.
 MOE_OP(router_logits_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x, Tensor w),
        (ctx, dx, dw, dlogits, x, w))
