@@ -81,5 +81,7 @@ void check_same_dtype(const Tensor& a, const Tensor& b, const char* what);
 void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what);
 // A per-row statistic (a routing weight, its gradient): stat is [rows] in acc_dtype(x).
 void check_row_stat(const Tensor& stat, int64_t rows, const Tensor& x, const char* what);
+// Whether a's and b's bytes overlap (never when either is empty).
+bool memory_overlaps(const Tensor& a, const Tensor& b);
 
 }  // namespace moe

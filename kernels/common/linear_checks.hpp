@@ -212,13 +212,9 @@ inline GroupedDims check_grouped_swiglu_down_backward_gathered_args(
 inline void check_update_apart(std::initializer_list<const Tensor*> slab,
                                std::initializer_list<const Tensor*> product, const char* op) {
   for (const Tensor* a : slab)
-    for (const Tensor* b : product) {
-      if (a->empty() || b->empty()) continue;
-      const auto a0 = reinterpret_cast<uintptr_t>(a->data),
-                 b0 = reinterpret_cast<uintptr_t>(b->data);
-      MOE_CHECK(a0 + a->nbytes() <= b0 || b0 + b->nbytes() <= a0,
+    for (const Tensor* b : product)
+      MOE_CHECK(!memory_overlaps(*a, *b),
                 std::string(op) + ": the updated parameters overlap the product's operands");
-    }
 }
 
 }  // namespace moe

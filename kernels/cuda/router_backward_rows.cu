@@ -13,16 +13,16 @@
 //   time, the next batch's x and dx chunks loaded before this one's math (16 bytes x 2 x kBatch
 //   a thread in flight: 32 KiB an SM). dl comes one value a lane (row u, expert e of the batch for
 //   lane 8 u + e) and is passed round by shuffles.
+// - dw: the row lanes' sums are added in row-lane order through shared memory and each block
+//   writes its partial [E, d] to a device scratch; add_column_partials (column_partials.cuh) adds
+//   the partials to dw in a fixed order. The blocks' row ranges depend on N, d and E alone, so dw
+//   is bitwise the same on every run and device (no atomics).
 // Measured on the H200 (docs/perf.md, 20th session; bench row router_logits_bwd, moe-small):
 // 56.7-59.2 us against 70.1 for the two passes (35 -> 42 % of the copy rate). Nsight Compute: DRAM
 // 29 %, SM 42 %, 8 warps an SM (the 230 registers of W and the sums allow one block): latency
 // bound, one batch in flight at a time per warp. L2 prefetches of the rows three batches ahead
 // (prefetch.global.L2) gained ~4 % and were not kept; what is left to try is a ring of rows in
 // shared memory filled by cp.async / TMA, many batches deep.
-// - dw: the row lanes' sums are added in row-lane order through shared memory and each block
-//   writes its partial [E, d] to a device scratch; add_column_partials (column_partials.cuh) adds
-//   the partials to dw in a fixed order. The blocks' row ranges depend on N, d and E alone, so dw
-//   is bitwise the same on every run and device (no atomics).
 // Where it does not apply (other dtypes or shapes, dx aliasing x) router_logits.cu's kernels run.
 // The scratch is one per device, used in stream order: calls on two streams at once would race
 // on it and are not supported (as router_logits.cu's).
@@ -36,12 +36,12 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/router_paths.hpp"
 #include "cuda/vec16.cuh"
+#include "cuda/warp_reduce.cuh"
 
 namespace moe::cuda_detail {
 namespace {
 
 constexpr unsigned kFullMask = 0xffffffffu;
-constexpr int kWarp = 32;
 constexpr int kThreads = 256;
 constexpr int kMaxExperts = 8;        // W's and dw's rows a thread holds (8 x 8 registers each)
 constexpr int kChunk = 8;             // values of a 16-bit chunk
@@ -50,7 +50,7 @@ constexpr int kMaxChunks = kThreads;  // d / 8: one chunk a thread in a row lane
 constexpr int64_t kMaxBlocks = 132;   // partials: about one block per H200 SM
 constexpr int64_t kMinRows = 64;      // rows a block takes at least
 constexpr size_t kScratchBytes = size_t(4) << 20;
-static_assert(kBatch * kMaxExperts == kWarp, "a batch's dl values are one per lane");
+static_assert(kBatch * kMaxExperts == kWarpLanes, "a batch's dl values are one per lane");
 
 __device__ float g_router_rows_partials[kScratchBytes / sizeof(float)];
 struct RowsPartials {  // for add_column_partials
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                 const T* __restrict__ x, const float* __restrict__ w, int64_t n_tok,
                                 int64_t d, int n_exp, int lanes, bool direct) {
   const int row_lanes = kThreads / lanes;
-  const int h = threadIdx.x / lanes, j = threadIdx.x % lanes, lane = threadIdx.x % kWarp;
+  const int h = threadIdx.x / lanes, j = threadIdx.x % lanes, lane = threadIdx.x % kWarpLanes;
   const int64_t col = int64_t(j) * kChunk;
   const bool active = col < d;
   const int64_t blocks = gridDim.x, b = blockIdx.x;
@@ -191,12 +191,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-bool overlaps(const Tensor& a, const Tensor& b) {
-  const char* pa = static_cast<const char*>(a.data);
-  const char* pb = static_cast<const char*>(b.data);
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
-}
-
 }  // namespace
 
 bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
@@ -207,10 +201,10 @@ bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits,
       d < kChunk || d % kChunk != 0 || d / kChunk > kMaxChunks)
     return false;
   if (!aligned16({x.data, w.data, dw.data}) || (wants_dx && !aligned16({dx.data})) ||
-      (wants_dx && overlaps(dx, x)))
+      memory_overlaps(dx, x))
     return false;
-  // Row lanes of a multiple of 32 threads dividing 256: 32, 64, 128 or 256.
-  int lanes = kWarp;
+  // Row lanes of a power of two from 32 threads dividing 256: 32, 64, 128 or 256.
+  int lanes = kWarpLanes;
   while (lanes < d / kChunk) lanes *= 2;
   // Row blocks from N, d and E alone (dw's summation order).
   int64_t blocks = std::min(kMaxBlocks, std::max<int64_t>(1, n / kMinRows));

@@ -208,6 +208,21 @@ __device__ void gate_rows(float (&logit)[kMaxExperts], const T* __restrict__ x,
     }
 }
 
+// A token's E <= 8 logits into its row l; vec: E = 4 or 8 and the row 16-byte aligned.
+__device__ __forceinline__ void store_logits(float* l, const float (&lg)[kMaxExperts], int n_exp,
+                                             bool vec) {
+  if (vec) {
+#pragma unroll
+    for (int e = 0; e < kMaxExperts; e += 4)
+      if (e < n_exp)
+        *reinterpret_cast<float4*>(l + e) = make_float4(lg[e], lg[e + 1], lg[e + 2], lg[e + 3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kMaxExperts; ++e)
+      if (e < n_exp) l[e] = lg[e];
+  }
+}
+
 // ---- router_forward -----------------------------------------------------------------------------
 
 template <class T, bool kPacked>
@@ -229,19 +244,7 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
       const bool valid = n < n_tok;
       const int64_t row_n = valid ? n : 0;
       float* l = logits + row_n * n_exp;
-      if (valid) {
-        if (lay.vec) {  // E = 4 or 8, rows 16-byte aligned
-#pragma unroll
-          for (int e = 0; e < kMaxExperts; e += 4)
-            if (e < n_exp)
-              *reinterpret_cast<float4*>(l + e) =
-                  make_float4(lg[e], lg[e + 1], lg[e + 2], lg[e + 3]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < kMaxExperts; ++e)
-            if (e < n_exp) l[e] = lg[e];
-        }
-      }
+      if (valid) store_logits(l, lg, n_exp, lay.vec);
       // One lane per token (E <= 8): the group butterflies are empty, so lanes route on their own.
       const TokenRouter<float, kPacked> router(probs, idx, topk_w, hist, bias, n_exp, k,
                                                norm_topk_prob, lay);
@@ -259,16 +262,13 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
 template <class T>
 __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     gate_logits_kernel(float* __restrict__ logits, const T* __restrict__ x,
-                       const float* __restrict__ w, int64_t n_tok, int64_t d, int n_exp) {
+                       const float* __restrict__ w, int64_t n_tok, int64_t d, int n_exp, bool vec) {
   if constexpr (kHasSm80) {
     const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
     float lg[kMaxExperts];
     gate_rows<T>(lg, x, w, row0, n_tok, d, n_exp);
     const int64_t n = row0 + threadIdx.x;
-    if (threadIdx.x < kBlockRows && n < n_tok)
-#pragma unroll
-      for (int e = 0; e < kMaxExperts; ++e)
-        if (e < n_exp) logits[n * n_exp + e] = lg[e];
+    if (threadIdx.x < kBlockRows && n < n_tok) store_logits(logits + n * n_exp, lg, n_exp, vec);
   }
 }
 
@@ -422,7 +422,7 @@ bool router_logits_forward_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w) {
     using T = decltype(zero);
     kernel<<<gate_grid(n), kGateThreads, 0, stream_of(ctx)>>>(
         data_of<float>(logits), data_of<const T>(x), data_of<const float>(w), n, x.size(1),
-        static_cast<int>(e));
+        static_cast<int>(e), e % kVec<float> == 0 && aligned16({logits.data}));
     MOE_CUDA_LAUNCH_CHECK();
   };
   if (x.dtype == DType::bf16)

@@ -1,5 +1,6 @@
 #include "moe/tensor.hpp"
 
+#include <cstdint>
 #include <sstream>
 
 #include "moe/ops/common.hpp"
@@ -139,6 +140,12 @@ void check_acc_dtype(const Tensor& stat, const Tensor& x, const char* what) {
     throw InternalError(std::string(what) + ": dtype " + dtype_name(stat.dtype) + ", expected " +
                         dtype_name(want) + " (the accumulation dtype of " + dtype_name(x.dtype) +
                         ")");
+}
+
+bool memory_overlaps(const Tensor& a, const Tensor& b) {
+  if (a.empty() || b.empty()) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.data), b0 = reinterpret_cast<uintptr_t>(b.data);
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 }  // namespace moe
