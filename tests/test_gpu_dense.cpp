@@ -26,6 +26,7 @@
 #include <random>
 #include <string>
 #include <vector>
+#include <utility>
 
 #include "catch.hpp"
 #include "gpu_test_util.hpp"
@@ -220,18 +221,21 @@ TEST_CASE("gpu sum_squares: accumulates in double, deterministically", "[gpu]") 
 
 TEST_CASE("gpu embedding: forward gathers, backward scatters in token order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const int64_t vocab = 50;
-  // 2500 tokens: the backward's token lists span three chunks of 1024 (the last one partial).
-  const int64_t n = GENERATE(int64_t{77}, int64_t{2500});
+  // A vocabulary of 50 gives each bucket one id (its token lists repeat it: added one at a time);
+  // 32000 over 9000 tokens (three chunks of 4096, the last partial) gives lists of mostly distinct
+  // ids (added 16 at a time) with repeats among them (one at a time, in order).
+  const auto [n, vocab] =
+      GENERATE(std::pair<int64_t, int64_t>{77, 50}, std::pair<int64_t, int64_t>{2500, 50},
+               std::pair<int64_t, int64_t>{9000, 32000});
   std::mt19937 rng(static_cast<unsigned>(11 + n));
   std::vector<int32_t> ids(static_cast<size_t>(n));
   for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
   ids[5] = ids[6] = ids[40] = ids[76] = 7;  // a token repeated, adjacent and far apart
   ids[0] = 0;
   ids[1] = static_cast<int32_t>(vocab - 1);
-  int max_repeat = 0;
-  for (int32_t v = 0; v < vocab; ++v)
-    max_repeat = std::max<int>(max_repeat, static_cast<int>(std::count(ids.begin(), ids.end(), v)));
+  std::vector<int> repeats(static_cast<size_t>(vocab), 0);
+  for (int32_t id : ids) ++repeats[static_cast<size_t>(id)];
+  const int max_repeat = *std::max_element(repeats.begin(), repeats.end());
   for (int64_t d : {int64_t{40}, int64_t{136}}) {
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
