@@ -34,6 +34,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 #endif
 }
 
+// Copies 4 bytes (cached in L1: .ca) likewise; with !valid it writes 4 zero bytes.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_addr(dst)), "l"(src),
+               "r"(valid ? 4 : 0));
+#endif
+}
+
 // Closes the group of cp.async issued since the last commit.
 __device__ __forceinline__ void cp_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
