@@ -10,15 +10,16 @@
 //   router_logits.cu's dx) and its dw products (fma into the sums, rows in order).
 // - A block of 256 threads is 256 / C row lanes of C = d / 8 (rounded up to a power of two from
 //   a warp) threads; each row lane takes a contiguous share of the block's rows, kBatch rows at a
-//   time, the next batch's x and dx chunks loaded before this one's math (16 bytes x 2 x kBatch
-//   a thread in flight: 32 KiB an SM). dl comes one value a lane (row u, expert e of the batch for
-//   lane 8 u + e) and is passed round by shuffles.
-// Measured on the H200 (docs/perf.md, 20th session; bench row router_logits_bwd, moe-small):
-// 56.7-59.2 us against 70.1 for the two passes (35 -> 42 % of the copy rate). Nsight Compute: DRAM
-// 29 %, SM 42 %, 8 warps an SM (the 230 registers of W and the sums allow one block): latency
-// bound, one batch in flight at a time per warp. L2 prefetches of the rows three batches ahead
-// (prefetch.global.L2) gained ~4 % and were not kept; what is left to try is a ring of rows in
-// shared memory filled by cp.async / TMA, many batches deep.
+//   time. Each thread copies its own x and dx chunks of a batch (and a warp its batch's dl values,
+//   one a lane: row u, expert e for lane 8 u + e) by cp.async into a shared-memory ring of
+//   kStages batches, kStages - 1 batches ahead of its math: 16 bytes x 2 x kBatch x 3 a thread in
+//   flight (a thread reads back only what it copied; the warp barrier covers dl).
+// Measured on the H200 (docs/perf.md; bench row router_logits_bwd, moe-small): 70.1 us for the
+// two passes; 56.7-59.2 us with one batch in registers (20th session: Nsight Compute put it at
+// DRAM 29 %, SM 42 %, 8 warps an SM, latency bound; L2 prefetches gained ~4 %, not kept); 44.2 us
+// with the 4-stage ring (21st session): 35 -> 42 -> 55 % of the copy rate. The ring is sm_80+
+// (cp.async): 132 KiB with dx at 4 stages, 2 stages where a block gets 99 KiB (sm_86 / sm_89);
+// sm_75 takes router_logits.cu's kernels.
 // - dw: the row lanes' sums are added in row-lane order through shared memory and each block
 //   writes its partial [E, d] to a device scratch; add_column_partials (column_partials.cuh) adds
 //   the partials to dw in a fixed order. The blocks' row ranges depend on N, d and E alone, so dw
