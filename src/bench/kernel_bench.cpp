@@ -510,17 +510,13 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   std::vector<int32_t> tg(static_cast<size_t>(n));
   for (auto& id : tg) id = static_cast<int32_t>(pool.rng()() % static_cast<uint64_t>(vocab));
   Tensor targets = pool.ints({n}, tg);
-  // The token embedding's backward: dout's rows added into the fp32 table's rows of their ids
-  // (bytes: dout read, the rows read and written).
-  {
-    Tensor table_grad = pool.zeros(acc, {vocab, d}), dout = pool.random(dt, {n, d});
-    std::vector<int32_t> eid(static_cast<size_t>(n));
-    for (auto& id : eid) id = static_cast<int32_t>(pool.rng()() % static_cast<uint64_t>(vocab));
-    Tensor ids = pool.ints({n}, eid);
-    add("embedding_bwd", shape({n, d}) + " into " + shape({vocab, d}) + " " + dtype_name(acc),
-        double(n * d * (es + 2 * as)), false, bw, 0,
-        [&] { embedding_backward(ctx, table_grad, dout, ids); });
-  }
+  // The token embedding's backward: dout's rows (the random token rows above) added into the fp32
+  // table's rows of their ids (the random targets: ids of the same vocabulary). Bytes: dout read,
+  // the rows read and written.
+  Tensor table_grad = pool.zeros(acc, {vocab, d});
+  add("embedding_bwd", shape({n, d}) + " into " + shape({vocab, d}) + " " + dtype_name(acc),
+      double(n * d * (es + 2 * as)), false, bw, 0,
+      [&] { embedding_backward(ctx, table_grad, tokens, targets); });
   add("cross_entropy_fwd", shape({n, vocab}), double(n * vocab * es + n * (4 + 2 * as)), false, bw,
       0, [&] { cross_entropy_forward(ctx, losses, ce_lse, head, targets); });
   add("cross_entropy_bwd", shape({n, vocab}) + " in place", double(2 * n * vocab * es), false, bw,
