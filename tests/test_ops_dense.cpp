@@ -437,7 +437,8 @@ TEST_CASE("linear_backward matches finite differences and honours its flags", "[
 
 TEST_CASE("linear_*_batched are the plain ops per weight, dx summed", "[linear]") {
   // Three weights against one x (the attention's q, k, v): y[b] bitwise linear_forward's, dx the
-  // plain backward's in turn (the first = or +=, then +=), dw[b] += each; bad shapes throw.
+  // plain backward's in turn (the first = or +=, then +=), dw[b] += each, all three also against
+  // naive loops; bad shapes throw.
   Ctx ctx = cpu_ctx();
   const int64_t n = 6, in = 5, out = 4, nb = 3;
   Buf<double> x = random_buf({n, in}, 61), w = random_buf({nb, out, in}, 62);
@@ -445,6 +446,11 @@ TEST_CASE("linear_*_batched are the plain ops per weight, dx summed", "[linear]"
   Buf<double> dw0 = random_buf({nb, out, in}, 65);
   Buf<double> y({nb, n, out});
   linear_forward_batched(ctx, y, x, w);
+  for (int64_t b = 0; b < nb; ++b) {  // y[b] = x w[b]^T by the naive loop
+    const std::vector<double> want = naive_linear(x.v, w.v, n, in, out, 0, b * out * in);
+    for (size_t i = 0; i < want.size(); ++i)
+      CHECK(y[b * n * out + static_cast<int64_t>(i)] == Approx(want[i]).epsilon(1e-13));
+  }
   for (bool acc : {false, true}) {
     Buf<double> dx = dx0, dw = dw0, want_dx = dx0, want_dw = dw0;
     linear_backward_batched(ctx, dx, dw, dy, x, w, acc);
@@ -459,6 +465,22 @@ TEST_CASE("linear_*_batched are the plain ops per weight, dx summed", "[linear]"
     }
     CHECK(dx.v == want_dx.v);
     CHECK(dw.v == want_dw.v);
+    // and by loops: dx (+)= sum_b dy[b] w[b], dw[b] += dy[b]^T x
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t i = 0; i < in; ++i) {
+        double want = acc ? dx0[r * in + i] : 0.0;
+        for (int64_t b = 0; b < nb; ++b)
+          for (int64_t o = 0; o < out; ++o)
+            want += dy[(b * n + r) * out + o] * w[(b * out + o) * in + i];
+        CHECK(dx[r * in + i] == Approx(want).epsilon(1e-12));
+      }
+    for (int64_t b = 0; b < nb; ++b)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          double want = dw0[(b * out + o) * in + i];
+          for (int64_t r = 0; r < n; ++r) want += dy[(b * n + r) * out + o] * x[r * in + i];
+          CHECK(dw[(b * out + o) * in + i] == Approx(want).epsilon(1e-12));
+        }
   }
   Buf<double> bad_y({nb - 1, n, out}), bad_w({out, in});
   CHECK_THROWS_AS(linear_forward_batched(ctx, bad_y, x, w), InternalError);
