@@ -286,22 +286,21 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     float lg[kMaxExperts];
     gate_rows<T>(lg, x, w, row0, n_tok, d, 1);
     if (threadIdx.x < kBlockRows && row0 + threadIdx.x < n_tok) scores[row0 + threadIdx.x] = lg[0];
-    __threadfence();  // the scores before the tickets that publish them
-    __syncthreads();
+    __syncthreads();  // the scores happen before thread 0's release (block_ticket_add)
     if (threadIdx.x == 0) {
       int m = 0;
       const int64_t end = min(row0 + kBlockRows, n_tok);
       for (int64_t r = row0; r < end;) {
         const int64_t b = r / t, seq_end = min((b + 1) * t, end);
         const int rows = static_cast<int>(seq_end - r);
-        if (atomicAdd(&g_mod_tickets[b], rows) + rows == t) done[m++] = static_cast<int>(b);
+        if (block_ticket_add(&g_mod_tickets[b], rows) + rows == t) done[m++] = static_cast<int>(b);
         r = seq_end;
       }
       n_done = m;
     }
     __syncthreads();
     __shared__ float staged[kMaxStagedScores];
-    if (n_done > 0) __threadfence();  // the other blocks' scores, published by their tickets
+    // (the other blocks' scores: acquired by thread 0's tickets, ordered by the barrier above)
     for (int i = 0; i < n_done; ++i) {
       const int64_t b = done[i];
       const float* r = scores + b * t;

@@ -222,6 +222,21 @@ struct RouterScratch {
   int32_t* count_acc;  // [E]
 };
 
+// A block's ticket: thread 0 adds `v` to *ticket with release and acquire semantics at GPU scope
+// and returns the old value. Called after a block barrier, the release orders every access of
+// the block's threads before it (the barrier makes them happen before thread 0's atom; release is
+// cumulative), so one fence-free atom replaces a __threadfence in every thread (each of which
+// waited for that thread's own stores, the token outputs included, which no other block reads);
+// a block that reads what the others published acquires through the same atom, then its barrier.
+__device__ __forceinline__ int block_ticket_add(int* ticket, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old)
+               : "l"(ticket), "r"(v)
+               : "memory");
+  return old;
+}
+
 // After a block's picks are in hist (shared memory, or count_acc itself): the last block to finish
 // writes counts = the sum over blocks and zeroes the accumulator and ticket for the next call.
 __device__ inline void finish_counts(int32_t* counts, const int32_t* hist, bool hist_in_smem,
@@ -231,12 +246,11 @@ __device__ inline void finish_counts(int32_t* counts, const int32_t* hist, bool 
   if (hist_in_smem)
     for (int e = threadIdx.x; e < n_exp; e += blockDim.x)
       if (hist[e]) atomicAdd(&scratch.count_acc[e], hist[e]);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(&scratch.tickets[0], 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
+  __syncthreads();  // the block's adds happen before thread 0's release
+  if (threadIdx.x == 0)
+    last = block_ticket_add(&scratch.tickets[0], 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();  // (the last block: thread 0's acquire before everyone's reads)
   if (!last) return;
-  __threadfence();
   for (int e = threadIdx.x; e < n_exp; e += blockDim.x)
     counts[e] = atomicExch(&scratch.count_acc[e], 0);
   if (threadIdx.x == 0) scratch.tickets[0] = 0;
