@@ -108,6 +108,22 @@ void check_close_accumulated(const std::string& what, DType dt, const std::vecto
   CHECK(worst <= 1.0);
 }
 
+// A sum of two parts, each rounded to dt before they are added: the single-rounding bound plus
+// ulp(dt) of each part's size (the parts may cancel).
+void check_close_rounded_parts(const std::string& what, DType dt, const std::vector<double>& got,
+                               const std::vector<double>& want, const std::vector<double>& part1,
+                               const std::vector<double>& part2, Tol tol) {
+  double worst = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i) {
+    const double bound = tol.atol + tol.rtol * std::fabs(want[i]) +
+                         ulp(dt) * (std::fabs(part1[i]) + std::fabs(part2[i]));
+    worst = std::max(worst, std::isnan(got[i]) ? 1e300 : std::fabs(got[i] - want[i]) / bound);
+  }
+  INFO(what << " [" << dtype_name(dt) << "]: worst error / bound = " << worst);
+  CHECK(got.size() == want.size());
+  CHECK(worst <= 1.0);
+}
+
 void check_exact(const std::string& what, DType dt, const std::vector<double>& got,
                  const std::vector<double>& want) {
   INFO(what << " [" << dtype_name(dt) << "]");
@@ -998,6 +1014,93 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
       }
       // The offsets are never modified.
       CHECK(download_i32(goff) == gc.offsets);
+    }
+  }
+  unsetenv("MOE_GROUPED_TILE_K");
+  unsetenv("MOE_GROUPED_SM90");
+}
+
+// The gate and up projections' backward together: dx = dy1 w1 + dy3 w3 (on sm_90 one product
+// over both k ranges, the second operands loaded for the second half of the k-slices; elsewhere
+// the two products apart and added), dw1 and dw3 overwritten (on sm_90 in one launch, each
+// expert's dw1 tiles then its dw3 tiles, a hot expert's chunks in order), against the CPU op,
+// with every kernel setting of the grouped test above; dx2 aliasing dy1 (the model's layout).
+TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's dw", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
+  cases.push_back(forty_experts());
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
+  const bool sm90 = kernel.rfind("sm90", 0) == 0;
+  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
+  setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
+  int case_index = 0;
+  for (const GroupedCase& gc : cases) {
+    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t r = gc.rows, in = gc.in, out = gc.out;
+    int64_t max_rows = 0;
+    for (int64_t i = 0; i < e; ++i)
+      max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
+    const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
+    for (DType dt : kDtypes) {
+      INFO(dtype_name(dt) << tag);
+      const DType acc = acc_dtype(dt);
+      const auto x = rounded_random_values(dt, r * in, 84),
+                 w1 = rounded_random_values(dt, e * out * in, 85),
+                 w3 = rounded_random_values(dt, e * out * in, 86);
+      const auto dy1 = rounded_random_values(dt, r * out, 87),
+                 dy3 = rounded_random_values(dt, r * out, 88);
+      Buf<double> hx = host({r, in}, x), hw1 = host({e, out, in}, w1), hw3 = host({e, out, in}, w3);
+      Buf<double> hdy1 = host({r, out}, dy1), hdy3 = host({r, out}, dy3);
+      Buf<int32_t> hoff = host_i32(gc.offsets);
+      Buf<double> hdx({r, in}), hdx2({r, in}), hdw1({e, out, in}), hdw3({e, out, in});
+      cpu::grouped_linear_backward_pair(cpu, hdx, hdx2, hdw1, hdw3, hdy1, hdy3, hx, hw1, hw3, hoff,
+                                        true);
+      DeviceTensor gx = on_device(dt, {r, in}, x), gw1 = on_device(dt, {e, out, in}, w1),
+                   gw3 = on_device(dt, {e, out, in}, w3), goff = ids_on_device(gc.offsets);
+      DeviceTensor gdy1 = on_device(dt, {r, out}, dy1), gdy3 = on_device(dt, {r, out}, dy3);
+      DeviceTensor gdx = poisoned(dt, {r, in}), gdx2 = poisoned(dt, {r, in});
+      DeviceTensor gdw1 = poisoned(acc, {e, out, in}), gdw3 = poisoned(acc, {e, out, in});
+      grouped_linear_backward_pair(gpu, gdx, gdx2, gdw1, gdw3, gdy1, gdy3, gx, gw1, gw3, goff,
+                                   true);
+      // The sm_90 one product rounds once; apart (the sm_80 kernels, f32 / f64, rows that are not
+      // 16-byte multiples, a build without sm_90a code) each product is rounded before the sum:
+      // the bound takes ulp(dt) of each product's size more, whichever path ran (a product left
+      // out or misplaced is off by the product itself).
+      {
+        Buf<double> p1({r, in}), p3({r, in}), scratch({e, out, in});
+        cpu::grouped_linear_backward(cpu, p1, scratch, hdy1, hx, hw1, hoff, true);
+        cpu::grouped_linear_backward(cpu, p3, scratch, hdy3, hx, hw3, hoff, true);
+        check_close_rounded_parts("grouped_linear_backward_pair dx" + tag, dt, download(gdx), hdx.v,
+                                  p1.v, p3.v, sum_tol(dt, 2 * out));
+      }
+      check_close("grouped_linear_backward_pair dw1" + tag, acc, download(gdw1), hdw1.v,
+                  sum_tol(acc, max_rows));
+      check_close("grouped_linear_backward_pair dw3" + tag, acc, download(gdw3), hdw3.v,
+                  sum_tol(acc, max_rows));
+      {  // x's rows gathered from a token table (reversed): the same bits
+        std::vector<double> xt(x.size());
+        std::vector<int32_t> row_token(static_cast<size_t>(r));
+        for (int64_t i = 0; i < r; ++i) {
+          row_token[i] = static_cast<int32_t>(r - 1 - i);
+          std::copy(x.begin() + i * in, x.begin() + (i + 1) * in, xt.begin() + (r - 1 - i) * in);
+        }
+        DeviceTensor gxt = on_device(dt, {r, in}, xt), grt = ids_on_device(row_token);
+        DeviceTensor gdxg = poisoned(dt, {r, in}), gdx2g = poisoned(dt, {r, in});
+        DeviceTensor gdw1g = poisoned(acc, {e, out, in}), gdw3g = poisoned(acc, {e, out, in});
+        grouped_linear_backward_pair_gathered(gpu, gdxg, gdx2g, gdw1g, gdw3g, gdy1, gdy3, gxt, grt,
+                                              gw1, gw3, goff, true);
+        CHECK(download(gdxg) == download(gdx));
+        CHECK(download(gdw1g) == download(gdw1));
+        CHECK(download(gdw3g) == download(gdw3));
+      }
+      if (out >= in) {  // dx2 over dy1's memory, as the model lays it out when F >= d
+        DeviceTensor gdy1b = on_device(dt, {r, out}, dy1), gdxb = poisoned(dt, {r, in});
+        Tensor over_dy1 = Tensor(gdy1b.t.data, dt, gdy1b.t.device, {r, in});
+        grouped_linear_backward_pair(gpu, gdxb, over_dy1, gdw1, gdw3, gdy1b, gdy3, gx, gw1, gw3,
+                                     goff, true);
+        CHECK(download(gdxb) == download(gdx));
+      }
     }
   }
   unsetenv("MOE_GROUPED_TILE_K");

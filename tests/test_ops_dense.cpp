@@ -607,6 +607,37 @@ TEST_CASE("grouped_linear_backward matches finite differences and accumulates dw
   for (int64_t i = 0; i < wsz; ++i) CHECK(dw[2 * wsz + i] == dw0[2 * wsz + i]);  // += 0 exactly
 }
 
+// The gate and up projections' backward together: dx is the gradient of <g1, x w1^T> +
+// <g3, x w3^T> (finite differences), dw1 and dw3 each projection's, overwritten with
+// dw_overwrite (they start as garbage).
+TEST_CASE("grouped_linear_backward_pair: the two projections' gradients, dx summed",
+          "[linear][grouped][grad]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> w3 = random_buf({c.kExperts, c.kOut, c.kIn}, 90);
+  Buf<double> g1 = random_buf({c.kRows, c.kOut}, 91), g3 = random_buf({c.kRows, c.kOut}, 92);
+  Buf<double> y1({c.kRows, c.kOut}), y3({c.kRows, c.kOut});
+  auto loss = [&] {
+    grouped_linear_forward(ctx, y1, c.x, c.w, c.offsets);
+    grouped_linear_forward(ctx, y3, c.x, w3, c.offsets);
+    return dot(g1.v, y1.v) + dot(g3.v, y3.v);
+  };
+  Buf<double> dx = random_buf({c.kRows, c.kIn}, 93), dx2({c.kRows, c.kIn});
+  Buf<double> dw1 = random_buf({c.kExperts, c.kOut, c.kIn}, 94), dw3 = dw1;
+  grouped_linear_backward_pair(ctx, dx, dx2, dw1, dw3, g1, g3, c.x, c.w, w3, c.offsets, true);
+  check_gradient(c.x.v, dx.v, loss, 1e-6, 1e-7, 1e-9, "dx");
+  check_gradient(c.w.v, dw1.v, loss, 1e-6, 1e-7, 1e-9, "dw1");
+  check_gradient(w3.v, dw3.v, loss, 1e-6, 1e-7, 1e-9, "dw3");
+  // mismatched shapes are refused
+  Buf<double> w3_bad({c.kExperts, c.kOut + 1, c.kIn});
+  CHECK_THROWS_AS(grouped_linear_backward_pair(ctx, dx, dx2, dw1, dw3, g1, g3, c.x, c.w, w3_bad,
+                                               c.offsets, true),
+                  InternalError);
+  CHECK_THROWS_AS(
+      grouped_linear_backward_pair(ctx, dx, dx, dw1, dw3, g1, g3, c.x, c.w, w3, c.offsets, true),
+      InternalError);
+}
+
 TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {
   Ctx ctx = cpu_ctx();
   const int64_t experts = 3, rows = 40, in = 24, out = 16;
@@ -686,6 +717,38 @@ TEST_CASE("grouped_linear_backward_gathered is the permute and grouped_linear_ba
   CHECK_THROWS_WITH(
       grouped_linear_backward_gathered(ctx, dx, dw, dy, x, short_tokens, c.w, c.offsets),
       Catch::Contains("grouped_linear_backward_gathered: dx"));
+}
+
+TEST_CASE("grouped_linear_backward_pair_gathered is the permute and grouped_linear_backward_pair",
+          "[linear][grouped]") {
+  Ctx ctx = cpu_ctx();
+  GroupedCase c;
+  Buf<double> x = random_buf({3, c.kIn}, 95);  // 3 tokens for 5 rows
+  Buf<int32_t> row_token({c.kRows});
+  row_token.v = {2, 2, 0, 1, 0};
+  Buf<double> w3 = random_buf({c.kExperts, c.kOut, c.kIn}, 96);
+  Buf<double> dy1 = random_buf({c.kRows, c.kOut}, 97), dy3 = random_buf({c.kRows, c.kOut}, 98);
+  Buf<double> xp({c.kRows, c.kIn});
+  for (int64_t r = 0; r < c.kRows; ++r)
+    for (int64_t j = 0; j < c.kIn; ++j) xp[r * c.kIn + j] = x[row_token[r] * c.kIn + j];
+  for (bool overwrite : {false, true}) {
+    INFO("dw_overwrite " << overwrite);
+    Buf<double> dx({c.kRows, c.kIn}), dx2({c.kRows, c.kIn}), want_dx({c.kRows, c.kIn});
+    Buf<double> dw1 = random_buf({c.kExperts, c.kOut, c.kIn}, 99), dw3 = dw1;
+    Buf<double> want_dw1 = dw1, want_dw3 = dw3;
+    grouped_linear_backward_pair_gathered(ctx, dx, dx2, dw1, dw3, dy1, dy3, x, row_token, c.w, w3,
+                                          c.offsets, overwrite);
+    grouped_linear_backward_pair(ctx, want_dx, dx2, want_dw1, want_dw3, dy1, dy3, xp, c.w, w3,
+                                 c.offsets, overwrite);
+    CHECK(dx.v == want_dx.v);
+    CHECK(dw1.v == want_dw1.v);
+    CHECK(dw3.v == want_dw3.v);
+  }
+  Buf<double> dx({c.kRows, c.kIn}), dx2({c.kRows, c.kIn}), dw({c.kExperts, c.kOut, c.kIn});
+  Buf<int32_t> short_tokens({c.kRows - 1});
+  CHECK_THROWS_WITH(grouped_linear_backward_pair_gathered(ctx, dx, dx2, dw, dw, dy1, dy3, x,
+                                                          short_tokens, c.w, w3, c.offsets),
+                    Catch::Contains("grouped_linear_backward_gathered: dx"));
 }
 
 TEST_CASE("grouped_swiglu_forward_gathered is the permute and grouped_swiglu_forward",

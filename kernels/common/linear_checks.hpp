@@ -145,6 +145,19 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
   check_acc_dtype(dw, x, "grouped_linear_backward: dw");
 }
 
+// grouped_linear_backward_pair: both halves as grouped_linear_backward's, w3 shaped as w1, dx2 as
+// dx and apart from it.
+inline void check_grouped_linear_backward_pair_args(const GroupedDims& s, const Tensor& dx,
+                                                    const Tensor& dx2, const Tensor& dw1,
+                                                    const Tensor& dw3, const Tensor& dy1,
+                                                    const Tensor& dy3, const Tensor& x,
+                                                    const Tensor& w1, const Tensor& w3) {
+  check_grouped_linear_backward_args(s, dx, dw1, dy1, x, w1);
+  check_shape(w3, {s.experts, s.out, s.in}, "grouped_linear_backward_pair: w3 (as w1)");
+  check_grouped_linear_backward_args(s, dx2, dw3, dy3, x, w3);
+  MOE_CHECK(!memory_overlaps(dx, dx2), "grouped_linear_backward_pair: dx2 overlaps dx");
+}
+
 // grouped_linear_backward_gathered: x [N, in], row_token [R] i32, the rest as
 // check_grouped_linear_backward_args over R rows; returns the dimensions (rows = R).
 inline GroupedDims check_grouped_linear_backward_gathered_args(const Tensor& dx, const Tensor& dw,
@@ -157,6 +170,17 @@ inline GroupedDims check_grouped_linear_backward_gathered_args(const Tensor& dx,
   s.rows = row_token.size(0);
   check_shape(dx, {s.rows, s.in}, "grouped_linear_backward_gathered: dx (R = row_token's rows)");
   check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
+  return s;
+}
+
+// grouped_linear_backward_pair_gathered: x [N, in], row_token [R] i32, the rest as
+// check_grouped_linear_backward_pair_args over R rows; returns the dimensions (rows = R).
+inline GroupedDims check_grouped_linear_backward_pair_gathered_args(
+    const Tensor& dx, const Tensor& dx2, const Tensor& dw1, const Tensor& dw3, const Tensor& dy1,
+    const Tensor& dy3, const Tensor& x, const Tensor& row_token, const Tensor& w1,
+    const Tensor& w3) {
+  GroupedDims s = check_grouped_linear_backward_gathered_args(dx, dw1, dy1, x, row_token, w1);
+  check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
   return s;
 }
 

@@ -10,6 +10,7 @@
 #include "common/optim_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/memory.hpp"
+#include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/permute.hpp"
 #include "moe/ops/swiglu.hpp"
@@ -102,6 +103,30 @@ void grouped_linear_forward(Ctx& ctx, Tensor y, Tensor x, Tensor w, Tensor offse
            w.ptr<T>() + e * s.out * s.in, s.in, T(0), y.ptr<T>() + r0 * s.out, s.out);
     }
   });
+}
+
+// The two backward products in turn, the second's dx in dx2, then dx += dx2.
+void grouped_linear_backward_pair(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3,
+                                  Tensor dy1, Tensor dy3, Tensor x, Tensor w1, Tensor w3,
+                                  Tensor offsets, bool dw_overwrite) {
+  const GroupedDims s = linear_grouped_dims(x, w1, "grouped_linear_backward_pair");
+  check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
+  cpu::grouped_linear_backward(ctx, dx, dw1, dy1, x, w1, offsets, dw_overwrite);
+  cpu::grouped_linear_backward(ctx, dx2, dw3, dy3, x, w3, offsets, dw_overwrite);
+  cpu::add(ctx, dx, dx, dx2);
+}
+
+// The permute into a buffer of its own, then the pair.
+void grouped_linear_backward_pair_gathered(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3,
+                                           Tensor dy1, Tensor dy3, Tensor x, Tensor row_token,
+                                           Tensor w1, Tensor w3, Tensor offsets,
+                                           bool dw_overwrite) {
+  check_grouped_linear_backward_pair_gathered_args(dx, dx2, dw1, dw3, dy1, dy3, x, row_token, w1,
+                                                   w3);
+  Buffer rows;
+  cpu::grouped_linear_backward_pair(ctx, dx, dx2, dw1, dw3, dy1, dy3,
+                                    permuted_copy(ctx, rows, x, row_token), w1, w3, offsets,
+                                    dw_overwrite);
 }
 
 // The product, then the update (the two ops in turn).

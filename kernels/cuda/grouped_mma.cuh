@@ -46,6 +46,12 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
                        int64_t k_total, int64_t expert_stride, bool b_k_fast,
                        const int32_t* row_token = nullptr, int64_t tokens = 0,
                        const AdamRider* rider = nullptr);
+// c = a B(w) + a2 B(w2) in the dx = dy w[e] form (!b_k_fast), one product over both k ranges
+// (the experts' gate and up backward: dx = dgate w1[e] + dup w3[e], rounded once): a2 shaped as
+// a, w2 as w. False, launching nothing, where grouped_sm90_rows would decline for either pair.
+bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const void* a2,
+                            const void* w, const void* w2, const int32_t* offsets, int experts,
+                            int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride);
 // The MoE permute fused into the dw product's loads: the gathered operand is [tokens, cols] and
 // its row r is row row_token[r] ([rows] i32) of that.
 struct DwGather {
@@ -57,6 +63,13 @@ struct DwGather {
 bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                      bool overwrite, DwGather gather = {});
+// dw[e] (+)= dy_e^T x_e and dw2[e] (+)= dy2_e^T x_e in one launch (overwrite as
+// grouped_sm90_dw's): dy2 shaped as dy, dw2 as dw; x may be gathered (gather.x), dy not. False,
+// launching nothing, where grouped_sm90_dw would decline, or with no rows or experts (the
+// caller's two calls handle those).
+bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
+                          const void* x, const int32_t* offsets, int experts, int64_t rows,
+                          int64_t out, int64_t in, bool overwrite, DwGather gather = {});
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,

@@ -418,11 +418,12 @@ static_assert(kRowsProducerRegs<false> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
-    const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_c,
-    const __grid_constant__ CUtensorMap map_up, const __grid_constant__ CUtensorMap map_h, T* c,
-    T* c_up, T* c_h, const float* row_w, const int32_t* offsets, int experts, int64_t rows,
-    int64_t n_total, int64_t k_total, int n_tiles, int64_t tiles, const T* a_src,
-    const int32_t* row_token, int64_t a_tokens, const AdamRider rider) {
+    const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_a2,
+    const __grid_constant__ CUtensorMap map_c, const __grid_constant__ CUtensorMap map_up,
+    const __grid_constant__ CUtensorMap map_h, T* c, T* c_up, T* c_h, const float* row_w,
+    const int32_t* offsets, int experts, int64_t rows, int64_t n_total, int64_t k_total,
+    int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
+    const AdamRider rider, bool pair) {
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -443,20 +444,23 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     // (its barrier publishes the offsets' copy and math_done)
     const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
     const int wg = static_cast<int>(threadIdx.x) / 128;
-    const int slices = static_cast<int>((k_total + kBK - 1) / kBK);
+    // pair (!kSwiglu, !kGather): the k-slices of (map_a, map_b), then as many of (map_a2, map_b2)
+    const int half_slices = static_cast<int>((k_total + kBK - 1) / kBK);
+    const int slices = pair ? 2 * half_slices : half_slices;
     int64_t it = 0;
     // Slice t of B for tile column n0 of expert e into `stage`, counted on `bar`.
-    auto load_b = [&](uint32_t stage, uint32_t bar, int t, int n0, int e) {
+    // (second: the pair's second B, map_b2, at its own slice t)
+    auto load_b = [&](uint32_t stage, uint32_t bar, int t, int n0, int e, bool second) {
       if constexpr (kSwiglu) {
         tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
         tma_load_3d(stage + C::kABytes + kTileN * Sw128::kRowBytes, &map_b2, bar, t * kBK, n0, e);
       } else if constexpr (kBKFast) {
-        tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
+        tma_load_3d(stage + C::kABytes, second ? &map_b2 : &map_b, bar, t * kBK, n0, e);
       } else {
 #pragma unroll
         for (int j = 0; j < C::kBN / 64; ++j)
-          tma_load_3d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_b, bar, n0 + 64 * j,
-                      t * kBK, e);
+          tma_load_3d(stage + C::kABytes + j * Sw128::kBlockBytes, second ? &map_b2 : &map_b, bar,
+                      n0 + 64 * j, t * kBK, e);
       }
     };
     if (wg == 0) {
@@ -487,9 +491,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
             const uint32_t stage = ring.stage(it), bar = ring.full(it);
             if (p == 0) {
               mbar_arrive_expect_tx(bar, kGather ? C::kBBytes : C::kStageBytes);
+              const bool second = pair && t >= half_slices;
+              const int tk = second ? t - half_slices : t;
               if constexpr (!kGather)
-                tma_load_2d(stage, &map_a, bar, t * kBK, static_cast<int32_t>(r0));
-              load_b(stage, bar, t, n0, e);
+                tma_load_2d(stage, second ? &map_a2 : &map_a, bar, tk * kBK,
+                            static_cast<int32_t>(r0));
+              load_b(stage, bar, tk, n0, e, second);
             }
             if constexpr (kGather) {
               copy_warp_lines(stage, p & ~31, src, a_src, t * kBK, k_total);
@@ -619,7 +626,8 @@ struct DwUnits {
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
-                          const __grid_constant__ CUtensorMap map_x, float* dw,
+                          const __grid_constant__ CUtensorMap map_x,
+                          const __grid_constant__ CUtensorMap map_dy2, float* dw, float* dw2,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
                           int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
                           const T* x_src, const int32_t* row_token, int64_t tokens) {
@@ -630,7 +638,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     __shared__ int64_t unit_start[kSharedOffsets + 1];
     const int m_tiles = static_cast<int>((out + kBM - 1) / kBM);
     const int n_tiles = static_cast<int>((in + C::kBN - 1) / C::kBN);
-    const int64_t tiles = int64_t(m_tiles) * n_tiles;
+    // A pair (dw2; dy not gathered): each expert's tiles of dw (dy's), then as many of dw2
+    // (map_dy2's), over the same x.
+    const int64_t half_tiles = int64_t(m_tiles) * n_tiles;
+    const int64_t tiles = dw2 != nullptr ? 2 * half_tiles : half_tiles;
     if (threadIdx.x == 0) {  // experts <= kSharedOffsets (the host's condition)
       int64_t at = 0;
       for (int e = 0; e < experts; ++e) {
@@ -654,8 +665,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int e = 0, c = 0, chunks = 0;
         int64_t k0 = 0, k1 = 0, tile = 0;
         units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
-        const int m0 = static_cast<int>(tile / n_tiles) * kBM;
-        const int n0 = static_cast<int>(tile % n_tiles) * C::kBN;
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int m0 = static_cast<int>(own / n_tiles) * kBM;
+        const int n0 = static_cast<int>(own % n_tiles) * C::kBN;
         const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
         for (int t = 0; t < slices; ++t, ++it) {
           ring.wait_free(it);
@@ -671,7 +684,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
             if constexpr (!kGatherDy) {
 #pragma unroll
               for (int j = 0; j < kBM / 64; ++j)
-                tma_load_2d(stage + j * Sw128::kBlockBytes, &map_dy, bar, m0 + 64 * j, k);
+                tma_load_2d(stage + j * Sw128::kBlockBytes, second ? &map_dy2 : &map_dy, bar,
+                            m0 + 64 * j, k);
             }
             if constexpr (!kGatherX) {
 #pragma unroll
@@ -696,7 +710,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         int e = 0, c = 0, chunks = 0;
         int64_t k0 = 0, k1 = 0, tile = 0;
         units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
-        const int64_t m0 = (tile / n_tiles) * kBM, n0 = (tile % n_tiles) * C::kBN;
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
         const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
         const int tail = static_cast<int>((k1 - k0) % kBK);  // k-rows of the last slice, 0: whole
         // A tile whose rows of this warpgroup's half lie past `out` (the last tile of an output
@@ -741,7 +757,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           }
           named_barrier_sync(1 + g, 128);
         }
-        float* dw_e = dw + int64_t(e) * out * in;
+        float* dw_e = (second ? dw2 : dw) + int64_t(e) * out * in;
         // overwrite: the tile's first chunk stores (dw is neither zeroed before nor read), the
         // later ones add behind it in chunk order as always.
         const bool store = overwrite && c == 0;
@@ -808,6 +824,9 @@ struct RowsIn {
   const void* a;
   const int32_t* row_token = nullptr;
   int64_t tokens = 0;
+  // A pair (grouped_sm90_rows_pair): c = a B(w) + a2 B(w2), a2 shaped as a, w2 as w, one
+  // accumulation over both k ranges.
+  const void* a2 = nullptr;
 };
 
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise.
@@ -831,7 +850,9 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   const uint64_t b_strides[2] = {b_dims[0], uint64_t(expert_stride)};
   const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(kTileN) : 64u, 1};
   const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
-  const CUtensorMap map_b2 = kSwiglu ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
+  const bool pair = in.a2 != nullptr;
+  const CUtensorMap map_b2 = kSwiglu || pair ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
+  const CUtensorMap map_a2 = pair ? tile_map(t, in.a2, 2, a_dims, a_strides, a_box) : map_a;
   // The outputs [rows, n_total] for the epilogue's TMA stores, boxes of 64 x 64 (store_piece).
   const uint64_t c_dims[2] = {uint64_t(n_total), uint64_t(rows)};
   const uint64_t c_strides[1] = {uint64_t(n_total)};
@@ -843,9 +864,9 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
   kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
-      map_a, map_b, map_b2, map_c, map_up, map_h, static_cast<T*>(out.c), static_cast<T*>(out.up),
-      static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total, k_total, n_tiles, tiles,
-      static_cast<const T*>(a), in.row_token, in.tokens, rider);
+      map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
+      static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
+      k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair);
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -863,11 +884,12 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
 }
 
 // kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
-// g.row_token[r].
+// g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
+// launch.
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
-               int experts, int64_t rows, int64_t out, int64_t in, bool overwrite,
-               DwGather g = {}) {
+               int experts, int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g = {},
+               float* dw2 = nullptr, const void* dy2 = nullptr) {
   auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
@@ -879,7 +901,9 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
                  x_strides[1] = {uint64_t(in)};
   const CUtensorMap map_dy = tile_map(t, dy, 2, dy_dims, dy_strides, box);
   const CUtensorMap map_x = tile_map(t, x, 2, x_dims, x_strides, box);
-  const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, C::kBN);
+  const CUtensorMap map_dy2 =
+      dw2 != nullptr ? tile_map(t, dy2, 2, dy_dims, dy_strides, box) : map_dy;
+  const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, C::kBN) * (dw2 != nullptr ? 2 : 1);
   // Chunks of twice the mean rows per expert (whole k-slices); no split when the flags run out.
   const int64_t mean = (rows + experts - 1) / experts;
   const int64_t chunk = int64_t(experts) * tiles <= kDwMaxFlags
@@ -892,9 +916,13 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
                      static_cast<unsigned>(experts));
     zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
     MOE_CUDA_LAUNCH_CHECK();
+    if (dw2 != nullptr) {
+      zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw2, offsets, rows, out * in);
+      MOE_CUDA_LAUNCH_CHECK();
+    }
   }
   kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(
-      map_dy, map_x, dw, offsets, experts, rows, out, in, chunk, overwrite,
+      map_dy, map_x, map_dy2, dw, dw2, offsets, experts, rows, out, in, chunk, overwrite,
       static_cast<const T*>(dy), static_cast<const T*>(x), g.row_token, g.tokens);
   MOE_CUDA_LAUNCH_CHECK();
 }
@@ -986,6 +1014,47 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     else
       launch_rows<C, T, false>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total,
                                k_total, expert_stride, rider ? *rider : AdamRider{});
+  });
+  return true;
+}
+
+bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
+                          const void* x, const int32_t* offsets, int experts, int64_t rows,
+                          int64_t out, int64_t in, bool overwrite, DwGather g) {
+  const Mode m = mode();
+  if (m == Mode::off || !sm90_available(t) || g.dy || !aligned16_rows(dy, out) ||
+      !aligned16_rows(dy2, out) || !aligned16_rows(x, in) || out % 8 != 0 || in % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(dw) % 8 != 0 || reinterpret_cast<uintptr_t>(dw2) % 8 != 0 ||
+      experts > kSharedOffsets || rows == 0 || experts == 0)
+    return false;
+  with_config(t, m, [&](auto cfg, auto zero) {
+    using C = decltype(cfg);
+    using T = decltype(zero);
+    if (g.x)
+      launch_dw<C, T, false, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite, g,
+                                   dw2, dy2);
+    else
+      launch_dw<C, T>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite, {}, dw2, dy2);
+  });
+  return true;
+}
+
+bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const void* a2,
+                            const void* w, const void* w2, const int32_t* offsets, int experts,
+                            int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride) {
+  const Mode m = mode();
+  if (m == Mode::off || !sm90_available(t) ||
+      !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, false, rows, experts, kBM) ||
+      !rows_operands_fit(c, a2, w2, n_total, k_total, expert_stride, false, rows, experts, kBM))
+    return false;
+  if (rows == 0) return true;  // nothing to write
+  RowsIn in{a};
+  in.a2 = a2;
+  with_config(t, m, [&](auto cfg, auto zero) {
+    using C = decltype(cfg);
+    using T = decltype(zero);
+    launch_rows<C, T, false>(ctx, t, {c}, in, w, w2, offsets, experts, rows, n_total, k_total,
+                             expert_stride);
   });
   return true;
 }

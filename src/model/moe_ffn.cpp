@@ -153,7 +153,8 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // Buffers dead by then take the input gradients: dyp once the down projection's backward has
   // run (one [N*K, d] of backward scratch fewer: 256 MiB on moe-fine; gathering, dxp has the
   // [N*K, d] dyp would have had), and dgate once w1's backward has, when it is large enough
-  // (F >= d; moe-small: 64 MiB fewer).
+  // (F >= d; moe-small: 64 MiB fewer): dxp_up, the second product's dx where it is computed apart
+  // (grouped_linear_backward_pair's workspace: it reads dgate before writing it).
   const int64_t d = x.size(1), f = hgate_.size(1);
   Tensor dxp = gather ? s.alloc(dt, {r, d}) : dyp;
   Tensor dxp_up = f >= d ? dgate.view({r * f}).rows(0, r * d).view({r, d}) : s.alloc(dt, {r, d});
@@ -164,19 +165,18 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   if (gather) {
     grouped_swiglu_down_backward_gathered(ctx, dgate, dup, drow_w, w2_.g, dy, row_token_, in.hact,
                                           w2_.w, hgate_, hup_, row_w_, offsets_, dw_overwrite);
-    grouped_linear_backward_gathered(ctx, dxp, w1_.g, dgate, x, row_token_, w1_.w, offsets_,
-                                     dw_overwrite);
-    grouped_linear_backward_gathered(ctx, dxp_up, w3_.g, dup, x, row_token_, w3_.w, offsets_,
-                                     dw_overwrite);
+    grouped_linear_backward_pair_gathered(ctx, dxp, dxp_up, w1_.g, w3_.g, dgate, dup, x, row_token_,
+                                          w1_.w, w3_.w, offsets_, dw_overwrite);
   } else {
     permute_forward(ctx, dyp, dy, row_token_);
     grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,
                                  row_w_, offsets_, dw_overwrite);
-    grouped_linear_backward(ctx, dxp, w1_.g, dgate, in.xp, w1_.w, offsets_, dw_overwrite);
-    grouped_linear_backward(ctx, dxp_up, w3_.g, dup, in.xp, w3_.w, offsets_, dw_overwrite);
+    // dxp = dgate w1 + dup w3 (dxp_up: the op's workspace where it sums them apart)
+    grouped_linear_backward_pair(ctx, dxp, dxp_up, w1_.g, w3_.g, dgate, dup, in.xp, w1_.w, w3_.w,
+                                 offsets_, dw_overwrite);
   }
-  // permute (the gather adds the two input gradients: no pass of its own)
-  permute_backward(ctx, dx, dxp, dxp_up, slot_row_);
+  // permute (the gather of the rows' summed input gradient)
+  permute_backward(ctx, dx, dxp, Tensor(), slot_row_);
   permute_weights_backward(ctx, dtopk_w, drow_w, slot_row_);
   s.release(experts_mark);  // the experts' buffers are dead from here
   // route: through the combine weights, then the auxiliary losses

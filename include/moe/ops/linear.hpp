@@ -41,6 +41,25 @@ MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
         bool dw_overwrite = false),
        (ctx, dx, dw, dy, x, w, offsets, dw_overwrite))
+// The experts' gate and up projections' backward together: dx = dy1 w1[e] + dy3 w3[e] per group
+// (overwritten), dw1[e] += dy1_e^T x_e and dw3[e] += dy3_e^T x_e (= with dw_overwrite, as in
+// grouped_linear_backward). dx2: a workspace shaped and typed as dx, which the op may overwrite
+// (where it sums the two products apart: the second into dx2, then added into dx). The CUDA
+// backend on sm_90 runs dx as one product over k = 2F (the second operands loaded for the
+// second half of the k-slices, one rounding) and leaves dx2: no second [R, in] written and read
+// back. dx2 may share dy1's memory (dy1 is read before dx2 is written). dy1, dy3: [R, F]; x, dx,
+// dx2: [R, in]; w1, w3: [E, F, in]; dw1, dw3: [E, F, in] in acc_dtype(x); offsets as above.
+MOE_OP(grouped_linear_backward_pair,
+       (Ctx & ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
+        Tensor w1, Tensor w3, Tensor offsets, bool dw_overwrite = false),
+       (ctx, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3, offsets, dw_overwrite))
+// grouped_linear_backward_pair on the MoE layer's permuted rows without the permuted copy of x
+// (as grouped_linear_backward_gathered): row r of its x is row row_token[r] of x [N, in]; bitwise
+// permute_forward into a buffer, then grouped_linear_backward_pair.
+MOE_OP(grouped_linear_backward_pair_gathered,
+       (Ctx & ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
+        Tensor row_token, Tensor w1, Tensor w3, Tensor offsets, bool dw_overwrite = false),
+       (ctx, dx, dx2, dw1, dw3, dy1, dy3, x, row_token, w1, w3, offsets, dw_overwrite))
 // grouped_linear_forward(y, x, w, offsets), then adamw_step_split(hi, lo, g, m, v, a) over a
 // parameter slab that y, x, w and offsets do not overlap (hi, lo, g, m, v as adamw_step_split
 // takes them): bitwise the two ops in turn. The CUDA backend runs the update in the sm_90
