@@ -13,6 +13,7 @@
 //   copies (gather forward, skipped rows of the scatters) must be exact; dscores gets the bound of
 //   its (acc) dtype.
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <random>
 
@@ -195,4 +196,71 @@ TEST_CASE("gpu MoD: C = 1 and C = T", "[gpu][mod]") {
     check_mod(2, 77, 77, 5, true, dt, 24);
     check_mod(1, 1, 1, 3, false, dt, 25);
   }
+}
+
+// ---- the causal predictor's head ----------------------------------------------------------------
+// Against kernels/cpu/mod_predictor.cpp on the same f32 / f64 values. logit and dh: rtol_for(dt)
+// of the output's scale; dw2 (a sum over N rows, accumulating into a random start): rtol_for(dt)
+// times the column's sum of |terms| (its rounding scales with it, not with the result, which
+// cancels). Run twice: the bits of logit, dh and dw2 must repeat (fixed summation order).
+namespace {
+
+void check_predictor_head(int64_t n, int64_t p, DType dt, uint64_t seed) {
+  INFO("predictor head N=" << n << " P=" << p << " dtype=" << dtype_name(dt));
+  Ctx cctx = cpu_ctx(), gctx = gpu_ctx();
+  const double grad_scale = 0.5;
+  const auto h = round_to(dt, uniform_values(static_cast<size_t>(n * p), seed, -4.0, 4.0));
+  const auto w2 = round_to(dt, uniform_values(static_cast<size_t>(p), seed + 1));
+  const auto dw0 = round_to(dt, uniform_values(static_cast<size_t>(p), seed + 2, -0.1, 0.1));
+  std::vector<double> tg = tied_values(static_cast<size_t>(n), seed + 3, {0.0, 1.0});
+  Buf<double> hh = host({n, p}, h), hw = host({1, p}, w2), hdw = host({1, p}, dw0);
+  Buf<double> ht = host({n}, tg), hl({n}), hdh({n, p});
+  cpu::mod_predictor_head_forward(cctx, hl, hh, hw);
+  cpu::mod_predictor_head_backward(cctx, hdh, hdw, hh, hw, hl, ht, grad_scale);
+  // the size of each dw2 column's terms
+  std::vector<double> terms(static_cast<size_t>(p), 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    const double dl = grad_scale / n * std::fabs(1.0 / (1.0 + std::exp(-hl[i])) - tg[i]);
+    for (int64_t j = 0; j < p; ++j) {
+      const double a = h[i * p + j];
+      terms[j] += dl * std::fabs(a / (1.0 + std::exp(-a)));
+    }
+  }
+
+  DeviceTensor gh = on_device(dt, {n, p}, h), gw = on_device(dt, {1, p}, w2);
+  DeviceTensor gt = on_device(dt, {n}, tg);
+  std::vector<double> logit, dh, dw;
+  for (int run = 0; run < 2; ++run) {
+    DeviceTensor gl = poisoned(dt, {n}), gdh = poisoned(dt, {n, p});
+    DeviceTensor gdw = on_device(dt, {1, p}, dw0);
+    mod_predictor_head_forward(gctx, gl, gh, gw);
+    mod_predictor_head_backward(gctx, gdh, gdw, gh, gw, gl, gt, grad_scale);
+    if (run == 1) {
+      CHECK(download(gl) == logit);
+      CHECK(download(gdh) == dh);
+      CHECK(download(gdw) == dw);
+      break;
+    }
+    logit = download(gl);
+    dh = download(gdh);
+    dw = download(gdw);
+  }
+  check_grad(logit, hl.v, dt, "mod_predictor_head_forward logit");
+  check_grad(dh, hdh.v, dt, "mod_predictor_head_backward dh");
+  for (int64_t j = 0; j < p; ++j) {
+    INFO("dw2[" << j << "] gpu " << dw[j] << " cpu " << hdw[j] << " terms " << terms[j]);
+    CHECK(std::fabs(dw[j] - hdw[j]) <= rtol_for(dt) * (terms[j] + std::fabs(dw0[j])));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("gpu MoD predictor head against the CPU", "[gpu][mod]") {
+  for (DType dt : {DType::f32, DType::f64}) {
+    check_predictor_head(37, 64, dt, 11);     // one backward block, fewer rows than warps x 8
+    check_predictor_head(16384, 64, dt, 12);  // the model's shape: 256 blocks' partials
+    check_predictor_head(1000, 1, dt, 13);    // one column
+    check_predictor_head(3001, 100, dt, 14);  // P past a 32-column slice, a partial last block
+  }
+  check_predictor_head(300000, 64, DType::f64, 15);  // partials past the scratch: 128-row blocks
 }

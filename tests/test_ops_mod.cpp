@@ -9,7 +9,10 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "moe/ops/linear.hpp"
+#include "moe/ops/loss.hpp"
 #include "moe/ops/mod.hpp"
+#include "moe/ops/swiglu.hpp"
 #include "test_util.hpp"
 
 using namespace moe;
@@ -215,4 +218,59 @@ TEST_CASE("mod ops reject a selection that is out of range or not ascending") {
   Buf<double> scores({2, 3}), mask({2, 3});
   Buf<int32_t> too_many({2, 4});
   CHECK_THROWS_AS(mod_select(ctx, too_many, mask, scores), InternalError);
+}
+
+// ---- the causal predictor's head ----------------------------------------------------------------
+
+TEST_CASE("mod_predictor_head_forward: silu(h) . w2 per row, as silu_forward and linear_forward") {
+  const int64_t n = 7, p = 5;
+  auto h = random_buf({n, p}, 131, -4, 4), w2 = random_buf({1, p}, 132);
+  Buf<double> logit({n}), a({n, p}), want({n, 1});
+  Ctx ctx = cpu_ctx();
+  mod_predictor_head_forward(ctx, logit, h, w2);
+  silu_forward(ctx, a, h);
+  linear_forward(ctx, want, a, w2, false);
+  for (int64_t i = 0; i < n; ++i) CHECK(logit[i] == Approx(want[i]).epsilon(1e-14));
+}
+
+TEST_CASE("mod_predictor_head_backward matches finite differences of the scaled BCE") {
+  const int64_t n = 6, p = 4;
+  const double grad_scale = 0.75;
+  auto h = random_buf({n, p}, 141, -3, 3), w2 = random_buf({1, p}, 142, -2, 2);
+  auto targets = make<double>({n}, {1, 0, 0, 1, 1, 0});
+  Buf<double> logit({n}), loss({1}), dh({n, p}), dw2({1, p});
+  Ctx ctx = cpu_ctx();
+  mod_predictor_head_forward(ctx, logit, h, w2);
+  for (auto& v : dh.v) v = 9;  // overwritten
+  mod_predictor_head_backward(ctx, dh, dw2, h, w2, logit, targets, grad_scale);
+  auto objective = [&] {
+    mod_predictor_head_forward(ctx, logit, h, w2);
+    bce_with_logits_forward(ctx, loss, logit, targets);
+    return grad_scale * loss[0];
+  };
+  check_gradient(h.v, dh.v, objective, 1e-6, 1e-6, 1e-10, "dh");
+  check_gradient(w2.v, dw2.v, objective, 1e-6, 1e-6, 1e-10, "dw2");
+
+  // dw2 accumulates; dl as bce_with_logits_backward writes it
+  const std::vector<double> once = dw2.v;
+  mod_predictor_head_forward(ctx, logit, h, w2);
+  mod_predictor_head_backward(ctx, dh, dw2, h, w2, logit, targets, grad_scale);
+  for (int64_t j = 0; j < p; ++j) CHECK(dw2[j] == Approx(2 * once[j]).epsilon(1e-14));
+  Buf<double> dl({n});
+  bce_with_logits_backward(ctx, dl, logit, targets, grad_scale);
+  Buf<double> s({n, p});
+  silu_forward(ctx, s, h);
+  double want = 0;
+  for (int64_t i = 0; i < n; ++i) want += dl[i] * s[i * p + 2];
+  CHECK(once[2] == Approx(want).epsilon(1e-13));
+}
+
+TEST_CASE("mod_predictor_head ops reject mismatched shapes") {
+  Ctx ctx = cpu_ctx();
+  Buf<double> h({4, 3}), w2({1, 2}), logit({4}), bad_logit({5}), good_w2({1, 3});
+  CHECK_THROWS_AS(mod_predictor_head_forward(ctx, logit, h, w2), InternalError);
+  CHECK_THROWS_AS(mod_predictor_head_forward(ctx, bad_logit, h, good_w2), InternalError);
+  Buf<double> dh({4, 3}), dw2({1, 3}), targets({3});
+  CHECK_THROWS_AS(mod_predictor_head_backward(ctx, dh, dw2, h, good_w2, logit, targets, 1.0),
+                  InternalError);
 }

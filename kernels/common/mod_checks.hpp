@@ -75,4 +75,32 @@ inline void check_mod_scatter_backward_args(const Tensor& dx, const Tensor& dys,
   check_acc_dtype(dscores, x, "mod_scatter_backward: dscores");
 }
 
+// The predictor head's tensors: h, dh [N, P], w2, dw2 [1, P], logit, targets [N], one dtype
+// (dh, dw2, targets only for the backward: pass nullptr for the forward).
+inline void check_mod_predictor_head_args(const Tensor& h, const Tensor& w2, const Tensor& logit,
+                                          const Tensor* dh, const Tensor* dw2,
+                                          const Tensor* targets, const char* op) {
+  MOE_CHECK(h.ndim == 2, std::string(op) + ": h must be [N, P], got " + h.shape_str());
+  const int64_t n = h.size(0), p = h.size(1);
+  check_shape(w2, {1, p}, (std::string(op) + ": w2").c_str());
+  MOE_CHECK(logit.numel() == n, std::string(op) + ": logit must hold N = " + std::to_string(n) +
+                                    " values, got " + logit.shape_str());
+  check_same_dtype(w2, h, (std::string(op) + ": w2, h").c_str());
+  check_same_dtype(logit, h, (std::string(op) + ": logit, h").c_str());
+  if (dh != nullptr) {
+    check_shape(*dh, {n, p}, (std::string(op) + ": dh").c_str());
+    check_same_dtype(*dh, h, (std::string(op) + ": dh, h").c_str());
+  }
+  if (dw2 != nullptr) {
+    check_shape(*dw2, {1, p}, (std::string(op) + ": dw2").c_str());
+    check_same_dtype(*dw2, h, (std::string(op) + ": dw2, h").c_str());
+  }
+  if (targets != nullptr) {
+    MOE_CHECK(targets->numel() == n, std::string(op) +
+                                         ": targets must hold N = " + std::to_string(n) +
+                                         " values, got " + targets->shape_str());
+    check_same_dtype(*targets, h, (std::string(op) + ": targets, h").c_str());
+  }
+}
+
 }  // namespace moe

@@ -146,6 +146,10 @@ class Layer {
   virtual void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) = 0;
   virtual void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos,
                         double grad_scale) = 0;
+  // True when backward leaves the input's gradient in dout's memory instead of dx's (dx then
+  // untouched): a MoD block, whose gradient on the skipped rows is dout itself, updates only its
+  // selected rows in place rather than copying the other 1 - capacity of them.
+  virtual bool backward_in_place() const { return false; }
   virtual void after_step(Ctx&) {}
   // Appends the layer's non-parameter persistent state (router biases).
   virtual void collect_state(std::vector<Tensor>& out) const = 0;
@@ -189,7 +193,9 @@ class ModBlock : public Layer {
   void plan_state(Arena& state) override { inner_.plan_state(state); }
   void plan(Arena& acts) override;
   void forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) override;
+  // Leaves dx in dout's memory (backward_in_place).
   void backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) override;
+  bool backward_in_place() const override { return true; }
   void after_step(Ctx& ctx) override { inner_.after_step(ctx); }
   void collect_state(std::vector<Tensor>& out) const override { inner_.collect_state(out); }
   void collect_loads(std::vector<Tensor>& out) const override { inner_.collect_loads(out); }
@@ -201,8 +207,8 @@ class ModBlock : public Layer {
   ParamView router_, fc1_, fc2_;
   Block inner_;
   // scores, mask and the predictor in the accumulation dtype; xs, ys in the compute dtype
-  Tensor scores_, sel_, mask_, xs_, ys_;             // [B*T,1], [B,C], [B,T], [B*C,d] x2
-  Tensor pred_h_, pred_a_, pred_logit_, pred_loss_;  // [B*T,P] x2, [B*T,1], [1]
+  Tensor scores_, sel_, mask_, xs_, ys_;    // [B*T,1], [B,C], [B,T], [B*C,d] x2
+  Tensor pred_h_, pred_logit_, pred_loss_;  // [B*T,P], [B*T,1], [1]
 };
 
 std::unique_ptr<Layer> make_layer(const LayerEnv& env, int layer, int moe_index, Dims dims);

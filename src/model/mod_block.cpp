@@ -12,7 +12,6 @@
 #include "moe/ops/linear.hpp"
 #include "moe/ops/loss.hpp"
 #include "moe/ops/mod.hpp"
-#include "moe/ops/swiglu.hpp"
 
 namespace moe {
 
@@ -40,22 +39,24 @@ void ModBlock::plan(Arena& acts) {
   xs_ = acts.alloc(dt, {dims_.B * keep_, d});
   ys_ = acts.alloc(dt, {dims_.B * keep_, d});
   pred_h_ = acts.alloc(acc, {n, p});
-  pred_a_ = acts.alloc(acc, {n, p});
   pred_logit_ = acts.alloc(acc, {n, 1});
   pred_loss_ = acts.alloc(acc, {1});
   inner_.plan(acts);
 }
 
-// The MoD router and the predictor run in the accumulation dtype (fp32 in mixed precision) on
-// the master weights: selection by top-C is sensitive to rounding of the scores.
+// The MoD router runs in the accumulation dtype (fp32 in mixed precision) on the master weights:
+// selection by top-C is sensitive to rounding of the scores. The predictor only guesses that
+// selection for sampling: its first layer is an ordinary compute-dtype product (bf16 tensor cores,
+// fp32 sums and output, like the model's other linears), its head (silu, fc2, BCE) fp32 on the
+// master fc2. In bf16 the fp32-exact product (router_matmul's three bf16 parts of an fp32 master)
+// cost three times the product plus the parts' split and sum: ~0.2 ms of moe-small's MoD step.
 void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   const Tensor scores = scores_.view({dims_.B, dims_.T});
   const Tensor sel_pos = sel_.view({dims_.B * keep_});  // positions of the kept tokens
   mod_route_forward(ctx, env_, scores, sel_, mask_, x, router_.master);
   // causal predictor on stop-gradient x
-  router_matmul_forward(ctx, env_, pred_h_, x, fc1_.master);
-  silu_forward(ctx, pred_a_, pred_h_);
-  linear_forward(ctx, pred_logit_, pred_a_, fc2_.master, false);
+  linear_forward(ctx, pred_h_, x, fc1_.w, false);
+  mod_predictor_head_forward(ctx, pred_logit_, pred_h_, fc2_.master);
   bce_with_logits_forward(ctx, pred_loss_, pred_logit_.view({dims_.rows()}),
                           mask_.view({dims_.rows()}));
   if (!env_.recomputing)
@@ -71,7 +72,10 @@ void ModBlock::forward(Ctx& ctx, Tensor out, Tensor x, Tensor /*pos*/) {
   r.mod_seen += static_cast<double>(dims_.rows());
 }
 
-void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos*/,
+// The input's gradient goes into dout's memory (backward_in_place): dout on the skipped rows as it
+// stands, the selected rows' gradient written over theirs by the scatter's backward and added to
+// by the gather's; dx is not touched.
+void ModBlock::backward(Ctx& ctx, Tensor /*dx*/, Tensor dout, Tensor x, Tensor /*pos*/,
                         double grad_scale) {
   Arena& s = env_.scratch;
   const size_t mark = s.mark();
@@ -82,9 +86,8 @@ void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos
   Tensor dys = s.alloc(dt, {dims_.B * keep_, d});
   Tensor dxs = s.alloc(dt, {dims_.B * keep_, d});
   Tensor dscores = s.alloc(acc, {n, 1});
-  Tensor dlogit = s.alloc(acc, {n, 1});
-  Tensor dpa = s.alloc(acc, {n, p});
   Tensor dph = s.alloc(acc, {n, p});
+  const Tensor dx = dout;
   mod_scatter_backward(ctx, dx, dys, dscores.view({dims_.B, dims_.T}), dout, x, ys_, scores, sel_);
   inner_.backward(ctx, dxs, dys, xs_, sel_pos, grad_scale);
   // The router's gradient: dscores is 0 off the selected rows (the top-C choice passes none), so
@@ -96,11 +99,15 @@ void ModBlock::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor /*pos
   router_matmul_backward(ctx, env_, dxs, router_.g, dscores_sel, xs_, router_.master);
   mod_gather_backward(ctx, dx, dxs, sel_);
   // predictor: parameters only (x is stop-gradient)
-  bce_with_logits_backward(ctx, dlogit.view({n}), pred_logit_.view({n}), mask_.view({n}),
-                           grad_scale * env_.cfg.mod.predictor_loss_coef);
-  linear_backward(ctx, dpa, fc2_.g, dlogit, pred_a_, fc2_.master, false);
-  silu_backward(ctx, dph, dpa, pred_h_);
-  router_matmul_backward(ctx, env_, Tensor(), fc1_.g, dph, x, fc1_.master);
+  mod_predictor_head_backward(ctx, dph, fc2_.g, pred_h_, fc2_.master, pred_logit_.view({n}),
+                              mask_.view({n}), grad_scale * env_.cfg.mod.predictor_loss_coef);
+  if (env_.mixed()) {  // the product's dy in the compute dtype, as every linear's
+    Tensor dph_c = s.alloc(dt, {n, p});
+    convert(ctx, dph_c, dph, false);
+    linear_backward(ctx, Tensor(), fc1_.g, dph_c, x, fc1_.w, false);
+  } else {
+    linear_backward(ctx, Tensor(), fc1_.g, dph, x, fc1_.w, false);
+  }
   s.release(mark);
 }
 

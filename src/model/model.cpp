@@ -618,7 +618,7 @@ void Model::backward(Ctx& ctx, double grad_scale, double ce_scale, const Gradien
     }
     layers_[l]->backward(ctx, dx, dout, stream_[l], pos_, grad_scale);
     finished(unit, layer_offsets_[l], layer_offsets_[l + 1]);
-    std::swap(dx, dout);
+    if (!layers_[l]->backward_in_place()) std::swap(dx, dout);
   }
   embedding_backward(ctx, grad(embed), dout, ids_);
   finished(0, 0, layer_offsets_[0]);  // the embedding (a tied head wrote into it first)

@@ -66,10 +66,10 @@ ParamTable build_param_table(const ModelConfig& m) {
     b.add(p + "self_attn.o_proj.weight", ParamKind::residual, {d, m.num_attention_heads * hd});
     b.add(p + "post_attention_layernorm.weight", ParamKind::norm, {d});
     if (m.is_mod_layer(l)) {
-      // The MoD router and predictor run in fp32 (router_matmul, mod_block.cpp).
+      // The MoD router and the predictor's head run in fp32 on the master weights; the
+      // predictor's first layer is a compute-dtype product with fp32 sums (mod_block.cpp).
       b.add(p + "mod.router.weight", ParamKind::matrix, {1, d}, 1, true);
-      b.add(p + "mod.predictor.fc1.weight", ParamKind::matrix, {m.mod.predictor_hidden_size, d}, 1,
-            true);
+      b.add(p + "mod.predictor.fc1.weight", ParamKind::matrix, {m.mod.predictor_hidden_size, d});
       b.add(p + "mod.predictor.fc2.weight", ParamKind::matrix, {1, m.mod.predictor_hidden_size}, 1,
             true);
     }

@@ -37,4 +37,20 @@ MOE_OP(mod_scatter_backward,
         Tensor scores, Tensor sel),
        (ctx, dx, dys, dscores, dout, x, ys, scores, sel))
 
+// The causal predictor's head on its hidden pre-activations h = fc1(x):
+//   logit[n] = silu(h[n, :]) . w2           (fc2, one output, no bias)
+// h: [N, P], w2: [1, P], logit: [N], of one accumulation dtype (f32 or f64: the model's fp32).
+// The predictor's BCE on the logits is bce_with_logits_forward's.
+MOE_OP(mod_predictor_head_forward, (Ctx & ctx, Tensor logit, Tensor h, Tensor w2),
+       (ctx, logit, h, w2))
+// Its backward through that BCE, from the saved logits (targets: [N], the selection mask):
+//   dl[n] = grad_scale * (sigmoid(logit[n]) - targets[n]) / N   (bce_with_logits_backward's)
+//   dh[n, :] = dl[n] * w2 * silu'(h[n, :])   (overwritten)
+//   dw2 += sum_n dl[n] * silu(h[n, :])
+// One pass over h instead of bce_with_logits_backward, linear_backward and silu_backward's four.
+MOE_OP(mod_predictor_head_backward,
+       (Ctx & ctx, Tensor dh, Tensor dw2, Tensor h, Tensor w2, Tensor logit, Tensor targets,
+        double grad_scale),
+       (ctx, dh, dw2, h, w2, logit, targets, grad_scale))
+
 }  // namespace moe

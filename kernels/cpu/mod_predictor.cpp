@@ -1,0 +1,72 @@
+// The MoD causal predictor's head on the CPU: logit = silu(h) . w2 and, from the saved logits, its
+// backward through the predictor's BCE (dl, dh and dw2 in one pass over h). The reference of
+// kernels/cuda/mod_predictor.cu. Sums in double, rounded once to the tensors' dtype.
+#include "common/mod_checks.hpp"
+#include "cpu/cpu_common.hpp"
+#include "moe/ops/mod.hpp"
+
+namespace moe::cpu {
+namespace {
+
+double silu(double a) {
+  return a * sigmoid(a);
+}
+
+double silu_grad(double a) {
+  const double s = sigmoid(a);
+  return s * (1.0 + a * (1.0 - s));
+}
+
+}  // namespace
+
+void mod_predictor_head_forward(Ctx& ctx, Tensor logit, Tensor h, Tensor w2) {
+  check_mod_predictor_head_args(h, w2, logit, nullptr, nullptr, nullptr,
+                                "mod_predictor_head_forward");
+  dispatch_float(h.dtype, "mod_predictor_head_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t n = h.size(0), p = h.size(1);
+    const T* ph = h.ptr<T>();
+    const T* pw = w2.ptr<T>();
+    T* pl = logit.ptr<T>();
+#pragma omp parallel for if (parallel_worth(n * p * kExpWork))
+    for (int64_t i = 0; i < n; ++i) {
+      double s = 0;
+      for (int64_t j = 0; j < p; ++j) s += silu(ph[i * p + j]) * static_cast<double>(pw[j]);
+      pl[i] = static_cast<T>(s);
+    }
+  });
+}
+
+void mod_predictor_head_backward(Ctx& ctx, Tensor dh, Tensor dw2, Tensor h, Tensor w2, Tensor logit,
+                                 Tensor targets, double grad_scale) {
+  check_mod_predictor_head_args(h, w2, logit, &dh, &dw2, &targets, "mod_predictor_head_backward");
+  dispatch_float(h.dtype, "mod_predictor_head_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t n = h.size(0), p = h.size(1);
+    const T* ph = h.ptr<T>();
+    const T* pw = w2.ptr<T>();
+    const T* pl = logit.ptr<T>();
+    const T* pt = targets.ptr<T>();
+    T* pdh = dh.ptr<T>();
+    T* pdw = dw2.ptr<T>();
+    const double scale = n > 0 ? grad_scale / n : 0.0;
+    // dl rounded to T as bce_with_logits_backward stores it
+    std::vector<T> dl(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i)
+      dl[i] = static_cast<T>(scale * (sigmoid(static_cast<double>(pl[i])) - pt[i]));
+#pragma omp parallel for if (parallel_worth(n * p * kExpWork))
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < p; ++j)
+        pdh[i * p + j] = static_cast<T>(static_cast<double>(dl[i]) * static_cast<double>(pw[j]) *
+                                        silu_grad(ph[i * p + j]));
+        // each column's sum in row order, whatever the thread count
+#pragma omp parallel for if (parallel_worth(n * p * kExpWork))
+    for (int64_t j = 0; j < p; ++j) {
+      double s = 0;
+      for (int64_t i = 0; i < n; ++i) s += static_cast<double>(dl[i]) * silu(ph[i * p + j]);
+      pdw[j] = static_cast<T>(static_cast<double>(pdw[j]) + s);
+    }
+  });
+}
+
+}  // namespace moe::cpu
