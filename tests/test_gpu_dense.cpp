@@ -899,7 +899,22 @@ namespace {
 struct GroupedCase {
   int64_t rows, in, out;
   std::vector<int32_t> offsets;  // [E+1]
+  int64_t max_rows() const {     // the largest expert's rows
+    int64_t m = 0;
+    for (size_t i = 0; i + 1 < offsets.size(); ++i)
+      m = std::max<int64_t>(m, offsets[i + 1] - offsets[i]);
+    return m;
+  }
 };
+
+// The grouped GEMM kernels a case runs: "sm90-n256" / "sm90-n128" (the sm_90 TMA + wgmma kernels
+// with 256- / 128-column tiles; where they decline, the sm_80+ ones) or "sm80-k32" / "sm80-k64"
+// (the sm_80+ kernels with 32- / 64-wide k-slices).
+void select_grouped_kernel(const std::string& kernel) {
+  const bool sm90 = kernel.rfind("sm90", 0) == 0;
+  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
+  setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
+}
 // An empty expert in the middle and one taking most rows; empty first and last experts with a
 // single expert taking every row over several tiles; a single expert.
 const GroupedCase kGroupedCases[] = {
@@ -952,16 +967,12 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
-  const bool sm90 = kernel.rfind("sm90", 0) == 0;
-  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
-  setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
+  select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, in = gc.in, out = gc.out;
-    int64_t max_rows = 0;
-    for (int64_t i = 0; i < e; ++i)
-      max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
+    const int64_t max_rows = gc.max_rows();
     const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
     for (DType dt : kDtypes) {
       const DType acc = acc_dtype(dt);
@@ -1031,16 +1042,12 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
   cases.push_back(forty_experts());
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
-  const bool sm90 = kernel.rfind("sm90", 0) == 0;
-  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
-  setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
+  select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
     const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
     const int64_t r = gc.rows, in = gc.in, out = gc.out;
-    int64_t max_rows = 0;
-    for (int64_t i = 0; i < e; ++i)
-      max_rows = std::max<int64_t>(max_rows, gc.offsets[i + 1] - gc.offsets[i]);
+    const int64_t max_rows = gc.max_rows();
     const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
     for (DType dt : kDtypes) {
       INFO(dtype_name(dt) << tag);
