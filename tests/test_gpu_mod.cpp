@@ -1,6 +1,7 @@
-// CUDA Mixture-of-Depths ops against the CPU reference (kernels/cpu/mod.cpp) on the same inputs:
-// values rounded to the storage dtype, the CPU computing in f64. Outputs are poisoned before each
-// GPU call (except the accumulating dx of mod_gather_backward, which starts from random values).
+// CUDA Mixture-of-Depths ops against the CPU reference (kernels/cpu/mod.cpp, mod_predictor.cpp) on
+// the same inputs: values rounded to the storage dtype, the CPU computing in f64. Outputs are
+// poisoned before each GPU call (except the accumulating dx of mod_gather_backward, which starts
+// from random values).
 //
 // Shapes cover both row paths of the gather / scatter kernels (16-byte vectors when d fills whole
 // vectors: d = 8, 16, 64, 1032; one element per lane otherwise) and the radix select's edge

@@ -1,5 +1,6 @@
 // Tests of the Mixture-of-Depths CPU ops: per-sequence top-C selection and its mask, the gather of
-// the kept rows and its accumulating backward, and the gated scatter and its backward.
+// the kept rows and its accumulating backward, the gated scatter and its backward, and the causal
+// predictor's head (silu, fc2) with its backward through the BCE.
 // Forwards against hand-computed numbers; backwards against central finite differences in f64
 // (loss = dot(random w, outputs), selection held fixed); f32 against f64 on random inputs.
 // Gradient-check tolerances: gather is linear (rtol 1e-7); the scatter goes through a sigmoid,

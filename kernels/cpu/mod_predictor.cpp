@@ -1,6 +1,8 @@
 // The MoD causal predictor's head on the CPU: logit = silu(h) . w2 and, from the saved logits, its
 // backward through the predictor's BCE (dl, dh and dw2 in one pass over h). The reference of
 // kernels/cuda/mod_predictor.cu. Sums in double, rounded once to the tensors' dtype.
+#include <vector>
+
 #include "common/mod_checks.hpp"
 #include "cpu/cpu_common.hpp"
 #include "moe/ops/mod.hpp"
