@@ -26,8 +26,15 @@ suites=()
 [ $sm75 = 1 ] && suites+=("sm75ptx:75-virtual")
 # Build every suite at once (the cores are shared), then run the tests one suite after another.
 jobs=$(($(nproc) / ${#suites[@]}))
+want_gen=$([ -n "$gen" ] && echo Ninja || echo "Unix Makefiles")
 for s in "${suites[@]}"; do
   name=${s%%:*} archs=${s#*:}
+  # A build folder configured by another generator (a hand-run cmake) makes cmake refuse: start
+  # that one afresh.
+  cache="build-gpu-$name/CMakeCache.txt"
+  if [ -f "$cache" ] && ! grep -qx "CMAKE_GENERATOR:INTERNAL=$want_gen" "$cache"; then
+    rm -rf "build-gpu-$name"
+  fi
   (cmake -S . -B "build-gpu-$name" $gen -DCMAKE_BUILD_TYPE=Release -DMOE_CUDA=ON \
     -DMOE_CUDA_ARCHS="$archs" >"$OUT/$name.cmake.log" 2>&1 &&
     cmake --build "build-gpu-$name" -j "$jobs" --target $targets moe-train >"$OUT/$name.build.log" 2>&1
