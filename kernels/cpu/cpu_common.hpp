@@ -62,6 +62,18 @@ inline T sigmoid(T x) {
   return T(1) / (T(1) + std::exp(-x));
 }
 
+// silu(a) = a sigmoid(a) and its derivative sigmoid(a) (1 + a (1 - sigmoid(a))), in T (the SwiGLU
+// ops, the MoD predictor's head).
+template <class T>
+inline T silu(T a) {
+  return a * sigmoid(a);
+}
+template <class T>
+inline T silu_grad(T a) {
+  const T s = sigmoid(a);
+  return s * (T(1) + a * (T(1) - s));
+}
+
 // sum_i a[i] * b[i] over n elements, accumulated in double (attention and decode share it so that
 // decode reproduces the training forward term for term).
 template <class T>

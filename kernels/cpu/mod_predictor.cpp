@@ -1,6 +1,7 @@
 // The MoD causal predictor's head on the CPU: logit = silu(h) . w2 and, from the saved logits, its
 // backward through the predictor's BCE (dl, dh and dw2 in one pass over h). The reference of
-// kernels/cuda/mod_predictor.cu. Sums in double, rounded once to the tensors' dtype.
+// kernels/cuda/mod_predictor.cu. In double (silu from cpu_common.hpp), rounded once to the
+// tensors' dtype.
 #include <vector>
 
 #include "common/mod_checks.hpp"
@@ -8,18 +9,6 @@
 #include "moe/ops/mod.hpp"
 
 namespace moe::cpu {
-namespace {
-
-double silu(double a) {
-  return a * sigmoid(a);
-}
-
-double silu_grad(double a) {
-  const double s = sigmoid(a);
-  return s * (1.0 + a * (1.0 - s));
-}
-
-}  // namespace
 
 void mod_predictor_head_forward(Ctx& ctx, Tensor logit, Tensor h, Tensor w2) {
   check_mod_predictor_head_args(h, w2, logit, nullptr, nullptr, nullptr,
@@ -33,7 +22,8 @@ void mod_predictor_head_forward(Ctx& ctx, Tensor logit, Tensor h, Tensor w2) {
 #pragma omp parallel for if (parallel_worth(n * p * kExpWork))
     for (int64_t i = 0; i < n; ++i) {
       double s = 0;
-      for (int64_t j = 0; j < p; ++j) s += silu(ph[i * p + j]) * static_cast<double>(pw[j]);
+      for (int64_t j = 0; j < p; ++j)
+        s += silu(static_cast<double>(ph[i * p + j])) * static_cast<double>(pw[j]);
       pl[i] = static_cast<T>(s);
     }
   });
@@ -60,12 +50,13 @@ void mod_predictor_head_backward(Ctx& ctx, Tensor dh, Tensor dw2, Tensor h, Tens
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < p; ++j)
         pdh[i * p + j] = static_cast<T>(static_cast<double>(dl[i]) * static_cast<double>(pw[j]) *
-                                        silu_grad(ph[i * p + j]));
+                                        silu_grad(static_cast<double>(ph[i * p + j])));
         // each column's sum in row order, whatever the thread count
 #pragma omp parallel for if (parallel_worth(n * p * kExpWork))
     for (int64_t j = 0; j < p; ++j) {
       double s = 0;
-      for (int64_t i = 0; i < n; ++i) s += static_cast<double>(dl[i]) * silu(ph[i * p + j]);
+      for (int64_t i = 0; i < n; ++i)
+        s += static_cast<double>(dl[i]) * silu(static_cast<double>(ph[i * p + j]));
       pdw[j] = static_cast<T>(static_cast<double>(pdw[j]) + s);
     }
   });

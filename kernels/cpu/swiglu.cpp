@@ -10,20 +10,6 @@
 #include "moe/ops/swiglu.hpp"
 
 namespace moe::cpu {
-namespace {
-
-template <class T>
-T silu(T a) {
-  return a * sigmoid(a);
-}
-
-template <class T>
-T silu_grad(T a) {
-  const T s = sigmoid(a);
-  return s * (T(1) + a * (T(1) - s));
-}
-
-}  // namespace
 
 // h, gate, up: [R, F]
 void swiglu_forward(Ctx& ctx, Tensor h, Tensor gate, Tensor up) {
