@@ -434,43 +434,6 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
   });
 }
 
-// MOE_GROUPED_PAIR=0 (read at every call): the pair's two products apart, to measure the one.
-bool pair_product_wanted() {
-  const char* v = std::getenv("MOE_GROUPED_PAIR");
-  return v == nullptr || std::string(v) != "0";
-}
-
-// dx = dy1 w1[e] + dy3 w3[e] as one sm_90 product over both k ranges where it applies (dx2
-// untouched), else the two products apart and dx += dx2 (the first product, the only reader of
-// dy1, before dx2 is written: they may share memory); the weight gradients as
-// grouped_linear_backward's.
-void grouped_linear_backward_pair_cuda(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3,
-                                       Tensor dy1, Tensor dy3, Tensor x, Tensor w1, Tensor w3,
-                                       Tensor offsets, bool dw_overwrite) {
-  const GroupedDims s = grouped_dims(x, w1, offsets, "grouped_linear_backward_pair");
-  check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
-  check_on_gpu({&dx2, &dw3, &dy3, &w3}, "grouped_linear_backward_pair");
-  const int32_t* off = data_of<int32_t>(offsets);
-  if (pair_product_wanted() && s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 &&
-      grouped_mma_available(x.dtype) &&
-      grouped_sm90_rows_pair(ctx, x.dtype, dx.data, dy1.data, dy3.data, w1.data, w3.data, off,
-                             static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in)) {
-    // both weight gradients in one launch (one tail wave), else one after the other
-    if (!grouped_sm90_dw_pair(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
-                              dy3.data, x.data, off, static_cast<int>(s.experts), s.rows, s.out,
-                              s.in, dw_overwrite)) {
-      grouped_mma_dw(ctx, x.dtype, data_of<float>(dw1), dy1.data, x.data, off,
-                     static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
-      grouped_mma_dw(ctx, x.dtype, data_of<float>(dw3), dy3.data, x.data, off,
-                     static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
-    }
-    return;
-  }
-  grouped_linear_backward_cuda(ctx, dx, dw1, dy1, x, w1, offsets, dw_overwrite);
-  grouped_linear_backward_cuda(ctx, dx2, dw3, dy3, x, w3, offsets, dw_overwrite);
-  cuda::add(ctx, dx, dx, dx2);
-}
-
 // gate, up, h: [R, F]; x: [R, in]; w1, w3: [E, F, in]; row_w: [R]. Fused on sm_90 (the tile's
 // epilogue applies the weighted SwiGLU: gate and up are stored and read back once less);
 // elsewhere the three ops.
@@ -548,10 +511,59 @@ void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tenso
                                dw_overwrite);
 }
 
-// The pair with x's rows gathered: dx as grouped_linear_backward_pair's one sm_90 product (dy is
-// not gathered), both weight gradients by one sm_90 dw launch gathering x's rows in its loads
-// (else each apart, from a permuted copy); elsewhere grouped_linear_backward_gathered twice and
-// dx += dx2. The same bits as the permuted copy through grouped_linear_backward_pair.
+// MOE_GROUPED_PAIR=0 (read at every call): the pair's two products apart, to measure the one.
+bool pair_product_wanted() {
+  const char* v = std::getenv("MOE_GROUPED_PAIR");
+  return v == nullptr || std::string(v) != "0";
+}
+
+// The pair's sm_90 path: dx = dy1 w1[e] + dy3 w3[e] as one product over both k ranges, then both
+// weight gradients by one dw launch (x's rows gathered in its loads when row_token is given),
+// else each apart (from x, or gathering, from a permuted copy). False, launching nothing, where
+// the one product does not apply (the caller sums the two products apart).
+bool pair_one_product(Ctx& ctx, const GroupedDims& s, Tensor dx, Tensor dw1, Tensor dw3, Tensor dy1,
+                      Tensor dy3, Tensor x, Tensor row_token, Tensor w1, Tensor w3, Tensor offsets,
+                      bool dw_overwrite) {
+  const int32_t* off = data_of<int32_t>(offsets);
+  const bool gather = !row_token.empty();
+  if (!pair_product_wanted() || s.rows <= 0 || s.experts <= 0 || s.in <= 0 || s.out <= 0 ||
+      x.size(0) <= 0 || !grouped_mma_available(x.dtype) ||
+      !grouped_sm90_rows_pair(ctx, x.dtype, dx.data, dy1.data, dy3.data, w1.data, w3.data, off,
+                              static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in))
+    return false;
+  const DwGather g =
+      gather ? DwGather{data_of<int32_t>(row_token), x.size(0), false, true} : DwGather{};
+  if (grouped_sm90_dw_pair(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
+                           dy3.data, x.data, off, static_cast<int>(s.experts), s.rows, s.out, s.in,
+                           dw_overwrite, g))
+    return true;
+  Buffer rows;
+  const void* xr = gather ? permuted_copy(ctx, rows, x, row_token).data : x.data;
+  grouped_mma_dw(ctx, x.dtype, data_of<float>(dw1), dy1.data, xr, off, static_cast<int>(s.experts),
+                 s.rows, s.out, s.in, dw_overwrite);
+  grouped_mma_dw(ctx, x.dtype, data_of<float>(dw3), dy3.data, xr, off, static_cast<int>(s.experts),
+                 s.rows, s.out, s.in, dw_overwrite);
+  return true;
+}
+
+// The one product where it applies (dx2 untouched), else the two products apart and dx += dx2
+// (the first product, the only reader of dy1, before dx2 is written: they may share memory).
+void grouped_linear_backward_pair_cuda(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3,
+                                       Tensor dy1, Tensor dy3, Tensor x, Tensor w1, Tensor w3,
+                                       Tensor offsets, bool dw_overwrite) {
+  const GroupedDims s = grouped_dims(x, w1, offsets, "grouped_linear_backward_pair");
+  check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
+  check_on_gpu({&dx2, &dw3, &dy3, &w3}, "grouped_linear_backward_pair");
+  if (pair_one_product(ctx, s, dx, dw1, dw3, dy1, dy3, x, Tensor(), w1, w3, offsets, dw_overwrite))
+    return;
+  grouped_linear_backward_cuda(ctx, dx, dw1, dy1, x, w1, offsets, dw_overwrite);
+  grouped_linear_backward_cuda(ctx, dx2, dw3, dy3, x, w3, offsets, dw_overwrite);
+  cuda::add(ctx, dx, dx, dx2);
+}
+
+// The pair with x's rows gathered: pair_one_product gathering x's rows in the dw launch's loads,
+// elsewhere grouped_linear_backward_gathered twice and dx += dx2. The same bits as the permuted
+// copy through grouped_linear_backward_pair.
 void grouped_linear_backward_pair_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1,
                                                 Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
                                                 Tensor row_token, Tensor w1, Tensor w3,
@@ -561,24 +573,8 @@ void grouped_linear_backward_pair_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dx2,
   const GroupedDims s = check_grouped_linear_backward_pair_gathered_args(dx, dx2, dw1, dw3, dy1,
                                                                          dy3, x, row_token, w1, w3);
   check_on_gpu({&dx2, &dw3, &dy3, &w3}, op);
-  const int32_t* off = data_of<int32_t>(offsets);
-  if (pair_product_wanted() && s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 &&
-      x.size(0) > 0 && grouped_mma_available(x.dtype) &&
-      grouped_sm90_rows_pair(ctx, x.dtype, dx.data, dy1.data, dy3.data, w1.data, w3.data, off,
-                             static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in)) {
-    const DwGather g{data_of<int32_t>(row_token), x.size(0), false, true};
-    if (grouped_sm90_dw_pair(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
-                             dy3.data, x.data, off, static_cast<int>(s.experts), s.rows, s.out,
-                             s.in, dw_overwrite, g))
-      return;
-    Buffer rows;
-    const Tensor xp = permuted_copy(ctx, rows, x, row_token);
-    grouped_mma_dw(ctx, x.dtype, data_of<float>(dw1), dy1.data, xp.data, off,
-                   static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
-    grouped_mma_dw(ctx, x.dtype, data_of<float>(dw3), dy3.data, xp.data, off,
-                   static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
+  if (pair_one_product(ctx, s, dx, dw1, dw3, dy1, dy3, x, row_token, w1, w3, offsets, dw_overwrite))
     return;
-  }
   grouped_linear_backward_gathered_cuda(ctx, dx, dw1, dy1, x, row_token, w1, offsets, dw_overwrite);
   grouped_linear_backward_gathered_cuda(ctx, dx2, dw3, dy3, x, row_token, w3, offsets,
                                         dw_overwrite);
