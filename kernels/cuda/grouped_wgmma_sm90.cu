@@ -1018,14 +1018,23 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
   return true;
 }
 
+// The dw kernel's operand conditions: dy's and x's rows 16-byte aligned, out and in multiples of
+// 8, dw 8-byte aligned (float2 adds), the experts' unit table in shared memory.
+static bool dw_operands_fit(const float* dw, const void* dy, const void* x, int64_t out, int64_t in,
+                            int experts) {
+  return aligned16_rows(dy, out) && aligned16_rows(x, in) && out % 8 == 0 && in % 8 == 0 &&
+         reinterpret_cast<uintptr_t>(dw) % 8 == 0 && experts <= kSharedOffsets;
+}
+
 bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
                           const void* x, const int32_t* offsets, int experts, int64_t rows,
                           int64_t out, int64_t in, bool overwrite, DwGather g) {
   const Mode m = mode();
-  if (m == Mode::off || !sm90_available(t) || g.dy || !aligned16_rows(dy, out) ||
-      !aligned16_rows(dy2, out) || !aligned16_rows(x, in) || out % 8 != 0 || in % 8 != 0 ||
-      reinterpret_cast<uintptr_t>(dw) % 8 != 0 || reinterpret_cast<uintptr_t>(dw2) % 8 != 0 ||
-      experts > kSharedOffsets || rows == 0 || experts == 0)
+  // grouped_sm90_dw's operand conditions for each gradient; dy not gathered (the pair switches
+  // its tensor map); no rows or experts: the caller's two calls
+  if (m == Mode::off || !sm90_available(t) || g.dy ||
+      !dw_operands_fit(dw, dy, x, out, in, experts) ||
+      !dw_operands_fit(dw2, dy2, x, out, in, experts) || rows == 0 || experts == 0)
     return false;
   with_config(t, m, [&](auto cfg, auto zero) {
     using C = decltype(cfg);
@@ -1098,9 +1107,8 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
   const Mode m = mode();
   // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels. Both operands
   // gathered (no caller: the producer threads spilled there) declines too.
-  if (m == Mode::off || !sm90_available(t) || (g.dy && g.x) || !aligned16_rows(dy, out) ||
-      !aligned16_rows(x, in) || out % 8 != 0 || in % 8 != 0 ||
-      reinterpret_cast<uintptr_t>(dw) % 8 != 0 || experts > kSharedOffsets)
+  if (m == Mode::off || !sm90_available(t) || (g.dy && g.x) ||
+      !dw_operands_fit(dw, dy, x, out, in, experts))
     return false;
   if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0)
     if (overwrite)
