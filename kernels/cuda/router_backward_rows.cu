@@ -287,19 +287,17 @@ bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits,
   if (blocks < 1) return false;
   const bool direct = blocks == 1;
   cudaStream_t stream = stream_of(ctx);
-  if (x.dtype == DType::bf16) {
+  auto launch = [&](auto zero) {
+    using T = decltype(zero);
     if (wants_dx)
-      launch_rows<__nv_bfloat16, true>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes,
-                                       direct);
+      launch_rows<T, true>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes, direct);
     else
-      launch_rows<__nv_bfloat16, false>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes,
-                                        direct);
-  } else {
-    if (wants_dx)
-      launch_rows<__half, true>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes, direct);
-    else
-      launch_rows<__half, false>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes, direct);
-  }
+      launch_rows<T, false>(stream, stages, blocks, dx, dw, dlogits, x, w, lanes, direct);
+  };
+  if (x.dtype == DType::bf16)
+    launch(__nv_bfloat16{});
+  else
+    launch(__half{});
   if (!direct) add_column_partials<float, RowsPartials>(stream, data_of<float>(dw), blocks, e * d);
   return true;
 }
