@@ -899,7 +899,8 @@ namespace {
 struct GroupedCase {
   int64_t rows, in, out;
   std::vector<int32_t> offsets;  // [E+1]
-  int64_t max_rows() const {     // the largest expert's rows
+  int64_t experts() const { return static_cast<int64_t>(offsets.size()) - 1; }
+  int64_t max_rows() const {  // the largest expert's rows
     int64_t m = 0;
     for (size_t i = 0; i + 1 < offsets.size(); ++i)
       m = std::max<int64_t>(m, offsets[i + 1] - offsets[i]);
@@ -955,13 +956,19 @@ GroupedCase three_hundred_experts() {
   c.rows = c.offsets.back();
   return c;
 }
+
+// kGroupedCases, forty experts and, with three_hundred, 300 (past the sm_90 rows kernel's table).
+std::vector<GroupedCase> grouped_cases(bool three_hundred) {
+  std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
+  cases.push_back(forty_experts());
+  if (three_hundred) cases.push_back(three_hundred_experts());
+  return cases;
+}
 }  // namespace
 
 TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the device", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
-  cases.push_back(forty_experts());
-  cases.push_back(three_hundred_experts());
+  const std::vector<GroupedCase> cases = grouped_cases(true);
   // Each kernel configuration this device runs: the sm_90 TMA + wgmma kernels
   // (grouped_wgmma_sm90.cu, 256- and 128-column tiles; elsewhere they decline) and, with those
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
@@ -970,7 +977,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, out = gc.out;
     const int64_t max_rows = gc.max_rows();
     const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
@@ -1038,14 +1045,13 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
 // with every kernel setting of the grouped test above; dx2 aliasing dy1 (the model's layout).
 TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's dw", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  std::vector<GroupedCase> cases(std::begin(kGroupedCases), std::end(kGroupedCases));
-  cases.push_back(forty_experts());
+  const std::vector<GroupedCase> cases = grouped_cases(false);
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, out = gc.out;
     const int64_t max_rows = gc.max_rows();
     const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
@@ -1196,7 +1202,7 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, f = gc.out;
     const std::string tag =
         " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
@@ -1248,7 +1254,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, f = gc.out, n = r / 3 + 1;
     const std::vector<int32_t> tokens = random_row_tokens(r, n, r);
     const std::string tag =
@@ -1295,7 +1301,7 @@ TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's 
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, out = gc.out, n = r / 3 + 1;
     const std::vector<int32_t> tokens = random_row_tokens(r, n, r + 7);
     for (DType dt : kDtypes) {
@@ -1341,7 +1347,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, d = gc.in, f = gc.out;
     const std::string tag =
         " [R=" + std::to_string(r) + " F=" + std::to_string(f) + ", tiles " + kernel + "]";
@@ -1404,7 +1410,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backwa
   // (in: d, the down projection's output)
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
-    const int64_t e = static_cast<int64_t>(gc.offsets.size()) - 1;
+    const int64_t e = gc.experts();
     const int64_t r = gc.rows, d = gc.in, f = gc.out, n = r / 3 + 1;
     const std::vector<int32_t> tokens = random_row_tokens(r, n, r + 11);
     for (DType dt : kDtypes) {
