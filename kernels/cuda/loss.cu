@@ -37,9 +37,9 @@
 //   same bits as the two kernels, from two thirds of their traffic (moe-small: 2 GB of logits
 //   moved per step instead of 3). Rows longer than the registers hold (16-bit V > 32768) or a
 //   dlogits at another 16-byte phase than the logits take the two kernels.
-// - bce_with_logits_forward: one block (fixed size) sums max(x, 0) - x t + log1p(exp(-|x|)) over
-//   all N, each thread in index order in double, then a fixed tree: the mean is bitwise the same
-//   on every run.
+// - bce_with_logits_forward: kBceBlocks blocks (fixed) sum max(x, 0) - x t + log1p(exp(-|x|))
+//   over their shares of N in double, the last to finish adds the partials in block order: the
+//   mean is bitwise the same on every run.
 // - bce_with_logits_backward: elementwise, grad_scale / N * (sigmoid(x) - t).
 // Target indices live on the device and are never read by the host: a target >= V (a caller bug,
 // which the CPU op reports) gives NaN for that row's loss and gradient instead of an out-of-range
@@ -50,6 +50,7 @@
 #include <string>
 
 #include "common/loss_checks.hpp"
+#include "cuda/block_ticket.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
@@ -61,8 +62,11 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kRowThreads = 256;  // threads per cross-entropy row
 constexpr int kUnroll = 4;        // 16-byte loads in flight per thread
-constexpr int kBceSumThreads = 1024;
+constexpr int kBceBlocks = 32;    // bce_with_logits_forward: fixed (the sum's order)
+constexpr int kBceThreads = 256;
 constexpr int kElementwiseThreads = 256;
+__device__ double g_bce_partials[kBceBlocks];  // bce_forward_kernel's per-block sums
+__device__ int g_bce_ticket;
 
 // e^d for the cross-entropy, d = x - (row max or lse) <= 0 in the common case. fp32: one multiply
 // and one ex2.approx; -inf gives 0, NaN gives NaN, results below 2^-126 flush to 0 (a sum term
@@ -384,14 +388,21 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   }
 }
 
+// grid kBceBlocks, block kBceThreads: block b sums its contiguous share of the N terms (each
+// thread a strided subset in index order, in double, then a fixed tree), publishes the partial
+// and takes a ticket; the last block adds the partials in block order. The order depends on N
+// alone: the mean is bitwise the same on every run. (One block, as before, spent ~10 us of
+// serial load latency on moe-small's 16K logits; the partials and the ticket are per device, so
+// two of these must not run at once on different streams: the model issues them on one.)
 template <class T>
-__global__ void __launch_bounds__(kBceSumThreads)
+__global__ void __launch_bounds__(kBceThreads)
     bce_forward_kernel(T* __restrict__ loss, const T* __restrict__ logits,
                        const T* __restrict__ targets, int64_t n) {
   using A = acc_t<T>;
-  __shared__ double sh[kBceSumThreads / kWarp];
+  __shared__ double sh[kBceThreads / kWarp];
+  const int64_t begin = n * blockIdx.x / kBceBlocks, end = n * (blockIdx.x + 1) / kBceBlocks;
   double sum = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kBceSumThreads) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += kBceThreads) {
     const A x = load(logits[i]), t = load(targets[i]);
     sum += static_cast<double>((x > A(0) ? x : A(0)) - x * t + dev_log1p(dev_exp(-dev_abs(x))));
   }
@@ -402,8 +413,14 @@ __global__ void __launch_bounds__(kBceSumThreads)
   __syncthreads();
   if (threadIdx.x != 0) return;
   double total = 0;
-  for (int w = 0; w < kBceSumThreads / kWarp; ++w) total += sh[w];
-  loss[0] = store<T>(static_cast<A>(n > 0 ? total / static_cast<double>(n) : 0.0));
+  for (int w = 0; w < kBceThreads / kWarp; ++w) total += sh[w];
+  g_bce_partials[blockIdx.x] = total;
+  // thread 0 alone: its partial's store is ordered before its own release
+  if (block_ticket_add(&g_bce_ticket, 1) != kBceBlocks - 1) return;
+  double all = 0;
+  for (int b = 0; b < kBceBlocks; ++b) all += g_bce_partials[b];
+  g_bce_ticket = 0;  // for the next launch (stream-ordered after this one)
+  loss[0] = store<T>(static_cast<A>(n > 0 ? all / static_cast<double>(n) : 0.0));
 }
 
 // dlogits may alias logits: element i is read, then written, by one thread.
@@ -518,7 +535,7 @@ void bce_with_logits_forward_cuda(Ctx& ctx, Tensor loss, Tensor logits, Tensor t
   check_on_gpu({&loss, &logits, &targets}, "bce_with_logits_forward");
   dispatch_storage(logits.dtype, "bce_with_logits_forward", [&](auto zero) {
     using T = decltype(zero);
-    bce_forward_kernel<T><<<1, kBceSumThreads, 0, stream_of(ctx)>>>(
+    bce_forward_kernel<T><<<kBceBlocks, kBceThreads, 0, stream_of(ctx)>>>(
         data_of<T>(loss), data_of<T>(logits), data_of<T>(targets), logits.size(0));
     MOE_CUDA_LAUNCH_CHECK();
   });

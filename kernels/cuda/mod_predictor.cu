@@ -1,11 +1,13 @@
 // The MoD causal predictor's head on CUDA, with the math of kernels/cpu/mod_predictor.cpp, on
 // tensors of an accumulation dtype (f32 in the model; f64 for the gradient checks):
-// - forward: a warp per row, each lane a strided share of its P columns (coalesced), silu(h) w2
-//   summed by the warp's fixed tree; w2 staged in shared memory once per block.
+// - forward: a warp per row (kRowsInFlight rows a warp at once, their loads issued together),
+//   each lane a strided share of its P columns (coalesced), silu(h) w2 summed by the warp's
+//   fixed tree; w2 staged in shared memory once per block.
 // - backward: blocks of kRowsPerBlock rows (more when the partials would not fit the scratch),
 //   numbers fixed by N and P alone so dw2's summation order is the same on every device and run.
 //   The block first turns its rows' logits into dl (bce_with_logits_backward's arithmetic), then
-//   per 32-column slice each warp walks a strided subset of the rows, writing dh and summing
+//   per 32-column slice each warp walks a strided subset of the rows (kRowsInFlight at once),
+//   writing dh and summing
 //   dl silu(h) for its column; the warps' sums are added in warp order into the block's partial
 //   row, and add_column_partials (column_partials.cuh) adds the partials into dw2 in block order.
 // In the model (moe-small, 16K tokens, P = 64) the forward's one launch replaces silu_forward and
@@ -27,6 +29,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
+constexpr int kRowsInFlight = 4;            // rows a warp loads before using any
 constexpr int64_t kRowsPerBlock = 64;       // backward: at least; doubles until the partials fit
 constexpr int64_t kMaxRowsPerBlock = 4096;  // the block's dl staged in shared memory (acc_t)
 constexpr size_t kPartialBytes = size_t(2) << 20;
@@ -50,12 +53,29 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t(gridDim.x) * kWarpsPerBlock;
-  for (int64_t i = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32; i < n; i += warps) {
-    const T* row = h + i * p;
-    A s = 0;
-    for (int64_t j = lane; j < p; j += 32) s += silu(A(load(row[j]))) * w[j];
-    s = warp_sum(s);
-    if (lane == 0) logit[i] = store<T>(s);
+  // kRowsInFlight rows a warp at once, their loads issued together (one row at a time, each
+  // waited on its own load); each row's sum in the same order as alone.
+  for (int64_t i0 = blockIdx.x * int64_t(kWarpsPerBlock) + threadIdx.x / 32; i0 < n;
+       i0 += kRowsInFlight * warps) {
+    A s[kRowsInFlight];
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) s[u] = 0;
+    for (int64_t j = lane; j < p; j += 32) {
+      A a[kRowsInFlight];
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) {
+        const int64_t i = i0 + u * warps;
+        a[u] = i < n ? A(load(h[i * p + j])) : A(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsInFlight; ++u) s[u] += silu(a[u]) * w[j];
+    }
+#pragma unroll
+    for (int u = 0; u < kRowsInFlight; ++u) {
+      const A t = warp_sum(s[u]);
+      const int64_t i = i0 + u * warps;
+      if (lane == 0 && i < n) logit[i] = store<T>(t);
+    }
   }
 }
 
@@ -83,10 +103,22 @@ __global__ void __launch_bounds__(kThreads)
     A s = 0;
     if (j < p) {
       const A wj = load(w2[j]);
-      for (int64_t r = r0 + warp; r < r1; r += kWarpsPerBlock) {
-        const A a = load(h[r * p + j]), g = dl[r - r0];
-        dh[r * p + j] = store<T>(g * wj * silu_grad(a));
-        s += g * silu(a);
+      // kRowsInFlight of the warp's rows at once (loads first), summed in the same row order
+      for (int64_t r0w = r0 + warp; r0w < r1; r0w += kRowsInFlight * kWarpsPerBlock) {
+        A a[kRowsInFlight];
+#pragma unroll
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const int64_t r = r0w + u * kWarpsPerBlock;
+          a[u] = r < r1 ? A(load(h[r * p + j])) : A(0);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const int64_t r = r0w + u * kWarpsPerBlock;
+          if (r >= r1) break;
+          const A g = dl[r - r0];
+          dh[r * p + j] = store<T>(g * wj * silu_grad(a[u]));
+          s += g * silu(a[u]);
+        }
       }
     }
     warp_part[warp][lane] = s;
@@ -114,7 +146,8 @@ void head_forward_cuda(Ctx& ctx, Tensor logit, Tensor h, Tensor w2) {
     const size_t smem = static_cast<size_t>(p) * sizeof(acc_t<T>);
     MOE_CHECK(smem <= 48 * 1024, "mod_predictor_head_forward: P = " + std::to_string(p) +
                                      " exceeds the kernel's shared-memory w2");
-    const int64_t blocks = std::min<int64_t>((n + kWarpsPerBlock - 1) / kWarpsPerBlock,
+    const int64_t rows_per_block = int64_t(kWarpsPerBlock) * kRowsInFlight;
+    const int64_t blocks = std::min<int64_t>((n + rows_per_block - 1) / rows_per_block,
                                              int64_t(device_sm_count()) * 8);
     head_forward_kernel<T><<<static_cast<unsigned>(blocks), kThreads, smem, stream_of(ctx)>>>(
         data_of<T>(logit), data_of<T>(h), data_of<T>(w2), n, p);

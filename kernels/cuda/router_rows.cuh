@@ -6,6 +6,7 @@
 #pragma once
 #include <cstdint>
 
+#include "cuda/block_ticket.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
@@ -221,21 +222,6 @@ struct RouterScratch {
   double* partials;    // [2 * kMaxBlocks]
   int32_t* count_acc;  // [E]
 };
-
-// A block's ticket: thread 0 adds `v` to *ticket with release and acquire semantics at GPU scope
-// and returns the old value. Called after a block barrier, the release orders every access of
-// the block's threads before it (the barrier makes them happen before thread 0's atom; release is
-// cumulative), so one fence-free atom replaces a __threadfence in every thread (each of which
-// waited for that thread's own stores, the token outputs included, which no other block reads);
-// a block that reads what the others published acquires through the same atom, then its barrier.
-__device__ __forceinline__ int block_ticket_add(int* ticket, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old)
-               : "l"(ticket), "r"(v)
-               : "memory");
-  return old;
-}
 
 // After a block's picks are in hist (shared memory, or count_acc itself): the last block to finish
 // writes counts = the sum over blocks and zeroes the accumulator and ticket for the next call.
