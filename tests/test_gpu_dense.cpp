@@ -1091,6 +1091,22 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
                   sum_tol(acc, max_rows));
       check_close("grouped_linear_backward_pair dw3" + tag, acc, download(gdw3), hdw3.v,
                   sum_tol(acc, max_rows));
+      {  // no workspace where the op says it runs one product (the same bits); elsewhere refused
+        DeviceTensor gdxn = poisoned(dt, {r, in});
+        DeviceTensor gdw1n = poisoned(acc, {e, out, in}), gdw3n = poisoned(acc, {e, out, in});
+        auto run = [&] {
+          grouped_linear_backward_pair(gpu, gdxn, Tensor(), gdw1n, gdw3n, gdy1, gdy3, gx, gw1, gw3,
+                                       goff, true);
+        };
+        if (!grouped_linear_backward_pair_needs_dx2(gpu, dt, r, e, in, out)) {
+          run();
+          CHECK(download(gdxn) == download(gdx));
+          CHECK(download(gdw1n) == download(gdw1));
+          CHECK(download(gdw3n) == download(gdw3));
+        } else {
+          CHECK_THROWS_WITH(run(), Catch::Contains("dx2 is empty"));
+        }
+      }
       {  // x's rows gathered from a token table (reversed): the same bits
         std::vector<double> xt(x.size());
         std::vector<int32_t> row_token(static_cast<size_t>(r));

@@ -636,6 +636,12 @@ TEST_CASE("grouped_linear_backward_pair: the two projections' gradients, dx summ
   CHECK_THROWS_AS(
       grouped_linear_backward_pair(ctx, dx, dx, dw1, dw3, g1, g3, c.x, c.w, w3, c.offsets, true),
       InternalError);
+  // the CPU op sums the two products apart: it needs the workspace, and says so
+  CHECK(
+      grouped_linear_backward_pair_needs_dx2(ctx, DType::f64, c.kRows, c.kExperts, c.kIn, c.kOut));
+  CHECK_THROWS_WITH(grouped_linear_backward_pair(ctx, dx, Tensor(), dw1, dw3, g1, g3, c.x, c.w, w3,
+                                                 c.offsets, true),
+                    Catch::Contains("needs dx2"));
 }
 
 TEST_CASE("grouped_linear f32 agrees with f64", "[linear][grouped][f32]") {

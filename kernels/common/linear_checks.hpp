@@ -146,7 +146,7 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
 }
 
 // grouped_linear_backward_pair: both halves as grouped_linear_backward's, w3 shaped as w1, dx2 as
-// dx and apart from it.
+// dx and apart from it, or empty (the backend then throws where it needs it).
 inline void check_grouped_linear_backward_pair_args(const GroupedDims& s, const Tensor& dx,
                                                     const Tensor& dx2, const Tensor& dw1,
                                                     const Tensor& dw3, const Tensor& dy1,
@@ -154,6 +154,11 @@ inline void check_grouped_linear_backward_pair_args(const GroupedDims& s, const 
                                                     const Tensor& w1, const Tensor& w3) {
   check_grouped_linear_backward_args(s, dx, dw1, dy1, x, w1);
   check_shape(w3, {s.experts, s.out, s.in}, "grouped_linear_backward_pair: w3 (as w1)");
+  if (dx2.empty()) {  // no workspace (grouped_linear_backward_pair_needs_dx2): dx's shape in its
+                      // place
+    check_grouped_linear_backward_args(s, dx, dw3, dy3, x, w3);
+    return;
+  }
   check_grouped_linear_backward_args(s, dx2, dw3, dy3, x, w3);
   MOE_CHECK(!memory_overlaps(dx, dx2), "grouped_linear_backward_pair: dx2 overlaps dx");
 }

@@ -111,6 +111,7 @@ void grouped_linear_backward_pair(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, T
                                   Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = linear_grouped_dims(x, w1, "grouped_linear_backward_pair");
   check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
+  MOE_CHECK(!dx2.empty(), "grouped_linear_backward_pair: the CPU op needs dx2 (its workspace)");
   cpu::grouped_linear_backward(ctx, dx, dw1, dy1, x, w1, offsets, dw_overwrite);
   cpu::grouped_linear_backward(ctx, dx2, dw3, dy3, x, w3, offsets, dw_overwrite);
   cpu::add(ctx, dx, dx, dx2);

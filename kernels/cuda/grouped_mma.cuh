@@ -52,6 +52,11 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const void* a2,
                             const void* w, const void* w2, const int32_t* offsets, int experts,
                             int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride);
+// Whether grouped_sm90_rows_pair runs at these sizes (its operands 16-byte aligned, as the
+// arena's are): the one-product decision without the pointers (grouped_linear_backward_pair_
+// needs_dx2).
+bool grouped_sm90_rows_pair_runs(DType t, int64_t rows, int experts, int64_t n_total,
+                                 int64_t k_total);
 // The MoE permute fused into the dw product's loads: the gathered operand is [tokens, cols] and
 // its row r is row row_token[r] ([rows] i32) of that.
 struct DwGather {

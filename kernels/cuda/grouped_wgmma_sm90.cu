@@ -1048,6 +1048,13 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
   return true;
 }
 
+bool grouped_sm90_rows_pair_runs(DType t, int64_t rows, int experts, int64_t n_total,
+                                 int64_t k_total) {
+  // rows_operands_fit's conditions but the pointers' alignment
+  return mode() != Mode::off && sm90_available(t) && k_total % 8 == 0 && n_total % 8 == 0 &&
+         (rows + kBM - 1) / kBM + experts <= 65535;
+}
+
 bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const void* a2,
                             const void* w, const void* w2, const int32_t* offsets, int experts,
                             int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride) {

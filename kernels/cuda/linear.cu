@@ -517,6 +517,22 @@ bool pair_product_wanted() {
   return v == nullptr || std::string(v) != "0";
 }
 
+// grouped_linear_backward_pair_needs_dx2's answer on CUDA: pair_one_product's conditions from
+// the sizes alone (the arena's tensors are 16-byte aligned).
+bool pair_one_product_runs(DType dt, int64_t rows, int64_t experts, int64_t in, int64_t out) {
+  return pair_product_wanted() && rows > 0 && experts > 0 && in > 0 && out > 0 &&
+         experts <= INT_MAX && grouped_mma_available(dt) &&
+         grouped_sm90_rows_pair_runs(dt, rows, static_cast<int>(experts), in, out);
+}
+
+// An empty dx2 (the caller asked grouped_linear_backward_pair_needs_dx2) where the products are
+// summed apart after all: a caller bug, reported instead of a write through a null pointer.
+void require_dx2(const Tensor& dx2, const char* op) {
+  MOE_CHECK(!dx2.empty(), std::string(op) +
+                              ": dx2 is empty, but the two products are summed apart here "
+                              "(grouped_linear_backward_pair_needs_dx2 disagrees)");
+}
+
 // The pair's sm_90 path: dx = dy1 w1[e] + dy3 w3[e] as one product over both k ranges, then both
 // weight gradients by one dw launch (x's rows gathered in its loads when row_token is given),
 // else each apart (from x, or gathering, from a permuted copy). False, launching nothing, where
@@ -553,9 +569,11 @@ void grouped_linear_backward_pair_cuda(Ctx& ctx, Tensor dx, Tensor dx2, Tensor d
                                        Tensor offsets, bool dw_overwrite) {
   const GroupedDims s = grouped_dims(x, w1, offsets, "grouped_linear_backward_pair");
   check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
-  check_on_gpu({&dx2, &dw3, &dy3, &w3}, "grouped_linear_backward_pair");
+  check_on_gpu({&dw3, &dy3, &w3}, "grouped_linear_backward_pair");
+  if (!dx2.empty()) check_on_gpu({&dx2}, "grouped_linear_backward_pair");
   if (pair_one_product(ctx, s, dx, dw1, dw3, dy1, dy3, x, Tensor(), w1, w3, offsets, dw_overwrite))
     return;
+  require_dx2(dx2, "grouped_linear_backward_pair");
   grouped_linear_backward_cuda(ctx, dx, dw1, dy1, x, w1, offsets, dw_overwrite);
   grouped_linear_backward_cuda(ctx, dx2, dw3, dy3, x, w3, offsets, dw_overwrite);
   cuda::add(ctx, dx, dx, dx2);
@@ -572,9 +590,11 @@ void grouped_linear_backward_pair_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dx2,
   check_gathered_device(x, w1, offsets, row_token, x, op);
   const GroupedDims s = check_grouped_linear_backward_pair_gathered_args(dx, dx2, dw1, dw3, dy1,
                                                                          dy3, x, row_token, w1, w3);
-  check_on_gpu({&dx2, &dw3, &dy3, &w3}, op);
+  check_on_gpu({&dw3, &dy3, &w3}, op);
+  if (!dx2.empty()) check_on_gpu({&dx2}, op);
   if (pair_one_product(ctx, s, dx, dw1, dw3, dy1, dy3, x, row_token, w1, w3, offsets, dw_overwrite))
     return;
+  require_dx2(dx2, op);
   grouped_linear_backward_gathered_cuda(ctx, dx, dw1, dy1, x, row_token, w1, offsets, dw_overwrite);
   grouped_linear_backward_gathered_cuda(ctx, dx2, dw3, dy3, x, row_token, w3, offsets,
                                         dw_overwrite);
@@ -642,6 +662,8 @@ MOE_REGISTER_CUDA_OP(linear_backward_batched, &cuda_detail::linear_backward_batc
 MOE_REGISTER_CUDA_OP(grouped_linear_forward, &cuda_detail::grouped_linear_forward_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_forward_adamw, &cuda_detail::grouped_linear_forward_adamw_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward, &cuda_detail::grouped_linear_backward_cuda);
+static const bool moe_cuda_registered_pair_query =
+    (::moe::cuda::grouped_pair_one_product = &cuda_detail::pair_one_product_runs, true);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward_pair, &cuda_detail::grouped_linear_backward_pair_cuda);
 MOE_REGISTER_CUDA_OP(grouped_linear_backward_pair_gathered,
                      &cuda_detail::grouped_linear_backward_pair_gathered_cuda);

@@ -157,7 +157,11 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // (grouped_linear_backward_pair's workspace: it reads dgate before writing it).
   const int64_t d = x.size(1), f = hgate_.size(1);
   Tensor dxp = gather ? s.alloc(dt, {r, d}) : dyp;
-  Tensor dxp_up = f >= d ? dgate.view({r * f}).rows(0, r * d).view({r, d}) : s.alloc(dt, {r, d});
+  // (none where the op runs dx as one product: grouped_linear_backward_pair_needs_dx2)
+  const bool needs_dx2 = grouped_linear_backward_pair_needs_dx2(ctx, dt, r, w1_.w.size(0), d, f);
+  Tensor dxp_up = !needs_dx2 ? Tensor()
+                  : f >= d   ? dgate.view({r * f}).rows(0, r * d).view({r, d})
+                             : s.alloc(dt, {r, d});
   // combine (a plain sum: each expert row's gradient is its token's: the permute of dy, or
   // gathering, the expert GEMMs read dy's and x's rows themselves); experts (the SwiGLU backward
   // gives the routing weights' gradient too)

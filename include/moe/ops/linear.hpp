@@ -53,6 +53,27 @@ MOE_OP(grouped_linear_backward_pair,
        (Ctx & ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
         Tensor w1, Tensor w3, Tensor offsets, bool dw_overwrite = false),
        (ctx, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3, offsets, dw_overwrite))
+// Whether grouped_linear_backward_pair (and _gathered) over R rows, E experts, [F, in] weights
+// and dtype dt needs its dx2 workspace on ctx's device: false only where the CUDA backend runs dx
+// as the one sm_90 product (then dx2 may be empty: moe-fine's backward saves an [R, d] buffer,
+// 256 MiB). Decided from sizes and the device alone (the planning dry run asks it too), assuming
+// 16-byte aligned tensors (arena allocations are); handed an empty dx2 where it then sums the
+// products apart after all, the op throws.
+#ifdef MOE_WITH_CUDA
+namespace cuda {
+inline bool (*grouped_pair_one_product)(DType dt, int64_t rows, int64_t experts, int64_t in,
+                                        int64_t out) = nullptr;
+}
+#endif
+inline bool grouped_linear_backward_pair_needs_dx2(const Ctx& ctx, DType dt, int64_t rows,
+                                                   int64_t experts, int64_t in, int64_t out) {
+#ifdef MOE_WITH_CUDA
+  if (ctx.device.type == DeviceType::cuda && cuda::grouped_pair_one_product != nullptr)
+    return !cuda::grouped_pair_one_product(dt, rows, experts, in, out);
+#endif
+  (void)ctx, (void)dt, (void)rows, (void)experts, (void)in, (void)out;
+  return true;
+}
 // grouped_linear_backward_pair on the MoE layer's permuted rows without the permuted copy of x
 // (as grouped_linear_backward_gathered): row r of its x is row row_token[r] of x [N, in]; bitwise
 // permute_forward into a buffer, then grouped_linear_backward_pair.
