@@ -29,10 +29,11 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerBlock = kThreads / 32;
-constexpr int kRowsInFlight = 4;            // rows a warp loads before using any
-constexpr int64_t kRowsPerBlock = 64;       // backward: at least; doubles until the partials fit
-constexpr int64_t kMaxRowsPerBlock = 4096;  // the block's dl staged in shared memory (acc_t)
-constexpr size_t kPartialBytes = size_t(2) << 20;
+constexpr int kRowsInFlight = 4;       // rows a warp loads before using any
+constexpr int64_t kRowsPerBlock = 64;  // backward: at least; doubles until the partials fit
+// the block's dl staged in shared memory (acc_t); the dw2 partials (mod.hpp: the config's limits)
+constexpr int64_t kMaxRowsPerBlock = kModHeadMaxBlockRows;
+constexpr size_t kPartialBytes = size_t(kModHeadPartials) * sizeof(float);
 
 __device__ double g_head_dw_partials[kPartialBytes / sizeof(double)];
 struct HeadPartials {  // for add_column_partials

@@ -8,6 +8,7 @@
 
 #include "config/config_internal.hpp"
 #include "moe/error.hpp"
+#include "moe/ops/mod.hpp"
 
 namespace moe::config_internal {
 namespace {
@@ -104,6 +105,12 @@ void validate_mod(const ModConfig& mod) {
          "must be in (0, 1] (the fraction of tokens a MoD block keeps), got " + num(mod.capacity));
   require_at_least("model.mod.every", mod.every, 1);
   require_at_least("model.mod.predictor_hidden_size", mod.predictor_hidden_size, 1);
+  if (mod.predictor_hidden_size > kModPredictorMaxHidden)
+    fail("model.mod.predictor_hidden_size",
+         "must be <= " + std::to_string(kModPredictorMaxHidden) +
+             " (the CUDA predictor head's limit; the predictor only guesses the router's choice "
+             "for sampling: 64 is the default), got " +
+             std::to_string(mod.predictor_hidden_size));
   require_non_negative("model.mod.predictor_loss_coef", mod.predictor_loss_coef);
 }
 
@@ -170,6 +177,21 @@ void validate_batch(const Config& c) {
 }
 
 // Checked even while fp16 is disabled, so a config is not found broken only when it is enabled.
+// The MoD predictor head's backward over a micro-batch: its dw2 partials (mod.hpp) hold
+// ceil(tokens / kModHeadMaxBlockRows) x predictor_hidden_size values.
+void validate_mod_batch(const Config& c) {
+  if (!c.model.mod.enabled) return;
+  const int64_t tokens = int64_t{c.train_micro_batch_size_per_gpu} * c.data.seq_len;
+  const int64_t blocks = (tokens + kModHeadMaxBlockRows - 1) / kModHeadMaxBlockRows;
+  if (blocks * c.model.mod.predictor_hidden_size > kModHeadPartials)
+    fail("model.mod.predictor_hidden_size",
+         std::to_string(c.model.mod.predictor_hidden_size) + " x ceil(" + std::to_string(tokens) +
+             " tokens a micro-batch (train_micro_batch_size_per_gpu x data.seq_len) / " +
+             std::to_string(kModHeadMaxBlockRows) +
+             ") must be <= " + std::to_string(kModHeadPartials) +
+             " (the CUDA predictor backward's partial sums): a smaller predictor or micro-batch");
+}
+
 void validate_fp16(const Fp16Config& f) {
   require_non_negative("fp16.loss_scale", f.loss_scale);
   require_at_least("fp16.initial_scale_power", f.initial_scale_power, 0);
@@ -312,6 +334,7 @@ void validate_and_resolve(Config& c) {
   validate_fp16(c.fp16);
   validate_zero(c.zero_optimization);
   validate_data(c.data, c.model);
+  validate_mod_batch(c);
   validate_train(c.train);
   reject_unavailable_features(c);
   resolve(c);

@@ -53,4 +53,12 @@ MOE_OP(mod_predictor_head_backward,
         double grad_scale),
        (ctx, dh, dw2, h, w2, logit, targets, grad_scale))
 
+// The CUDA head's limits, which the config checks (model.mod.predictor_hidden_size): its backward
+// sums dw2 over blocks of up to kModHeadMaxBlockRows rows into at most kModHeadPartials fp32
+// partials (blocks x P), and its forward holds w2 in shared memory (P <= 12288). P is capped
+// well below both: the predictor only guesses the router's choice for sampling.
+constexpr int64_t kModHeadMaxBlockRows = 4096;
+constexpr int64_t kModHeadPartials = int64_t(1) << 19;
+constexpr int64_t kModPredictorMaxHidden = 4096;
+
 }  // namespace moe
