@@ -43,6 +43,19 @@ struct HeadPartials {  // for add_column_partials
   }
 };
 
+// Column j of rows i0, i0 + stride, ... (kRowsInFlight of them, 0 from row `end` on) of h [*, p],
+// their loads issued together before any is used.
+template <class A, class T>
+__device__ __forceinline__ void load_rows(A (&a)[kRowsInFlight], const T* __restrict__ h,
+                                          int64_t i0, int64_t stride, int64_t end, int64_t p,
+                                          int64_t j) {
+#pragma unroll
+  for (int u = 0; u < kRowsInFlight; ++u) {
+    const int64_t i = i0 + u * stride;
+    a[u] = i < end ? A(load(h[i * p + j])) : A(0);
+  }
+}
+
 template <class T>
 __global__ void __launch_bounds__(kThreads)
     head_forward_kernel(T* __restrict__ logit, const T* __restrict__ h, const T* __restrict__ w2,
@@ -63,11 +76,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kRowsInFlight; ++u) s[u] = 0;
     for (int64_t j = lane; j < p; j += 32) {
       A a[kRowsInFlight];
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int64_t i = i0 + u * warps;
-        a[u] = i < n ? A(load(h[i * p + j])) : A(0);
-      }
+      load_rows(a, h, i0, warps, n, p, j);
 #pragma unroll
       for (int u = 0; u < kRowsInFlight; ++u) s[u] += silu(a[u]) * w[j];
     }
@@ -107,11 +116,7 @@ __global__ void __launch_bounds__(kThreads)
       // kRowsInFlight of the warp's rows at once (loads first), summed in the same row order
       for (int64_t r0w = r0 + warp; r0w < r1; r0w += kRowsInFlight * kWarpsPerBlock) {
         A a[kRowsInFlight];
-#pragma unroll
-        for (int u = 0; u < kRowsInFlight; ++u) {
-          const int64_t r = r0w + u * kWarpsPerBlock;
-          a[u] = r < r1 ? A(load(h[r * p + j])) : A(0);
-        }
+        load_rows(a, h, r0w, kWarpsPerBlock, r1, p, j);
 #pragma unroll
         for (int u = 0; u < kRowsInFlight; ++u) {
           const int64_t r = r0w + u * kWarpsPerBlock;
