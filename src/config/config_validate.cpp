@@ -176,7 +176,6 @@ void validate_batch(const Config& c) {
   require_non_negative("gradient_clipping", c.gradient_clipping);
 }
 
-// Checked even while fp16 is disabled, so a config is not found broken only when it is enabled.
 // The MoD predictor head's backward over a micro-batch: its dw2 partials (mod.hpp) hold
 // ceil(tokens / kModHeadMaxBlockRows) x predictor_hidden_size values.
 void validate_mod_batch(const Config& c) {
@@ -192,6 +191,7 @@ void validate_mod_batch(const Config& c) {
              " (the CUDA predictor backward's partial sums): a smaller predictor or micro-batch");
 }
 
+// Checked even while fp16 is disabled, so a config is not found broken only when it is enabled.
 void validate_fp16(const Fp16Config& f) {
   require_non_negative("fp16.loss_scale", f.loss_scale);
   require_at_least("fp16.initial_scale_power", f.initial_scale_power, 0);
