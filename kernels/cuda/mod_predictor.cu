@@ -7,9 +7,9 @@
 //   numbers fixed by N and P alone so dw2's summation order is the same on every device and run.
 //   The block first turns its rows' logits into dl (bce_with_logits_backward's arithmetic), then
 //   per 32-column slice each warp walks a strided subset of the rows (kRowsInFlight at once),
-//   writing dh and summing
-//   dl silu(h) for its column; the warps' sums are added in warp order into the block's partial
-//   row, and add_column_partials (column_partials.cuh) adds the partials into dw2 in block order.
+//   writing dh and summing dl silu(h) for its column; the warps' sums are added in warp order
+//   into the block's partial row, and add_column_partials (column_partials.cuh) adds the
+//   partials into dw2 in block order.
 // In the model (moe-small, 16K tokens, P = 64) the forward's one launch replaces silu_forward and
 // a cuBLAS fp32 product with one output (an [N, P] activation written and read back); the
 // backward's two replace bce_with_logits_backward, linear_backward's two products and
