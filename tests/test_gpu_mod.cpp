@@ -230,22 +230,20 @@ void check_predictor_head(int64_t n, int64_t p, DType dt, uint64_t seed) {
 
   DeviceTensor gh = on_device(dt, {n, p}, h), gw = on_device(dt, {1, p}, w2);
   DeviceTensor gt = on_device(dt, {n}, tg);
-  std::vector<double> logit, dh, dw;
-  for (int run = 0; run < 2; ++run) {
+  // logit, dh, dw2 of a fresh run
+  auto run = [&] {
     DeviceTensor gl = poisoned(dt, {n}), gdh = poisoned(dt, {n, p});
     DeviceTensor gdw = on_device(dt, {1, p}, dw0);
     mod_predictor_head_forward(gctx, gl, gh, gw);
     mod_predictor_head_backward(gctx, gdh, gdw, gh, gw, gl, gt, grad_scale);
-    if (run == 1) {
-      CHECK(download(gl) == logit);
-      CHECK(download(gdh) == dh);
-      CHECK(download(gdw) == dw);
-      break;
-    }
-    logit = download(gl);
-    dh = download(gdh);
-    dw = download(gdw);
-  }
+    return std::vector<std::vector<double>>{download(gl), download(gdh), download(gdw)};
+  };
+  const std::vector<std::vector<double>> first = run();
+  const std::vector<std::vector<double>> again = run();
+  CHECK(again[0] == first[0]);
+  CHECK(again[1] == first[1]);
+  CHECK(again[2] == first[2]);
+  const std::vector<double>&logit = first[0], &dh = first[1], &dw = first[2];
   check_grad(logit, hl.v, dt, "mod_predictor_head_forward logit");
   check_grad(dh, hdh.v, dt, "mod_predictor_head_backward dh");
   for (int64_t j = 0; j < p; ++j) {

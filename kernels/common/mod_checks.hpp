@@ -80,27 +80,23 @@ inline void check_mod_scatter_backward_args(const Tensor& dx, const Tensor& dys,
 inline void check_mod_predictor_head_args(const Tensor& h, const Tensor& w2, const Tensor& logit,
                                           const Tensor* dh, const Tensor* dw2,
                                           const Tensor* targets, const char* op) {
-  MOE_CHECK(h.ndim == 2, std::string(op) + ": h must be [N, P], got " + h.shape_str());
+  const auto what = [op](const char* t) { return std::string(op) + ": " + t; };
+  MOE_CHECK(h.ndim == 2, what("h must be [N, P], got ") + h.shape_str());
   const int64_t n = h.size(0), p = h.size(1);
-  check_shape(w2, {1, p}, (std::string(op) + ": w2").c_str());
-  MOE_CHECK(logit.numel() == n, std::string(op) + ": logit must hold N = " + std::to_string(n) +
-                                    " values, got " + logit.shape_str());
-  check_same_dtype(w2, h, (std::string(op) + ": w2, h").c_str());
-  check_same_dtype(logit, h, (std::string(op) + ": logit, h").c_str());
-  if (dh != nullptr) {
-    check_shape(*dh, {n, p}, (std::string(op) + ": dh").c_str());
-    check_same_dtype(*dh, h, (std::string(op) + ": dh, h").c_str());
-  }
-  if (dw2 != nullptr) {
-    check_shape(*dw2, {1, p}, (std::string(op) + ": dw2").c_str());
-    check_same_dtype(*dw2, h, (std::string(op) + ": dw2, h").c_str());
-  }
-  if (targets != nullptr) {
-    MOE_CHECK(targets->numel() == n, std::string(op) +
-                                         ": targets must hold N = " + std::to_string(n) +
-                                         " values, got " + targets->shape_str());
-    check_same_dtype(*targets, h, (std::string(op) + ": targets, h").c_str());
-  }
+  auto holds_n = [&](const Tensor& t, const char* name) {
+    MOE_CHECK(t.numel() == n,
+              what(name) + " must hold N = " + std::to_string(n) + " values, got " + t.shape_str());
+    check_same_dtype(t, h, (what(name) + ", h").c_str());
+  };
+  auto shaped = [&](const Tensor& t, std::initializer_list<int64_t> dims, const char* name) {
+    check_shape(t, dims, what(name).c_str());
+    check_same_dtype(t, h, (what(name) + ", h").c_str());
+  };
+  shaped(w2, {1, p}, "w2");
+  holds_n(logit, "logit");
+  if (dh != nullptr) shaped(*dh, {n, p}, "dh");
+  if (dw2 != nullptr) shaped(*dw2, {1, p}, "dw2");
+  if (targets != nullptr) holds_n(*targets, "targets");
 }
 
 }  // namespace moe

@@ -1,11 +1,12 @@
 // The MoD causal predictor's head on the CPU: logit = silu(h) . w2 and, from the saved logits, its
-// backward through the predictor's BCE (dl, dh and dw2 in one pass over h). The reference of
+// backward through the predictor's BCE (dl, then dh and dw2 in one pass over h). The reference of
 // kernels/cuda/mod_predictor.cu. In double (silu from cpu_common.hpp), rounded once to the
 // tensors' dtype.
 #include <vector>
 
 #include "common/mod_checks.hpp"
 #include "cpu/cpu_common.hpp"
+#include "moe/ops/loss.hpp"
 #include "moe/ops/mod.hpp"
 
 namespace moe::cpu {
@@ -37,15 +38,12 @@ void mod_predictor_head_backward(Ctx& ctx, Tensor dh, Tensor dw2, Tensor h, Tens
     const int64_t n = h.size(0), p = h.size(1);
     const T* ph = h.ptr<T>();
     const T* pw = w2.ptr<T>();
-    const T* pl = logit.ptr<T>();
-    const T* pt = targets.ptr<T>();
     T* pdh = dh.ptr<T>();
     T* pdw = dw2.ptr<T>();
-    const double scale = n > 0 ? grad_scale / n : 0.0;
-    // dl rounded to T as bce_with_logits_backward stores it
+    // dl: the BCE's gradient, by bce_with_logits_backward itself
     std::vector<T> dl(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i)
-      dl[i] = static_cast<T>(scale * (sigmoid(static_cast<double>(pl[i])) - pt[i]));
+    cpu::bce_with_logits_backward(ctx, Tensor(dl.data(), h.dtype, Device{}, {n}), logit.view({n}),
+                                  targets.view({n}), grad_scale);
 #pragma omp parallel for if (parallel_worth(n * p * kExpWork))
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < p; ++j)

@@ -16,15 +16,24 @@ inline bool aligned16_rows(const void* p, int64_t ld_elems, int64_t stride_elems
   return aligned16({p}) && ld_elems % 8 == 0 && stride_elems % 8 == 0;
 }
 
+// The rows kernels' size requirements: rows of whole 16-byte chunks (n_total and k_total
+// multiples of 8 elements), and the row tiles of `rows` rows (kBM per tile, plus one cut per
+// expert) within grid.y's 65535. (With 16-byte aligned pointers, as the arena's are: the
+// decision of rows_operands_fit before any tensor exists.)
+inline bool rows_sizes_fit(int64_t n_total, int64_t k_total, int64_t rows, int experts,
+                           int64_t kBM) {
+  return k_total % 8 == 0 && n_total % 8 == 0 && (rows + kBM - 1) / kBM + experts <= 65535;
+}
+
 // The pipelined rows kernels' requirements (grouped_mma_sm80.cu, grouped_wgmma_sm90.cu): every
-// operand readable in whole 16-byte chunks (so each chunk is wholly in or out of bounds), and the
-// row tiles of `rows` rows (kBM per tile, plus one cut per expert) within grid.y's 65535.
+// operand readable in whole 16-byte chunks (so each chunk is wholly in or out of bounds), and
+// rows_sizes_fit.
 inline bool rows_operands_fit(const void* c, const void* a, const void* w, int64_t n_total,
                               int64_t k_total, int64_t expert_stride, bool b_k_fast, int64_t rows,
                               int experts, int64_t kBM) {
   return aligned16_rows(a, k_total) && aligned16_rows(c, n_total) &&
-         aligned16_rows(w, b_k_fast ? k_total : n_total, expert_stride) && k_total % 8 == 0 &&
-         n_total % 8 == 0 && (rows + kBM - 1) / kBM + experts <= 65535;
+         aligned16_rows(w, b_k_fast ? k_total : n_total, expert_stride) &&
+         rows_sizes_fit(n_total, k_total, rows, experts, kBM);
 }
 
 // Offsets are clamped to [0, rows]: malformed offsets (a caller bug; the CPU op checks them) can

@@ -1050,9 +1050,8 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
 
 bool grouped_sm90_rows_pair_runs(DType t, int64_t rows, int experts, int64_t n_total,
                                  int64_t k_total) {
-  // rows_operands_fit's conditions but the pointers' alignment
-  return mode() != Mode::off && sm90_available(t) && k_total % 8 == 0 && n_total % 8 == 0 &&
-         (rows + kBM - 1) / kBM + experts <= 65535;
+  return mode() != Mode::off && sm90_available(t) &&
+         rows_sizes_fit(n_total, k_total, rows, experts, kBM);
 }
 
 bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const void* a2,

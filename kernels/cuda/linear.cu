@@ -542,8 +542,8 @@ bool pair_one_product(Ctx& ctx, const GroupedDims& s, Tensor dx, Tensor dw1, Ten
                       bool dw_overwrite) {
   const int32_t* off = data_of<int32_t>(offsets);
   const bool gather = !row_token.empty();
-  if (!pair_product_wanted() || s.rows <= 0 || s.experts <= 0 || s.in <= 0 || s.out <= 0 ||
-      x.size(0) <= 0 || !grouped_mma_available(x.dtype) ||
+  // (the sizes' decision is the one grouped_linear_backward_pair_needs_dx2 gave the caller)
+  if (x.size(0) <= 0 || !pair_one_product_runs(x.dtype, s.rows, s.experts, s.in, s.out) ||
       !grouped_sm90_rows_pair(ctx, x.dtype, dx.data, dy1.data, dy3.data, w1.data, w3.data, off,
                               static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in))
     return false;

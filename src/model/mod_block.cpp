@@ -101,13 +101,12 @@ void ModBlock::backward(Ctx& ctx, Tensor /*dx*/, Tensor dout, Tensor x, Tensor /
   // predictor: parameters only (x is stop-gradient)
   mod_predictor_head_backward(ctx, dph, fc2_.g, pred_h_, fc2_.master, pred_logit_.view({n}),
                               mask_.view({n}), grad_scale * env_.cfg.mod.predictor_loss_coef);
-  if (env_.mixed()) {  // the product's dy in the compute dtype, as every linear's
-    Tensor dph_c = s.alloc(dt, {n, p});
+  Tensor dph_c = dph;  // the product's dy in the compute dtype, as every linear's
+  if (env_.mixed()) {
+    dph_c = s.alloc(dt, {n, p});
     convert(ctx, dph_c, dph, false);
-    linear_backward(ctx, Tensor(), fc1_.g, dph_c, x, fc1_.w, false);
-  } else {
-    linear_backward(ctx, Tensor(), fc1_.g, dph, x, fc1_.w, false);
   }
+  linear_backward(ctx, Tensor(), fc1_.g, dph_c, x, fc1_.w, false);
   s.release(mark);
 }
 
