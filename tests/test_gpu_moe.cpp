@@ -362,6 +362,14 @@ void check_permute(int64_t n, int64_t e, int64_t k, int64_t d, DType dt, uint64_
   Tensor gdxp2 = dev.holding(dt, {slots, d}, dxp2);
   permute_backward(gctx, gdx, gdxp, gdxp2, gsr);
   check_grad(download(gdx), hdx2.v, dt, "permute_backward with dxp2");
+  // permute_backward_add: the MoE combine with the residual add, the sums from base's rows
+  const std::vector<double> res =
+      round_to(dt, uniform_values(static_cast<size_t>(n * d), seed + 8));
+  Buf<double> hres = host({n, d}, res), hy({n, d});
+  cpu::permute_backward_add(cctx, hy, hres, hdxp, sr);
+  Tensor gres = dev.holding(dt, {n, d}, res), gy = dev.poisoned(dt, {n, d});
+  permute_backward_add(gctx, gy, gres, gdxp, gsr);
+  check_grad(download(gy), hy.v, dt, "permute_backward_add");
 
   // permute_weights_forward / _backward (the router's weights in acc_dtype): exact moves
   const DType acc = acc_dtype(dt);

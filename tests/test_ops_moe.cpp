@@ -356,6 +356,24 @@ TEST_CASE("permute_forward gathers rows, permute_backward sums a token's K copie
   } catch (const InternalError& e) {
     CHECK(std::string(e.what()).find("permute_backward: dxp2") != std::string::npos);
   }
+  // permute_backward_add: the same sums from base's rows (the MoE combine with the residual add).
+  auto base = make<double>({4, 2}, {0.5, -1, 2, 4, -3, 0.25, 7, 8});
+  Buf<double> y({4, 2});
+  for (auto& v : y.v) v = 99;  // overwritten
+  permute_backward_add(ctx, y, base, dxp, slot_row);
+  CHECK(y.v == std::vector<double>{3.5, 29, 13, 114, 3, 60.25, 15, 88});
+  try {
+    permute_backward_add(ctx, y, y, dxp, slot_row);
+    FAIL("base in y's memory was accepted");
+  } catch (const InternalError& e) {
+    CHECK(std::string(e.what()).find("base must not be y's memory") != std::string::npos);
+  }
+  try {
+    permute_backward_add(ctx, y, bad, dxp, slot_row);
+    FAIL("a base of the wrong shape was accepted");
+  } catch (const InternalError& e) {
+    CHECK(std::string(e.what()).find("permute_backward_add: base") != std::string::npos);
+  }
 }
 
 TEST_CASE("permute_backward matches finite differences of permute_forward") {

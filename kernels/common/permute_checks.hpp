@@ -69,6 +69,20 @@ inline int64_t check_permute_backward_args(const Tensor& dx, const Tensor& dxp, 
   return k;
 }
 
+// permute_backward_add: permute_backward's (y, yp, slot_row), base y's shape and dtype on its
+// device, and not y's memory. Returns K.
+inline int64_t check_permute_backward_add_args(const Tensor& y, const Tensor& base,
+                                               const Tensor& yp, const Tensor& slot_row) {
+  const int64_t k = check_permute_backward_args(y, yp, Tensor(), slot_row);
+  check_shape(base, {y.size(0), y.size(1)}, "permute_backward_add: base");
+  check_same_dtype(base, y, "permute_backward_add: base, y");
+  MOE_CHECK(base.device == y.device, "permute_backward_add: base must be on " + y.device.str() +
+                                         ", got " + base.device.str());
+  MOE_CHECK(base.data != y.data || y.numel() == 0,
+            "permute_backward_add: base must not be y's memory");
+  return k;
+}
+
 // row_w: [N*K] and topk_w: [N, K] of one float dtype (f32 / f64: the router's accumulation
 // dtype), slot_row: [N*K] i32. `op` names the op, `row` / `slot` the two weight tensors.
 inline void check_permute_weights_args(const Tensor& row_w, const Tensor& topk_w,

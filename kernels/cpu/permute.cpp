@@ -41,9 +41,12 @@ void permute_forward_impl(Tensor xp, Tensor x, Tensor row_token) {
   }
 }
 
+// base (optional, dx's shape): the sums start from its rows instead of 0.
 template <class T>
-void permute_backward_impl(Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row, int64_t k) {
+void permute_backward_impl(Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row, int64_t k,
+                           Tensor base = Tensor()) {
   const int64_t n_tok = dx.size(0), d = dx.size(1);
+  const T* from = base.empty() ? nullptr : base.ptr<T>();
   T* out = dx.ptr<T>();
   const T* in = dxp.ptr<T>();
   const T* in2 = dxp2.empty() ? nullptr : dxp2.ptr<T>();
@@ -51,7 +54,7 @@ void permute_backward_impl(Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row, 
 #pragma omp parallel for schedule(static) if (parallel_worth(n_tok * k * d))
   for (int64_t n = 0; n < n_tok; ++n) {
     T* dst = out + n * d;
-    for (int64_t j = 0; j < d; ++j) dst[j] = T(0);
+    for (int64_t j = 0; j < d; ++j) dst[j] = from != nullptr ? from[n * d + j] : T(0);
     for (int64_t i = 0; i < k; ++i) {
       const T* src = in + row[n * k + i] * d;
       for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
@@ -109,6 +112,16 @@ void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_
   dispatch_float(dx.dtype, "permute_backward", [&](auto zero) {
     using T = decltype(zero);
     permute_backward_impl<T>(dx, dxp, dxp2, slot_row, k);
+  });
+}
+
+void permute_backward_add(Ctx& ctx, Tensor y, Tensor base, Tensor yp, Tensor slot_row) {
+  const int64_t k = check_permute_backward_add_args(y, base, yp, slot_row);
+  const int64_t slots = slot_row.size(0);
+  check_indices(slot_row.ptr<int32_t>(), slots, slots, "permute_backward_add: slot_row");
+  dispatch_float(y.dtype, "permute_backward_add", [&](auto zero) {
+    using T = decltype(zero);
+    permute_backward_impl<T>(y, yp, Tensor(), slot_row, k, base);
   });
 }
 

@@ -291,11 +291,13 @@ __global__ void __launch_bounds__(kRowThreads)
 
 // out[n, :] = sum_k in[slot_row[n*K+k], :]: permute backward and the MoE combine. kSecond
 // (permute backward's dxp2): in2's row is added after in's, in the same fp32 sum (one rounding of
-// the token's 2K rows).
+// the token's 2K rows). base (permute_backward_add; null: none, not out's memory): the sum starts
+// from its row.
 template <class T, int W, bool kSecond>
 __global__ void __launch_bounds__(kRowThreads)
     gather_sum_kernel(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ in2,
-                      const int32_t* __restrict__ slot_row, int64_t n_tok, int k, int64_t d) {
+                      const int32_t* __restrict__ slot_row, int64_t n_tok, int k, int64_t d,
+                      const T* __restrict__ base) {
   using A = acc_t<T>;
   const int64_t n = group_row();
   if (n >= n_tok) return;
@@ -304,6 +306,15 @@ __global__ void __launch_bounds__(kRowThreads)
   T* dst = out + n * d;
   for (int64_t c0 = group_lane(); c0 < units; c0 += kGroup * kUnroll) {
     A acc[kUnroll][W] = {};
+    if (base != nullptr) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + u * kGroup < units) {
+          const Pack<T, W> b = load_pack<T, W>(base + n * d + (c0 + u * kGroup) * W);
+#pragma unroll
+          for (int j = 0; j < W; ++j) acc[u][j] = load(b.v[j]);
+        }
+    }
     for (int i = 0; i < k; ++i) {
       const int32_t r = rows[i];
       const bool ok = 0 <= r && r < slots;
@@ -443,22 +454,36 @@ void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
   });
 }
 
-void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row) {
-  const int64_t k = check_permute_backward_args(dx, dxp, dxp2, slot_row);
+// The gather-sum launch of permute_backward and permute_backward_add (dxp2, base: empty or not).
+void launch_gather_sum(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor base, Tensor slot_row,
+                       int64_t k, const char* op) {
   const int64_t n_tok = dx.size(0), d = dx.size(1);
   if (n_tok == 0 || d == 0) return;
   const bool second = !dxp2.empty();
-  dispatch_storage(dx.dtype, "permute_backward", [&](auto zero) {
+  dispatch_storage(dx.dtype, op, [&](auto zero) {
     using T = decltype(zero);
-    with_access_width<T>(d, {dx.data, dxp.data, second ? dxp2.data : dxp.data}, [&](auto width) {
-      constexpr int kW = decltype(width)::value;
-      auto kernel = second ? gather_sum_kernel<T, kW, true> : gather_sum_kernel<T, kW, false>;
-      kernel<<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
-          data_of<T>(dx), data_of<T>(dxp), second ? data_of<T>(dxp2) : nullptr,
-          data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d);
-      MOE_CUDA_LAUNCH_CHECK();
-    });
+    with_access_width<T>(
+        d, {dx.data, dxp.data, second ? dxp2.data : dxp.data, base.empty() ? dx.data : base.data},
+        [&](auto width) {
+          constexpr int kW = decltype(width)::value;
+          auto kernel = second ? gather_sum_kernel<T, kW, true> : gather_sum_kernel<T, kW, false>;
+          kernel<<<row_blocks(n_tok), kRowThreads, 0, stream_of(ctx)>>>(
+              data_of<T>(dx), data_of<T>(dxp), second ? data_of<T>(dxp2) : nullptr,
+              data_of<int32_t>(slot_row), n_tok, static_cast<int>(k), d,
+              base.empty() ? nullptr : data_of<T>(base));
+          MOE_CUDA_LAUNCH_CHECK();
+        });
   });
+}
+
+void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row) {
+  const int64_t k = check_permute_backward_args(dx, dxp, dxp2, slot_row);
+  launch_gather_sum(ctx, dx, dxp, dxp2, Tensor(), slot_row, k, "permute_backward");
+}
+
+void permute_backward_add(Ctx& ctx, Tensor y, Tensor base, Tensor yp, Tensor slot_row) {
+  const int64_t k = check_permute_backward_add_args(y, base, yp, slot_row);
+  launch_gather_sum(ctx, y, yp, Tensor(), base, slot_row, k, "permute_backward_add");
 }
 
 constexpr int kWeightThreads = 256;
@@ -500,5 +525,6 @@ void permute_weights_backward(Ctx& ctx, Tensor dtopk_w, Tensor drow_w, Tensor sl
 MOE_REGISTER_CUDA_OP(moe_permute_plan, &::moe::cuda_detail::moe_permute_plan);
 MOE_REGISTER_CUDA_OP(permute_forward, &::moe::cuda_detail::permute_forward);
 MOE_REGISTER_CUDA_OP(permute_backward, &::moe::cuda_detail::permute_backward);
+MOE_REGISTER_CUDA_OP(permute_backward_add, &::moe::cuda_detail::permute_backward_add);
 MOE_REGISTER_CUDA_OP(permute_weights_forward, &::moe::cuda_detail::permute_weights_forward);
 MOE_REGISTER_CUDA_OP(permute_weights_backward, &::moe::cuda_detail::permute_weights_backward);

@@ -2,7 +2,8 @@
 //   h = x + Attn(RMSNorm_1(x));  out = h + FFN(RMSNorm_2(h)),  FFN dense or MoE per moe_layer_freq.
 // The residual adds that meet a norm run fused into it (add_rmsnorm_forward, rmsnorm_backward_add):
 // one pass over [N, d] per add saved. The final add of the forward has no norm of this block
-// after it and stays a plain add.
+// after it: a MoE FFN adds h itself (in its combine's pass where it has no shared experts:
+// MoeFfn::forward's residual), a dense one with a plain add.
 #include "model/layers.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
@@ -44,11 +45,12 @@ void Block::forward(Ctx& ctx, Tensor out, Tensor x, Tensor pos) {
   rmsnorm_forward(ctx, xn1_, rstd1_, x, norm1_.w, eps);
   attn_.forward(ctx, h_, xn1_, pos);                                 // h = attn_y
   add_rmsnorm_forward(ctx, h_, xn2_, rstd2_, x, h_, norm2_.w, eps);  // h = x + attn_y (in place)
-  if (moe_)
-    moe_->forward(ctx, out, xn2_);  // out = ffn_y (out is never x: the decoder keeps each input)
-  else
+  if (moe_) {
+    moe_->forward(ctx, out, xn2_, h_);  // out = h + ffn_y (out is never h)
+  } else {
     dense_->forward(ctx, out, xn2_, false);
-  add(ctx, out, h_, out);  // out = h + ffn_y
+    add(ctx, out, h_, out);  // out = h + ffn_y
+  }
 }
 
 void Block::backward(Ctx& ctx, Tensor dx, Tensor dout, Tensor x, Tensor pos, double grad_scale) {

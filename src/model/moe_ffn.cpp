@@ -91,7 +91,7 @@ bool MoeFfn::gathers_expert_rows() const {
   return v != nullptr && std::string(v) == "1" && env_.model.recomputes_expert_rows();
 }
 
-void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
+void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual) {
   const auto& c = env_.cfg;
   Arena& s = env_.scratch;
   // route, in the accumulation dtype (fp32 router math with the master gate weights)
@@ -116,14 +116,23 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x) {
   }
   Tensor yp = s.alloc(env_.dtype, {row_token_.size(0), c.hidden_size});
   grouped_linear_forward(ctx, yp, in.hact, w2_.w, offsets_);
-  // combine: the plain sum of a token's K expert rows, the gather of permute_backward
-  permute_backward(ctx, y, yp, Tensor(), slot_row_);
+  // combine: the plain sum of a token's K expert rows, the gather of permute_backward, from the
+  // residual's row where there is one. With shared experts the residual is added last, as a
+  // plain add: their outputs would otherwise be rounded into the residual's magnitude twice.
+  const bool combine_adds = !residual.empty() && shared_.empty();
+  if (combine_adds)
+    permute_backward_add(ctx, y, residual, yp, slot_row_);
+  else
+    permute_backward(ctx, y, yp, Tensor(), slot_row_);
   s.release(inputs_mark);
   for (auto& sh : shared_) sh->forward(ctx, y, x, true);
+  if (!residual.empty() && !combine_adds) add(ctx, y, residual, y);
   // statistics stay on the device: no read-back inside the step
   if (env_.recomputing) return;
-  accumulate_sum(ctx, env_.stats.rows(kStatAux, kStatAux + 1), aux_losses_.rows(0, 1), 1.0);
-  accumulate_sum(ctx, env_.stats.rows(kStatZ, kStatZ + 1), aux_losses_.rows(1, 2), 1.0);
+  // stats[aux], stats[z] += aux_losses[0], [1]: one elementwise kernel (the sum's two launches a
+  // loss cost ~7 us, each of them, per layer)
+  static_assert(kStatZ == kStatAux + 1, "the aux and z sums side by side");
+  convert(ctx, env_.stats.rows(kStatAux, kStatZ + 1), aux_losses_, true);
   add_counts(ctx, load_, counts_);
 }
 

@@ -19,6 +19,11 @@ MOE_OP(permute_forward, (Ctx & ctx, Tensor xp, Tensor x, Tensor row_token), (ctx
 // input gradients (through w1 and w3) summed in the gather instead of by an extra pass.
 MOE_OP(permute_backward, (Ctx & ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row),
        (ctx, dx, dxp, dxp2, slot_row))
+// y[n, :] = base[n, :] + sum_k yp[slot_row[n*K+k], :] (overwritten; base: y's shape and dtype, not
+// y's memory): the MoE combine with the block's residual add in the same pass, one rounding of
+// the token's sum.
+MOE_OP(permute_backward_add, (Ctx & ctx, Tensor y, Tensor base, Tensor yp, Tensor slot_row),
+       (ctx, y, base, yp, slot_row))
 // The routing weights in permuted-row order: row_w[slot_row[s]] = topk_w[s] (overwritten). The
 // experts' SwiGLU applies them (swiglu_weighted_forward), so the combine is the plain gather-sum
 // permute_backward: y[n, :] = sum_k yp[slot_row[n*K+k], :], and its backward permute_forward.
