@@ -105,24 +105,25 @@ void permute_forward(Ctx& ctx, Tensor xp, Tensor x, Tensor row_token) {
   });
 }
 
+// permute_backward and permute_backward_add after their shape checks (dxp2, base: empty or not).
+static void gather_sum(Tensor dx, Tensor dxp, Tensor dxp2, Tensor base, Tensor slot_row, int64_t k,
+                       const std::string& op) {
+  const int64_t slots = slot_row.size(0);
+  check_indices(slot_row.ptr<int32_t>(), slots, slots, (op + ": slot_row").c_str());
+  dispatch_float(dx.dtype, op.c_str(), [&](auto zero) {
+    using T = decltype(zero);
+    permute_backward_impl<T>(dx, dxp, dxp2, slot_row, k, base);
+  });
+}
+
 void permute_backward(Ctx& ctx, Tensor dx, Tensor dxp, Tensor dxp2, Tensor slot_row) {
   const int64_t k = check_permute_backward_args(dx, dxp, dxp2, slot_row);
-  const int64_t slots = slot_row.size(0);
-  check_indices(slot_row.ptr<int32_t>(), slots, slots, "permute_backward: slot_row");
-  dispatch_float(dx.dtype, "permute_backward", [&](auto zero) {
-    using T = decltype(zero);
-    permute_backward_impl<T>(dx, dxp, dxp2, slot_row, k);
-  });
+  gather_sum(dx, dxp, dxp2, Tensor(), slot_row, k, "permute_backward");
 }
 
 void permute_backward_add(Ctx& ctx, Tensor y, Tensor base, Tensor yp, Tensor slot_row) {
   const int64_t k = check_permute_backward_add_args(y, base, yp, slot_row);
-  const int64_t slots = slot_row.size(0);
-  check_indices(slot_row.ptr<int32_t>(), slots, slots, "permute_backward_add: slot_row");
-  dispatch_float(y.dtype, "permute_backward_add", [&](auto zero) {
-    using T = decltype(zero);
-    permute_backward_impl<T>(y, yp, Tensor(), slot_row, k, base);
-  });
+  gather_sum(y, yp, Tensor(), base, slot_row, k, "permute_backward_add");
 }
 
 // ---- routing weights in row order ---------------------------------------------------------------
