@@ -289,8 +289,8 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   Tensor yp = pool.random(dt, {r, d}), combined = pool.zeros(dt, {n, d});
   add("combine", shape({r, d}) + " -> " + shape({n, d}), double(r * d * es + n * d * es + r * 4),
       false, bw, 0.6, [&] { permute_backward(ctx, combined, yp, Tensor(), slot_row); });
-  // The block's combine: the residual h read in the same pass (permute_backward_add), where the
-  // combine and a separate add moved 3 n d elements more.
+  // The block's combine: the residual h read in the same pass (permute_backward_add), n d
+  // elements more than the combine, where a separate add moved 3 n d (h and y read, out written).
   Tensor combine_base = pool.random(dt, {n, d});
   add("combine_add", shape({r, d}) + " + " + shape({n, d}),
       double(r * d * es + 2 * n * d * es + r * 4), false, bw, 0.6,
