@@ -81,10 +81,10 @@ class MoeFfn {
   MoeFfn(const LayerEnv& env, int layer, int moe_index);
   void plan_state(Arena& state);  // what lives across steps: router bias, step loads
   void plan(Arena& acts, int64_t rows);
-  // y = residual + MoE(x) (residual: y's shape, not y's memory; empty: y = MoE(x)). Without
-  // shared experts the block's residual add rides in the combine's pass. Its backward is the
-  // identity, so backward's dy is the gradient of MoE(x) either way.
-  void forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual = Tensor());
+  // y = residual + MoE(x) (residual: y's shape, not y's memory): the block's last residual add,
+  // in the combine's pass where there are no shared experts. Its backward is the identity, so
+  // backward's dy is the gradient of MoE(x).
+  void forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual);
   void backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale);
   void after_step(Ctx& ctx);
   Tensor bias() const { return bias_; }

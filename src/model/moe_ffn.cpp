@@ -117,16 +117,15 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual) {
   Tensor yp = s.alloc(env_.dtype, {row_token_.size(0), c.hidden_size});
   grouped_linear_forward(ctx, yp, in.hact, w2_.w, offsets_);
   // combine: the plain sum of a token's K expert rows, the gather of permute_backward, from the
-  // residual's row where there is one. With shared experts the residual is added last, as a
-  // plain add: their outputs would otherwise be rounded into the residual's magnitude twice.
-  const bool combine_adds = !residual.empty() && shared_.empty();
-  if (combine_adds)
+  // residual's row. With shared experts the residual is added last, as a plain add: their
+  // outputs would otherwise be rounded into the residual's magnitude twice.
+  if (shared_.empty())
     permute_backward_add(ctx, y, residual, yp, slot_row_);
   else
     permute_backward(ctx, y, yp, Tensor(), slot_row_);
   s.release(inputs_mark);
   for (auto& sh : shared_) sh->forward(ctx, y, x, true);
-  if (!residual.empty() && !combine_adds) add(ctx, y, residual, y);
+  if (!shared_.empty()) add(ctx, y, residual, y);
   // statistics stay on the device: no read-back inside the step
   if (env_.recomputing) return;
   // stats[aux], stats[z] += aux_losses[0], [1]: one elementwise kernel (the sum's two launches a
