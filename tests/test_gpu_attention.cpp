@@ -70,7 +70,7 @@ void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64
   const std::vector<double> out_r = round_to(dt, c_out.v), lse_r = round_to(acc, clse.v);
   Host cdo({B, T, nh, hd}, dout), cout_r({B, T, nh, hd}, out_r), clse_r({B, nh, T}, lse_r);
   Host cdq({B, T, nh, hd}), cdk({B, T, nkv, hd}), cdv({B, T, nkv, hd});
-  attention_backward(cpu, cdq, cdk, cdv, cdo, cq, ck, cv, cout_r, clse_r);
+  attention_backward(cpu, cdq, cdk, cdv, cdo, cq, ck, cv, cout_r, clse_r, Tensor());
 
   upload(gout, out_r);
   upload(glse, lse_r);
@@ -78,8 +78,12 @@ void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64
   DeviceTensor gdq = poisoned(dt, {B, T, nh, hd});
   DeviceTensor gdk = poisoned(dt, {B, T, nkv, hd});
   DeviceTensor gdv = poisoned(dt, {B, T, nkv, hd});
+  // 16-bit backwards get the fp32 dq scratch the model gives them (NaN: the one-pass kernel
+  // must write each sum before it reads it).
+  DeviceTensor gdq_acc = poisoned(DType::f32, {B, nh, T, hd});
+  const Tensor dq_acc = dt == DType::f16 || dt == DType::bf16 ? Tensor(gdq_acc) : Tensor();
   gpu::synchronize();
-  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
+  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse, dq_acc);
   gpu::synchronize();
   const std::vector<double> dq1 = download(gdq), dk1 = download(gdk), dv1 = download(gdv);
   // With one key per query (T = 1) the softmax is constant, so dq and dk are exactly zero and
@@ -96,8 +100,9 @@ void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64
   poison(gdq);
   poison(gdk);
   poison(gdv);
+  poison(gdq_acc);
   gpu::synchronize();
-  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse);
+  attention_backward(ctx, gdq, gdk, gdv, gdo, gq, gk, gv, gout, glse, dq_acc);
   gpu::synchronize();
   CHECK(download(gdq) == dq1);
   CHECK(download(gdk) == dk1);
@@ -158,13 +163,15 @@ TEST_CASE("gpu attention over several tiles matches the CPU reference", "[gpu][a
 
 // The sm_90 wgmma kernels (attention_sm90.cu) and the sm_80 mma.sync ones in one process:
 // MOE_ATTENTION_SM90=0 declines the first (on a device or build without sm_90a both settings run
-// the sm_80 kernels). One row (T = 1), the edges of the 64-row tiles (63, 64, 65) and of the
-// 128-row blocks (127, 128, 129), several tiles with a ragged end (200), a long sequence (1024);
-// GQA (2 and 4 query heads per kv head) and MHA.
+// the sm_80 kernels), and the sm_90 backward runs as one kernel (attention_sm90_fused_backward.cu,
+// MOE_ATTENTION_FUSED_BWD=1) and as two (=0). One row (T = 1), the edges of the 64-row tiles (63,
+// 64, 65) and of the 128-row blocks (127, 128, 129), several tiles with a ragged end (200), a long
+// sequence (1024); GQA (2 and 4 query heads per kv head) and MHA.
 TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the CPU reference",
           "[gpu][attention]") {
-  const std::string kernel = GENERATE(as<std::string>{}, "sm90", "sm80");
-  setenv("MOE_ATTENTION_SM90", kernel == "sm90" ? "1" : "0", 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "sm90-fused", "sm90", "sm80");
+  setenv("MOE_ATTENTION_SM90", kernel == "sm80" ? "0" : "1", 1);
+  setenv("MOE_ATTENTION_FUSED_BWD", kernel == "sm90-fused" ? "1" : "0", 1);
   INFO("kernels " << kernel);
   for (DType dt : {DType::bf16, DType::f16}) {
     for (int64_t T : {1, 63, 64, 65, 127, 128, 129, 200}) {
@@ -174,6 +181,7 @@ TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the 
     check_attention(dt, 64, 1024, 4, 1, 1);
   }
   unsetenv("MOE_ATTENTION_SM90");
+  unsetenv("MOE_ATTENTION_FUSED_BWD");
 }
 
 TEST_CASE("gpu attention handles a head_dim that is not a multiple of 32", "[gpu][attention]") {
@@ -220,6 +228,6 @@ TEST_CASE("gpu attention: the lse of 16-bit inputs must be f32", "[gpu][attentio
   DeviceTensor lse16(DType::bf16, {B, nh, T});
   CHECK_THROWS_WITH(attention_forward(ctx, out, lse16, q, q, q),
                     Catch::Contains("attention_forward: lse: dtype bf16, expected f32"));
-  CHECK_THROWS_WITH(attention_backward(ctx, out, out, out, out, q, q, q, out, lse16),
+  CHECK_THROWS_WITH(attention_backward(ctx, out, out, out, out, q, q, q, out, lse16, Tensor()),
                     Catch::Contains("attention_backward: lse"));
 }

@@ -259,10 +259,25 @@ TEST_CASE("attention_backward matches finite differences", "[attention][grad]") 
   Buf<double> dq = random_buf({s.b, s.t, s.nh, s.hd}, 45);
   Buf<double> dk = random_buf({s.b, s.t, s.nkv, s.hd}, 46);
   Buf<double> dv = random_buf({s.b, s.t, s.nkv, s.hd}, 47);
-  attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse);
+  attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse, Tensor());
   check_gradient(a.q.v, dq.v, loss, 1e-6, 1e-6, 1e-9, "dq");
   check_gradient(a.k.v, dk.v, loss, 1e-6, 1e-6, 1e-9, "dk");
   check_gradient(a.v.v, dv.v, loss, 1e-6, 1e-6, 1e-9, "dv");
+
+  // A dq scratch (the GPU's one-pass sum) is checked and changes nothing on the CPU; a wrong one
+  // is named.
+  loss();  // the saved out and lse of the unperturbed inputs again
+  attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse, Tensor());
+  const std::vector<double> dq_ref = dq.v;
+  Buf<float> acc({s.b, s.nh, s.t, s.hd});
+  attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse, acc);
+  CHECK(dq.v == dq_ref);
+  Buf<float> acc_shape({s.b, s.nh, s.t, s.hd + 1});
+  Buf<double> acc_f64({s.b, s.nh, s.t, s.hd});
+  CHECK_THROWS_WITH(attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse, acc_shape),
+                    Catch::Contains("attention_backward: dq_acc"));
+  CHECK_THROWS_WITH(attention_backward(ctx, dq, dk, dv, w, a.q, a.k, a.v, a.out, a.lse, acc_f64),
+                    Catch::Contains("attention_backward: dq_acc must be f32, got f64"));
 }
 
 TEST_CASE("attention f32 agrees with f64 and is thread-count independent", "[attention][f32]") {
@@ -272,7 +287,7 @@ TEST_CASE("attention f32 agrees with f64 and is thread-count independent", "[att
   Buf<double> dout = random_buf({s.b, s.t, s.nh, s.hd}, 55);
   Buf<double> dq({s.b, s.t, s.nh, s.hd}), dk({s.b, s.t, s.nkv, s.hd}), dv({s.b, s.t, s.nkv, s.hd});
   attention_forward(ctx, a.out, a.lse, a.q, a.k, a.v);
-  attention_backward(ctx, dq, dk, dv, dout, a.q, a.k, a.v, a.out, a.lse);
+  attention_backward(ctx, dq, dk, dv, dout, a.q, a.k, a.v, a.out, a.lse, Tensor());
 
   AttnBufs<float> f(s);
   f.q = to_f32(a.q);
@@ -282,7 +297,7 @@ TEST_CASE("attention f32 agrees with f64 and is thread-count independent", "[att
   Buf<float> dqf({s.b, s.t, s.nh, s.hd}), dkf({s.b, s.t, s.nkv, s.hd}),
       dvf({s.b, s.t, s.nkv, s.hd});
   attention_forward(ctx, f.out, f.lse, f.q, f.k, f.v);
-  attention_backward(ctx, dqf, dkf, dvf, doutf, f.q, f.k, f.v, f.out, f.lse);
+  attention_backward(ctx, dqf, dkf, dvf, doutf, f.q, f.k, f.v, f.out, f.lse, Tensor());
   CHECK(max_rel_diff(f.out.v, a.out.v) < 1e-5);
   CHECK(max_rel_diff(f.lse.v, a.lse.v) < 1e-5);
   CHECK(max_rel_diff(dqf.v, dq.v) < 1e-5);
@@ -295,7 +310,7 @@ TEST_CASE("attention f32 agrees with f64 and is thread-count independent", "[att
   const int saved = omp_get_max_threads();
   omp_set_num_threads(1);
   attention_forward(ctx, out1, lse1, f.q, f.k, f.v);
-  attention_backward(ctx, dq1, dk1, dv1, doutf, f.q, f.k, f.v, out1, lse1);
+  attention_backward(ctx, dq1, dk1, dv1, doutf, f.q, f.k, f.v, out1, lse1, Tensor());
   omp_set_num_threads(saved);
   CHECK(out1.v == f.out.v);
   CHECK(lse1.v == f.lse.v);

@@ -301,7 +301,8 @@ TEST_CASE("ops reject a statistic or gradient that is not in acc_dtype(T)", "[mi
   msg = internal_error_of([&] { attention_forward(ctx, out, alse32, q, k, k); });
   CHECK(contains(msg, "attention_forward: lse"));
   Buf<double> dq({1, 3, 2, 4}), dk({1, 3, 1, 4}), dv({1, 3, 1, 4});
-  msg = internal_error_of([&] { attention_backward(ctx, dq, dk, dv, out, q, k, k, out, alse32); });
+  msg = internal_error_of(
+      [&] { attention_backward(ctx, dq, dk, dv, out, q, k, k, out, alse32, Tensor()); });
   CHECK(contains(msg, "attention_backward: lse"));
 
   Buf<float> cos32({8, 2}), sin32({8, 2});

@@ -48,7 +48,8 @@ inline void check_attention_forward_outputs(const Tensor& out, const Tensor& lse
 // check_attention_qkv_*): all of q's dtype but lse, in acc_dtype(q).
 inline void check_attention_backward_args(const Tensor& dq, const Tensor& dk, const Tensor& dv,
                                           const Tensor& dout, const Tensor& q, const Tensor& k,
-                                          const Tensor& out, const Tensor& lse) {
+                                          const Tensor& out, const Tensor& lse,
+                                          const Tensor& dq_acc) {
   const struct {
     int64_t batch, seq, heads, kv_heads, hd;
   } s{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
@@ -64,6 +65,14 @@ inline void check_attention_backward_args(const Tensor& dq, const Tensor& dk, co
   check_same_dtype(dout, q, "attention_backward: dout, q");
   check_same_dtype(out, q, "attention_backward: out, q");
   check_acc_dtype(lse, q, "attention_backward: lse");
+  if (!dq_acc.empty()) {
+    check_shape(dq_acc, {s.batch, s.heads, s.seq, s.hd}, "attention_backward: dq_acc");
+    MOE_CHECK(
+        dq_acc.dtype == DType::f32,
+        std::string("attention_backward: dq_acc must be f32, got ") + dtype_name(dq_acc.dtype));
+    MOE_CHECK(dq_acc.device == q.device, "attention_backward: dq_acc is on " + dq_acc.device.str() +
+                                             ", q on " + q.device.str());
+  }
 }
 
 }  // namespace moe

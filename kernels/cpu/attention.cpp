@@ -131,11 +131,11 @@ void attention_forward(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k, Ten
 }
 
 // dq: [B, T, nh, hd], dk, dv: [B, T, nkv, hd] (all overwritten), dout, out: [B, T, nh, hd],
-// lse: [B, nh, T]
+// lse: [B, nh, T]; dq_acc: checked, not used (the CPU sums dq in its own registers)
 void attention_backward(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k,
-                        Tensor v, Tensor out, Tensor lse) {
+                        Tensor v, Tensor out, Tensor lse, Tensor dq_acc) {
   const AttnDims s = attention_dims(q, k, v, "attention_backward");
-  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse);
+  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse, dq_acc);
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     const T *pdo = dout.ptr<T>(), *pq = q.ptr<T>(), *pk = k.ptr<T>(), *pv = v.ptr<T>();

@@ -391,15 +391,16 @@ void attention_forward_cuda(Ctx& ctx, Tensor out, Tensor lse, Tensor q, Tensor k
 }
 
 void attention_backward_cuda(Ctx& ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q,
-                             Tensor k, Tensor v, Tensor out, Tensor lse) {
+                             Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dq_acc) {
   const Dims s = attention_dims(q, k, v, "attention_backward");
-  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse);
+  check_attention_backward_args(dq, dk, dv, dout, q, k, out, lse, dq_acc);
   check_on_gpu({&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse}, "attention_backward");
   const int64_t q_rows = s.batch * s.heads * s.seq, kv_rows = s.batch * s.kv_heads * s.seq;
   if (q_rows == 0) return;
   if (attention_mma_available(q.dtype, s.hd)) {  // tensor cores: f16 / bf16, head_dim 64
     attention_mma_backward(ctx, q.dtype, dq.data, dk.data, dv.data, dout.data, q.data, k.data,
                            v.data, out.data, data_of<float>(lse),
+                           dq_acc.empty() ? nullptr : data_of<float>(dq_acc),
                            {s.batch, s.seq, s.heads, s.kv_heads});
     return;
   }

@@ -505,8 +505,8 @@ void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void*
 
 void attention_mma_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                             const void* q, const void* k, const void* v, const void* out,
-                            const float* lse, const AttentionShape& s) {
-  if (attention_sm90_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s) ||
+                            const float* lse, float* dq_acc, const AttentionShape& s) {
+  if (attention_sm90_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, dq_acc, s) ||
       attention_sm80_backward(ctx, t, dq, dk, dv, dout, q, k, v, out, lse, s))
     return;
   if (t == DType::f16)

@@ -25,10 +25,12 @@ void attention_mma_forward(Ctx& ctx, DType t, void* out, float* lse, const void*
 bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                             const void* v, const AttentionShape& s);
 
-// The wgmma / TMA backward for sm_90 (attention_sm90.cu), under the same conditions.
+// The wgmma / TMA backward for sm_90 (attention_sm90.cu), under the same conditions. With
+// dq_acc (fp32 [B, nh, T, 64] scratch, or null) it may run as one kernel that sums dq there
+// (attention_sm90_fused_backward.cu).
 bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                              const void* q, const void* k, const void* v, const void* out,
-                             const float* lse, const AttentionShape& s);
+                             const float* lse, float* dq_acc, const AttentionShape& s);
 
 // The mma.sync forward for sm_80+ (attention_sm80.cu) behind attention_mma_forward: false,
 // launching nothing, when the binary has no sm_80 code for t on this device or a tensor is not
@@ -44,6 +46,6 @@ bool attention_sm80_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, co
 
 void attention_mma_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                             const void* q, const void* k, const void* v, const void* out,
-                            const float* lse, const AttentionShape& s);
+                            const float* lse, float* dq_acc, const AttentionShape& s);
 
 }  // namespace moe::cuda_detail

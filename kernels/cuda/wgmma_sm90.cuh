@@ -184,6 +184,30 @@ __device__ __forceinline__ void wgmma_m64n256(float (&d)[128], uint64_t desc_a, 
       : MOE_WGMMA_ACC32                                                                 \
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(kTransB))
 
+// m64n32k16 with A and B from shared memory (the one-pass attention backward's dQ = dS K, each
+// math warpgroup 32 of its 64 columns).
+#define MOE_WGMMA_ACC16 MOE_WGMMA_ACC8(0), MOE_WGMMA_ACC8(8)
+#define MOE_WGMMA_M64N32_SS(TYPE)                                            \
+  asm volatile(                                                              \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                           \
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE            \
+      " {"                                                                   \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
+      "}, %16, %17, p, 1, 1, %19, %20;\n}\n"                                 \
+      : MOE_WGMMA_ACC16                                                      \
+      : MOE_WGMMA_SS_OPERANDS)
+
+template <class T, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n32(float (&d)[16], uint64_t desc_a, uint64_t desc_b,
+                                             int scale_d) {
+#if MOE_HAS_WGMMA
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    MOE_WGMMA_M64N32_SS("bf16");
+  else
+    MOE_WGMMA_M64N32_SS("f16");
+#endif
+}
+
 template <class T, int kTransA, int kTransB>
 __device__ __forceinline__ void wgmma_m64n64(float (&d)[32], uint64_t desc_a, uint64_t desc_b,
                                              int scale_d) {

@@ -1,0 +1,154 @@
+// The pieces the Hopper flash attention kernels share (attention_sm90.cu: the forward and the
+// two-kernel backward; attention_sm90_fused_backward.cu: the one-kernel backward): the tile
+// geometry, wgmma descriptors and products over swizzled [rows][64] head tiles, the accumulator ->
+// A-fragment packing, the staged tile store and the host's tensor maps. attention_sm90.cu's top
+// comment explains the layouts and the pipeline.
+#pragma once
+#include <cudaTypedefs.h>
+
+#include <cstdint>
+
+#include "cuda/attention_mma.cuh"
+#include "cuda/cuda_common.cuh"
+#include "cuda/mma_common.cuh"
+#include "cuda/mma_sm80.cuh"
+#include "cuda/tma_sm90.cuh"
+#include "cuda/vec16.cuh"
+#include "cuda/wgmma_sm90.cuh"
+
+namespace moe::cuda_detail::flash90 {
+
+constexpr int kD = 64;          // head_dim
+constexpr int kRowBytes = 128;  // a row of 64 16-bit elements: one 128-byte swizzle row
+constexpr int kThreads = 384;   // a producer warpgroup and two math warpgroups
+constexpr int kWgRows = 64;     // rows of a math warpgroup's m64 tile
+constexpr int kWgBytes = kWgRows * kRowBytes;  // 8 KiB: a math warpgroup's rows of a tile
+constexpr int kMathWarps = 8;                  // arrivals on an empty barrier: one per math warp
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.69314718055994531f;
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+[[maybe_unused]] __device__ __forceinline__ uint32_t align1024(uint32_t addr) {
+  return (addr + 1023u) & ~1023u;
+}
+
+// Descriptors of a swizzled [rows][64] tile at shared address `tile` (1024-byte aligned) used
+// K-major (rows are M / N; 8-row groups 1024 bytes apart) or MN-major (rows are k; one 64-wide
+// m/n block, so the block stride is never used).
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile) {
+  return smem_desc_sw128(tile, 16, 1024);
+}
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile) {
+  return smem_desc_sw128(tile, kWgBytes, 1024);
+}
+// The descriptor `bytes` further on: the start address is bits 0-13 in 16-byte units, and shared
+// addresses stay below 256 KiB, so the add never carries out of the field.
+[[maybe_unused]] __device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
+// c (64 x kN) = A B^T over head_dim: A the K-major tile of desc_a (64 rows), B the K-major tile
+// of desc_b (kN rows). Issued, not waited for.
+template <class T, int kN>
+__device__ __forceinline__ void product_abt(float (&c)[kN / 2], uint64_t desc_a, uint64_t desc_b) {
+#pragma unroll
+  for (int s = 0; s < kD / 16; ++s) {
+    if constexpr (kN == 128)
+      wgmma_m64n128<T, 0, 0>(c, desc_at(desc_a, 32 * s), desc_at(desc_b, 32 * s), s > 0);
+    else
+      wgmma_m64n64<T, 0, 0>(c, desc_at(desc_a, 32 * s), desc_at(desc_b, 32 * s), s > 0);
+  }
+}
+
+// acc (64 x 64) += C B: C (64 x kK) in A fragments (pack_a), B the MN-major tile of desc_b (kK
+// rows of 64). Issued, not waited for.
+template <class T, int kK>
+__device__ __forceinline__ void product_cb(float (&acc)[32], const uint32_t (&c)[kK / 16][4],
+                                           uint64_t desc_b) {
+#pragma unroll
+  for (int s = 0; s < kK / 16; ++s) wgmma_m64n64_rs<T, 1>(acc, c[s], desc_at(desc_b, 2048 * s), 1);
+}
+
+// An accumulator of kN columns rounded to T as the A fragments of kN / 16 k16 steps (the mapping
+// in the top comment).
+template <class T, int kN>
+__device__ __forceinline__ void pack_a(uint32_t (&a)[kN / 16][4], const float (&c)[kN / 2]) {
+#pragma unroll
+  for (int s = 0; s < kN / 16; ++s) {
+    a[s][0] = pack2<T>(c[8 * s], c[8 * s + 1]);
+    a[s][1] = pack2<T>(c[8 * s + 2], c[8 * s + 3]);
+    a[s][2] = pack2<T>(c[8 * s + 4], c[8 * s + 5]);
+    a[s][3] = pack2<T>(c[8 * s + 6], c[8 * s + 7]);
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&c)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) c[i] = 0.0f;
+}
+
+// <a, b> over the 8 16-bit elements of two 16-byte chunks, in fp32.
+template <class T>
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const T* ea = reinterpret_cast<const T*>(&a);
+  const T* eb = reinterpret_cast<const T*>(&b);
+  float s = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) s += load(ea[j]) * load(eb[j]);
+  return s;
+}
+
+// Stores a math warpgroup's 64 x 64 accumulator, row half hr (rows r and r + 8 of each thread)
+// times scale[hr], to dst rows 0 .. rows_left - 1 (row i at dst + i * stride): the accumulator
+// pairs go to `staging` (the warpgroup's 8 KiB of a tile no wgmma reads any more) with their
+// 16-byte chunks swizzled (chunk ^ row % 8: the 8 rows of a warp store hit 32 banks), then each
+// row leaves as 8 16-byte stores, 8 threads per 128-byte row.
+template <class T>
+__device__ __forceinline__ void store_tile(const float (&c)[32], const float (&scale)[2],
+                                           uint32_t staging, T* dst, int64_t stride,
+                                           int64_t rows_left, int g) {
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const int row0 = (t / 32) * 16 + (t % 32) / 4, pair = t % 4;
+  named_barrier_sync(1 + g, 128);  // every wgmma of the warpgroup has retired
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int row = row0 + 8 * hr;
+      const uint32_t at = staging + row * kRowBytes + ((j ^ (row & 7)) << 4) + 4 * pair;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                   "r"(pack2<T>(c[4 * j + 2 * hr] * scale[hr], c[4 * j + 2 * hr + 1] * scale[hr]))
+                   : "memory");
+    }
+  named_barrier_sync(1 + g, 128);
+#pragma unroll
+  for (int i = 0; i < kWgRows * 8 / 128; ++i) {
+    const int idx = i * 128 + t, row = idx / 8, chunk = idx % 8;
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(staging + row * kRowBytes + ((chunk ^ (row & 7)) << 4))
+                 : "memory");
+    if (row < rows_left) *reinterpret_cast<uint4*>(dst + row * stride + chunk * 8) = v;
+  }
+}
+
+constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
+
+// A tensor map over a [B, T, n_heads, 64] 16-bit tensor seen as [B][T][n_heads * 64] (innermost
+// first: n_heads * 64, T, B): boxes of one head's 64 elements x `rows` positions x 1 sequence,
+// stored in the 128-byte swizzle; positions past T are zero-filled, never the next sequence's.
+CUtensorMap head_rows_map(DType t, const void* p, const AttentionShape& s, int64_t n_heads,
+                          uint32_t rows);
+
+// The one-kernel backward (attention_sm90_fused_backward.cu): whether this binary's code for it
+// is sm_90a code, and its launch (the caller checks the device, the alignment and the shape as
+// for the two-kernel backward). dq_acc: fp32 [B, nh, T, 64] scratch, overwritten.
+bool fused_backward_compiled_for_sm90a();
+void launch_fused_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, float* dq_acc,
+                           const void* dout, const void* q, const void* k, const void* v,
+                           const void* out, const float* lse, const AttentionShape& s);
+
+}  // namespace moe::cuda_detail::flash90
