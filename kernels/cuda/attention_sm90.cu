@@ -34,7 +34,8 @@
 // 8 math warps per SM), so only tiles that reach the causal diagonal or T evaluate a mask, in
 // 32-bit offsets; a tile no row of a warpgroup sees is computed like any other (it adds zeros),
 // so the loop bodies have no branch around a wgmma.
-// Every output element is written by one thread of one block: deterministic, no atomics. Rows
+// Every output element is written by one thread of one block: deterministic, no atomics.
+// attention_sm90_fused_backward.cu runs the backward as one kernel where use_fused() says so. Rows
 // past T are zero-filled on load, computed and not stored; keys past T and causal-future keys are
 // masked (-inf before the softmax, P = 0 in the backward).
 //

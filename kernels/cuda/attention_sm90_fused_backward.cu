@@ -15,10 +15,13 @@
 //
 // A step (64 queries of one query head against the block's 128 keys) as in the dk/dv kernel, plus:
 // each math warpgroup stores its 64 rows of dS^T (rounded) into a [128 keys][64 queries] buffer in
-// the 128-byte swizzle, and after a barrier over both math warpgroups each computes 32 of dQ's 64
-// columns over all 128 keys: m64n32k16 wgmmas with A = dS read MN-major from that buffer and B =
-// the key tile's K read MN-major from column 32 g. The buffers alternate by step, and the K / V
-// tiles by key tile (the next key tile's land while this one's last steps run).
+// the 128-byte swizzle, and two steps later, once both halves are there (mbarriers ds_full /
+// ds_empty: a barrier every step would run the warpgroups in lockstep, measured 1.5% slower),
+// each computes 32 of dQ's 64 columns over all 128 keys: m64n32k16 wgmmas with A = dS read
+// MN-major from that buffer and B = the key tile's K read MN-major from column 32 g. Three
+// buffers rotate by step, and two K / V sets by key tile (the next key tile's land while this
+// one's last steps run). Measured (docs/perf.md, 25th session): 7% under the two kernels at the
+// peer shape, far from the dq kernel's whole share: the chains' Q, dO, O and sums overflow L2.
 #include <mutex>
 
 #include "cuda/attention_sm90.cuh"
