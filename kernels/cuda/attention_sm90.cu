@@ -444,27 +444,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- backward: dk, dv --------------------------------------------------------------------------
 
-struct Dkdv {
-  static constexpr int kBN = 128;  // keys per block
-  static constexpr int kBM = 64;   // queries per step
-  // A stage is freed a step late (its Q and dO are the next step's dK, dV operands).
-  static constexpr int kStages = 4;
-  static constexpr int kKVBytes = kBN * kRowBytes;    // K, then V
-  static constexpr int kTileBytes = kBM * kRowBytes;  // a Q, dO or O tile
-  // A stage: Q, dO, O (TMA), then lse (log2 domain) and D of the 64 queries; 1024-byte aligned.
-  static constexpr int kDo = kTileBytes, kO = 2 * kTileBytes;
-  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kBM * 4;
-  static constexpr int kStageBytes = 3 * kTileBytes + 1024;
+// The key-tile-major dk/dv kernel: one block per (key tile, batch, kv head), its K and V loaded
+// once; the layout is DkdvGeometry's (attention_sm90.cuh).
+struct Dkdv : DkdvGeometry {
   static constexpr int kRing0 = 2 * kKVBytes;
   static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
-  // Full barrier arrivals: the 64 threads (warps 2-3, one query row each) that write lse and D
-  // once the stage's tiles have landed (the `landed` barrier, which the TMA completes).
-  static constexpr int kHelpers = 64;
-  // The register split (per thread; 2 x 128 x math + 128 x producer <= 64 Ki): the math keeps
-  // dK, dV, S^T, dP^T and the previous step's P^T, dS^T fragments (ptxas: no spills at 232).
-  static constexpr int kProducerRegs = 40, kMathRegs = 232;
 };
-static_assert(2 * 128 * Dkdv::kMathRegs + 128 * Dkdv::kProducerRegs <= 65536, "register file");
 // Shared memory per block on sm_90: 227 KiB, static and dynamic together (the static barriers
 // take 1024 bytes: the dynamic memory starts 1024-byte aligned). Every tile the 128-byte swizzle
 // reads starts on a 1024-byte boundary.
@@ -477,7 +462,6 @@ static_assert(Fwd::kQBytes % 1024 == 0 && Fwd::kTileBytes % 1024 == 0 && Dq::kQB
                   Dkdv::kTileBytes % 1024 == 0 && Dkdv::kStageBytes % 1024 == 0 &&
                   kWgBytes % 1024 == 0,
               "1024-byte aligned tiles");
-static_assert(Dkdv::kDsum + Dkdv::kBM * 4 <= Dkdv::kStageBytes, "lse and D inside the stage");
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -526,13 +510,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int it = 0; it < steps; ++it) {
           const int s = it % kS;
           if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
-          mbar_arrive_expect_tx(landed + 8 * s, 3 * C::kTileBytes);
-          const int h = kvh * group + it / per_head;
-          const int32_t i0 = static_cast<int32_t>((first_tile + it % per_head) * C::kBM);
-          const uint32_t stage = base + C::kRing0 + s * C::kStageBytes;
-          tma_load_3d(stage, &map_q, landed + 8 * s, h * kD, i0, b);
-          tma_load_3d(stage + C::kDo, &map_do, landed + 8 * s, h * kD, i0, b);
-          tma_load_3d(stage + C::kO, &map_o, landed + 8 * s, h * kD, i0, b);
+          load_step_tiles<C>(base + C::kRing0 + s * C::kStageBytes, landed + 8 * s, &map_q, &map_do,
+                             &map_o, kvh * group + it / per_head,
+                             static_cast<int32_t>((first_tile + it % per_head) * C::kBM), b);
         }
       } else if (threadIdx.x >= 64) {
         // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries,
@@ -548,15 +528,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               i < seq ? lse[(int64_t(b) * heads + h) * seq + i] * kLog2e : INFINITY;
           unsigned char* stage = base_ptr + C::kRing0 + s * C::kStageBytes;
           mbar_wait(landed + 8 * s, (it / kS) & 1);
-          float part = 0.0f;
-#pragma unroll
-          for (int c = 0; c < 8; ++c) {
-            const int at = r * kRowBytes + ((c ^ (r & 7)) << 4);
-            part += dot8<T>(*reinterpret_cast<const uint4*>(stage + C::kDo + at),
-                            *reinterpret_cast<const uint4*>(stage + C::kO + at));
-          }
-          reinterpret_cast<float*>(stage + C::kDsum)[r] = part;
-          reinterpret_cast<float*>(stage + C::kLse)[r] = row_lse;
+          write_d_and_lse<C, T>(stage, r, row_lse);
           mbar_arrive(full + 8 * s);  // each thread's arrive releases its own writes
         }
       }
@@ -581,43 +553,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile(st)));
       product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(q_tile(st) + C::kTileBytes));
     };
-    // Step it's S^T and dP^T (landed) -> P^T in s, dS^T in dp. Queries that see no key of the
-    // warpgroup (the causal past of its keys, past T) give P = 0, and keys past T are never
-    // stored: such a step is computed like any other and adds zeros, so the loop body has no
-    // branch.
+    // Step it's S^T and dP^T (landed) -> P^T in s, dS^T in dp (dkdv_grads).
     auto grads = [&](int it, int st) {
-      const int64_t i0 = (first_tile + it % per_head) * C::kBM;
-      const float* lse2 =
-          reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kLse);
-      const float* dsum =
-          reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kDsum);
-      if (i0 < wg_key + kWgRows || i0 + C::kBM > seq) {
-        // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8);
-        // queries from T on have d >= lim
-        const int rel = static_cast<int>(i0 - key) + 2 * t4;
-        const int lim = static_cast<int>(seq - key);
-#pragma unroll
-        for (int jj = 0; jj < C::kBM / 8; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-            const int d = rel + 8 * jj + (e & 1);
-            const float pr =
-                d < 8 * (e >> 1) || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-            s[i] = pr;
-            dp[i] = pr * (dp[i] - dsum[c]);
-          }
-      } else {
-#pragma unroll
-        for (int jj = 0; jj < C::kBM / 8; ++jj)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-            const float pr = exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-            s[i] = pr;
-            dp[i] = pr * (dp[i] - dsum[c]);
-          }
-      }
+      const unsigned char* stage = base_ptr + C::kRing0 + st * C::kStageBytes;
+      dkdv_grads<C::kBM>(s, dp, reinterpret_cast<const float*>(stage + C::kLse),
+                         reinterpret_cast<const float*>(stage + C::kDsum),
+                         (first_tile + it % per_head) * C::kBM, wg_key, key, seq, t4, scale_log2);
     };
     // dV += P^T dO, dK += dS^T Q of the step in stage st (issued, not committed).
     auto accumulate = [&](int st) {

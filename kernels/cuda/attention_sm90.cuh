@@ -135,6 +135,102 @@ __device__ __forceinline__ void store_tile(const float (&c)[32], const float (&s
   }
 }
 
+// The geometry both dk/dv kernels share (attention_sm90.cu's two-kernel backward and
+// attention_sm90_fused_backward.cu): a block's 128 keys (K then V), 64-query steps in a 4-stage
+// ring freed a step late (a stage's Q and dO are the next step's dK, dV operands); a stage holds
+// Q, dO, O (TMA), then lse (log2 domain) and D of its 64 queries, 1024-byte aligned. The helpers
+// (warps 2-3, one query row each) write lse and D once the stage's tiles have landed and are the
+// full barrier's arrivals. The register split (2 x 128 x math + 128 x producer <= 64 Ki): the
+// math keeps dK, dV, S^T, dP^T and the previous step's P^T, dS^T fragments.
+struct DkdvGeometry {
+  static constexpr int kBN = 128;  // keys per block (a key tile)
+  static constexpr int kBM = 64;   // queries per step
+  static constexpr int kStages = 4;
+  static constexpr int kKVBytes = kBN * kRowBytes;    // K or V of the key tile
+  static constexpr int kTileBytes = kBM * kRowBytes;  // a Q, dO or O tile
+  static constexpr int kDo = kTileBytes, kO = 2 * kTileBytes;
+  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kBM * 4;
+  static constexpr int kStageBytes = 3 * kTileBytes + 1024;
+  static constexpr int kHelpers = 64;
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;
+};
+static_assert(2 * 128 * DkdvGeometry::kMathRegs + 128 * DkdvGeometry::kProducerRegs <= 65536,
+              "register file");
+static_assert(DkdvGeometry::kKVBytes % 1024 == 0 && DkdvGeometry::kTileBytes % 1024 == 0 &&
+                  DkdvGeometry::kStageBytes % 1024 == 0 &&
+                  DkdvGeometry::kDsum + DkdvGeometry::kBM * 4 <= DkdvGeometry::kStageBytes,
+              "1024-byte aligned tiles; lse and D inside the stage");
+
+// The dk/dv kernels' elementwise step: S^T and dP^T (s, dp) of a math warpgroup's 64 keys (this
+// thread's: key and key + 8) against the kBM queries from i0 -> P^T in s, dS^T = P^T (dP^T - D)
+// in dp, with lse2 (the queries' lse in the log2 domain) and dsum (their D) in the stage. Queries
+// that see no key of the warpgroup (the causal past of its keys, past T) give P = 0, and keys
+// past T are never stored: such a step is computed like any other and adds zeros, so the loop
+// body has no branch; only steps that reach the diagonal or T evaluate a mask.
+template <int kBM>
+__device__ __forceinline__ void dkdv_grads(float (&s)[kBM / 2], float (&dp)[kBM / 2],
+                                           const float* lse2, const float* dsum, int64_t i0,
+                                           int64_t wg_key, int64_t key, int64_t seq, int t4,
+                                           float scale_log2) {
+  if (i0 < wg_key + kWgRows || i0 + kBM > seq) {
+    // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8);
+    // queries from T on have d >= lim
+    const int rel = static_cast<int>(i0 - key) + 2 * t4;
+    const int lim = static_cast<int>(seq - key);
+#pragma unroll
+    for (int jj = 0; jj < kBM / 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
+        const int d = rel + 8 * jj + (e & 1);
+        const float pr =
+            d < 8 * (e >> 1) || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
+        s[i] = pr;
+        dp[i] = pr * (dp[i] - dsum[c]);
+      }
+  } else {
+#pragma unroll
+    for (int jj = 0; jj < kBM / 8; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
+        const float pr = exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
+        s[i] = pr;
+        dp[i] = pr * (dp[i] - dsum[c]);
+      }
+  }
+}
+
+// The dk/dv kernels' producer: a step's Q, dO and O tiles (64 query rows from i0 of query head h,
+// sequence b) into `stage` (layout C: C::kDo, kO), completing the stage's `landed` barrier.
+template <class C>
+__device__ __forceinline__ void load_step_tiles(uint32_t stage, uint32_t landed,
+                                                const CUtensorMap* map_q, const CUtensorMap* map_do,
+                                                const CUtensorMap* map_o, int h, int32_t i0,
+                                                int b) {
+  mbar_arrive_expect_tx(landed, 3 * C::kTileBytes);
+  tma_load_3d(stage, map_q, landed, h * kD, i0, b);
+  tma_load_3d(stage + C::kDo, map_do, landed, h * kD, i0, b);
+  tma_load_3d(stage + C::kO, map_o, landed, h * kD, i0, b);
+}
+
+// The dk/dv kernels' helper threads, one query row r of a landed stage (layout C: C::kDo, kO,
+// kLse, kDsum): D = <dO_r, O_r> read off the swizzled dO and O tiles (zero past T; chunk c of row
+// r at r * 128 + (c ^ r % 8) * 16), written beside the row's lse (log2 domain, loaded by the
+// caller before the tiles landed, so its latency hides behind the TMA's).
+template <class C, class T>
+__device__ __forceinline__ void write_d_and_lse(unsigned char* stage, int r, float row_lse) {
+  float part = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int at = r * kRowBytes + ((c ^ (r & 7)) << 4);
+    part += dot8<T>(*reinterpret_cast<const uint4*>(stage + C::kDo + at),
+                    *reinterpret_cast<const uint4*>(stage + C::kO + at));
+  }
+  reinterpret_cast<float*>(stage + C::kDsum)[r] = part;
+  reinterpret_cast<float*>(stage + C::kLse)[r] = row_lse;
+}
+
 constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
 
 // A tensor map over a [B, T, n_heads, 64] 16-bit tensor seen as [B][T][n_heads * 64] (innermost

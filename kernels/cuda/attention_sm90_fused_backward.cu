@@ -30,18 +30,10 @@ namespace moe::cuda_detail {
 namespace {
 using namespace flash90;
 
-struct Fused {
-  static constexpr int kBN = 128;  // keys per key tile
-  static constexpr int kBM = 64;   // queries per step
-  // A stage is freed a step late (its Q and dO are the next step's dK, dV operands).
-  static constexpr int kStages = 4;
-  static constexpr int kKVBytes = kBN * kRowBytes;  // K or V of a key tile
+// DkdvGeometry's steps (attention_sm90.cuh) over a chain of key tiles: two K / V sets, the dS^T
+// buffers, then the ring.
+struct Fused : DkdvGeometry {
   static constexpr int kSetBytes = 2 * kKVBytes;    // K, then V
-  static constexpr int kTileBytes = kBM * kRowBytes;
-  // A stage: Q, dO, O (TMA), then lse (log2 domain) and D of the 64 queries.
-  static constexpr int kDo = kTileBytes, kO = 2 * kTileBytes;
-  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kBM * 4;
-  static constexpr int kStageBytes = 3 * kTileBytes + 1024;
   static constexpr int kDsBytes = kBN * kRowBytes;  // dS^T of a step: [128 keys][64 queries]
   // dQ's product of step i runs two steps late (step i + 2), so the math warpgroups never wait
   // for each other's dS^T halves in lockstep: three buffers rotate.
@@ -49,16 +41,10 @@ struct Fused {
   static constexpr int kDs0 = 2 * kSetBytes;  // two K / V sets, then the dS^T buffers
   static constexpr int kRing0 = kDs0 + kDsBuffers * kDsBytes;
   static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
-  static constexpr int kHelpers = 64;  // full-barrier arrivals: warps 2-3 write lse and D
-  static constexpr int kProducerRegs = 40, kMathRegs = 232;
   static constexpr int kMathBarrier = 3;  // both math warpgroups (1 and 2 are store_tile's)
 };
-static_assert(2 * 128 * Fused::kMathRegs + 128 * Fused::kProducerRegs <= 65536, "register file");
 static_assert(Fused::kSmem + 1024 <= 232448, "shared memory: 227 KiB with the static barriers");
-static_assert(Fused::kKVBytes % 1024 == 0 && Fused::kDsBytes % 1024 == 0 &&
-                  Fused::kStageBytes % 1024 == 0 &&
-                  Fused::kDsum + Fused::kBM * 4 <= Fused::kStageBytes,
-              "1024-byte aligned tiles; lse and D inside the stage");
+static_assert(Fused::kDsBytes % 1024 == 0, "1024-byte aligned dS^T buffers");
 
 // Relaxed (strong, gpu-scope) accesses to the fp32 dQ sums: the same thread's store, reductions
 // and final load of an element are then ordered by coherence, in program order. The vector
@@ -150,13 +136,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < steps; ++i, ++it) {
             const int s = it % kS;
             if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
-            mbar_arrive_expect_tx(landed + 8 * s, 3 * C::kTileBytes);
-            const int h = kvh * group + i / ph;
-            const auto i0 = static_cast<int32_t>((2 * kb + i % ph) * C::kBM);
-            const uint32_t stage = base + C::kRing0 + s * C::kStageBytes;
-            tma_load_3d(stage, &map_q, landed + 8 * s, h * kD, i0, b);
-            tma_load_3d(stage + C::kDo, &map_do, landed + 8 * s, h * kD, i0, b);
-            tma_load_3d(stage + C::kO, &map_o, landed + 8 * s, h * kD, i0, b);
+            load_step_tiles<C>(base + C::kRing0 + s * C::kStageBytes, landed + 8 * s, &map_q,
+                               &map_do, &map_o, kvh * group + i / ph,
+                               static_cast<int32_t>((2 * kb + i % ph) * C::kBM), b);
           }
         }
       } else if (threadIdx.x >= 64) {
@@ -174,15 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                 q < seq ? lse[(int64_t(b) * heads + h) * seq + q] * kLog2e : INFINITY;
             unsigned char* stage = base_ptr + C::kRing0 + s * C::kStageBytes;
             mbar_wait(landed + 8 * s, (it / kS) & 1);
-            float part = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 8; ++c) {
-              const int at = r * kRowBytes + ((c ^ (r & 7)) << 4);
-              part += dot8<T>(*reinterpret_cast<const uint4*>(stage + C::kDo + at),
-                              *reinterpret_cast<const uint4*>(stage + C::kO + at));
-            }
-            reinterpret_cast<float*>(stage + C::kDsum)[r] = part;
-            reinterpret_cast<float*>(stage + C::kLse)[r] = row_lse;
+            write_d_and_lse<C, T>(stage, r, row_lse);
             mbar_arrive(full + 8 * s);
           }
         }
@@ -239,38 +213,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile(st)));
         product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(q_tile(st) + C::kTileBytes));
       };
-      // Step i's S^T and dP^T (landed) -> P^T in s, dS^T in dp, as in the dk/dv kernel.
+      // Step `step`'s S^T and dP^T (landed) -> P^T in s, dS^T in dp (dkdv_grads).
       auto grads = [&](int step, int st) {
-        const int64_t i0 = int64_t(2 * kb + step % ph) * C::kBM;
-        const float* lse2 =
-            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kLse);
-        const float* dsum =
-            reinterpret_cast<const float*>(base_ptr + C::kRing0 + st * C::kStageBytes + C::kDsum);
-        if (i0 < wg_key + kWgRows || i0 + C::kBM > seq) {
-          const int rel = static_cast<int>(i0 - key) + 2 * t4;
-          const int lim = static_cast<int>(seq - key);
-#pragma unroll
-          for (int jj = 0; jj < C::kBM / 8; ++jj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-              const int d = rel + 8 * jj + (e & 1);
-              const float pr =
-                  d < 8 * (e >> 1) || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-              s[i] = pr;
-              dp[i] = pr * (dp[i] - dsum[c]);
-            }
-        } else {
-#pragma unroll
-          for (int jj = 0; jj < C::kBM / 8; ++jj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-              const float pr = exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-              s[i] = pr;
-              dp[i] = pr * (dp[i] - dsum[c]);
-            }
-        }
+        const unsigned char* stage = base_ptr + C::kRing0 + st * C::kStageBytes;
+        dkdv_grads<C::kBM>(s, dp, reinterpret_cast<const float*>(stage + C::kLse),
+                           reinterpret_cast<const float*>(stage + C::kDsum),
+                           int64_t(2 * kb + step % ph) * C::kBM, wg_key, key, seq, t4, scale_log2);
       };
       // dV += P^T dO, dK += dS^T Q of the step in stage st (issued, not committed).
       auto accumulate = [&](int st) {
