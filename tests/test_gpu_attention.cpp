@@ -184,6 +184,53 @@ TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the 
   unsetenv("MOE_ATTENTION_FUSED_BWD");
 }
 
+// The model gives attention_backward its fp32 dq scratch only where attention_backward_wants_dq_acc
+// says so: never for fp32 or a head_dim the tensor-core kernels do not take, never with the
+// one-kernel backward or the sm_90 kernels turned off, and where it says yes the backward writes
+// the scratch (NaN-poisoned before), where no it leaves it alone. 16 x 8 heads: 128 (batch, kv
+// head) chains, enough for the default to choose the one kernel on an H200's 132 SMs.
+TEST_CASE("gpu attention: the backward wants the dq scratch exactly where it uses it",
+          "[gpu][attention]") {
+  const int64_t B = 16, T = 128, nh = 8, hd = 64;
+  Ctx ctx = gpu_ctx();
+  CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::f32, B, T, nh, nh, hd));
+  CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::bf16, B, T, nh, nh, 32));
+  Ctx cpu{};
+  CHECK_FALSE(attention_backward_wants_dq_acc(cpu, DType::bf16, B, T, nh, nh, hd));
+  setenv("MOE_ATTENTION_FUSED_BWD", "0", 1);
+  CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::bf16, B, T, nh, nh, hd));
+  setenv("MOE_ATTENTION_FUSED_BWD", "1", 1);
+  setenv("MOE_ATTENTION_SM90", "0", 1);
+  CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::bf16, B, T, nh, nh, hd));
+  unsetenv("MOE_ATTENTION_SM90");
+  unsetenv("MOE_ATTENTION_FUSED_BWD");
+
+  const bool wants = attention_backward_wants_dq_acc(ctx, DType::bf16, B, T, nh, nh, hd);
+  INFO("wants the scratch: " << wants);
+  const size_t n = static_cast<size_t>(B * T * nh * hd);
+  auto dev = [&](uint64_t seed) {
+    return on_device(DType::bf16, {B, T, nh, hd}, round_to(DType::bf16, random_values(n, seed)));
+  };
+  DeviceTensor q = dev(61), k = dev(62), v = dev(63), dout = dev(64);
+  DeviceTensor out = poisoned(DType::bf16, {B, T, nh, hd}), lse = poisoned(DType::f32, {B, nh, T});
+  DeviceTensor dq = poisoned(DType::bf16, {B, T, nh, hd}),
+               dk = poisoned(DType::bf16, {B, T, nh, hd});
+  DeviceTensor dv = poisoned(DType::bf16, {B, T, nh, hd}),
+               acc = poisoned(DType::f32, {B, nh, T, hd});
+  attention_forward(ctx, out, lse, q, k, v);
+  attention_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, acc);
+  gpu::synchronize();
+  const std::vector<double> sums = download(acc);
+  const auto written =
+      std::count_if(sums.begin(), sums.end(), [](double x) { return !std::isnan(x); });
+  if (wants)
+    CHECK(written > 0);
+  else
+    CHECK(written == 0);
+  const std::vector<double> g = download(dq);
+  CHECK(std::none_of(g.begin(), g.end(), [](double x) { return std::isnan(x); }));
+}
+
 TEST_CASE("gpu attention handles a head_dim that is not a multiple of 32", "[gpu][attention]") {
   check_attention(DType::f32, 40);
 }

@@ -458,5 +458,15 @@ MOE_REGISTER_CUDA_OP(attention_forward,
                      &::moe::cuda_detail::attention_impl::attention_forward_cuda);
 MOE_REGISTER_CUDA_OP(attention_backward,
                      &::moe::cuda_detail::attention_impl::attention_backward_cuda);
+// attention_backward_wants_dq_acc (ops/attention.hpp): the tensor-core path, on sm_90 as one kernel
+static const bool moe_cuda_registered_attention_sums_dq = (
+    ::moe::cuda::attention_backward_sums_dq =
+        [](::moe::DType dt, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads,
+           int64_t hd) {
+          return ::moe::cuda_detail::attention_mma_available(dt, hd) &&
+                 ::moe::cuda_detail::attention_sm90_backward_sums_dq(dt,
+                                                                     {batch, seq, heads, kv_heads});
+        },
+    true);
 MOE_REGISTER_CUDA_OP(attention_decode_forward,
                      &::moe::cuda_detail::attention_impl::attention_decode_forward_cuda);

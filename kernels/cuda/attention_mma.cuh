@@ -31,6 +31,9 @@ bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void
 bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                              const void* q, const void* k, const void* v, const void* out,
                              const float* lse, float* dq_acc, const AttentionShape& s);
+// Whether attention_sm90_backward over 16-byte aligned tensors of shape s with a dq_acc runs as
+// the one kernel (and so uses dq_acc).
+bool attention_sm90_backward_sums_dq(DType t, const AttentionShape& s);
 
 // The mma.sync forward for sm_80+ (attention_sm80.cu) behind attention_mma_forward: false,
 // launching nothing, when the binary has no sm_80 code for t on this device or a tensor is not

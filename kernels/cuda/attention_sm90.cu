@@ -761,6 +761,10 @@ bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void
   return true;
 }
 
+bool attention_sm90_backward_sums_dq(DType t, const AttentionShape& s) {
+  return enabled() && sm90_available(t) && shape_fits(s) && use_fused(s);
+}
+
 bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                              const void* q, const void* k, const void* v, const void* out,
                              const float* lse, float* dq_acc, const AttentionShape& s) {

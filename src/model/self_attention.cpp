@@ -93,10 +93,11 @@ void SelfAttention::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, Tensor po
     dk = s.alloc(env_.dtype, {k_.size(0), k_.size(1), k_.size(2), k_.size(3)});
     dv = s.alloc(env_.dtype, {v_.size(0), v_.size(1), v_.size(2), v_.size(3)});
   }
-  // On a GPU in 16 bits the backward may sum dq over key tiles in fp32 in the same pass as dk
-  // and dv (ops/attention.hpp): its scratch; the CPU and the fp32 kernels take none.
+  // Where the backward sums dq over key tiles in fp32 in the same pass as dk and dv (the sm_90
+  // kernel, ops/attention.hpp), its scratch.
   Tensor dq_acc;
-  if (ctx.device.type == DeviceType::cuda && env_.mixed())
+  if (attention_backward_wants_dq_acc(ctx, env_.dtype, q_.size(0), q_.size(1), q_.size(2),
+                                      k_.size(2), q_.size(3)))
     dq_acc = s.alloc(DType::f32, {q_.size(0), q_.size(2), q_.size(1), q_.size(3)});
   linear_backward(ctx, as_rows(datt), wo_.g, dy, as_rows(att_), wo_.w, false);
   attention_backward(ctx, dq, dk, dv, datt, q_, k_, v_, att_, lse_, dq_acc);

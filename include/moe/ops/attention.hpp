@@ -20,5 +20,24 @@ MOE_OP(attention_backward,
        (Ctx & ctx, Tensor dq, Tensor dk, Tensor dv, Tensor dout, Tensor q, Tensor k, Tensor v,
         Tensor out, Tensor lse, Tensor dq_acc),
        (ctx, dq, dk, dv, dout, q, k, v, out, lse, dq_acc))
+// Whether attention_backward over q [batch, seq, heads, hd], k [batch, seq, kv_heads, hd] in dtype
+// dt on ctx's device sums dq in a given dq_acc (the CUDA backend's one-kernel sm_90 backward), so
+// callers allocate the scratch only where it is used. Decided from the shapes and the device alone
+// (the planning dry run asks too), assuming 16-byte aligned tensors (arena allocations are).
+#ifdef MOE_WITH_CUDA
+namespace cuda {
+inline bool (*attention_backward_sums_dq)(DType dt, int64_t batch, int64_t seq, int64_t heads,
+                                          int64_t kv_heads, int64_t hd) = nullptr;
+}
+#endif
+inline bool attention_backward_wants_dq_acc(const Ctx& ctx, DType dt, int64_t batch, int64_t seq,
+                                            int64_t heads, int64_t kv_heads, int64_t hd) {
+#ifdef MOE_WITH_CUDA
+  if (ctx.device.type == DeviceType::cuda && cuda::attention_backward_sums_dq != nullptr)
+    return cuda::attention_backward_sums_dq(dt, batch, seq, heads, kv_heads, hd);
+#endif
+  (void)ctx, (void)dt, (void)batch, (void)seq, (void)heads, (void)kv_heads, (void)hd;
+  return false;
+}
 
 }  // namespace moe
