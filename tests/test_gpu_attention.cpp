@@ -188,10 +188,12 @@ TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the 
 // says so: never for fp32 or a head_dim the tensor-core kernels do not take, never with the
 // one-kernel backward or the sm_90 kernels turned off, and where it says yes the backward writes
 // the scratch (NaN-poisoned before), where no it leaves it alone. 16 x 8 heads: 128 (batch, kv
-// head) chains, enough for the default to choose the one kernel on an H200's 132 SMs.
+// head) chains, enough for the default to choose the one kernel on an H200's 132 SMs; T = 256:
+// two key tiles, so the query tiles past the first key tile's diagonal keep sums in the scratch
+// (with one key tile every query tile's only share goes straight to dq).
 TEST_CASE("gpu attention: the backward wants the dq scratch exactly where it uses it",
           "[gpu][attention]") {
-  const int64_t B = 16, T = 128, nh = 8, hd = 64;
+  const int64_t B = 16, T = 256, nh = 8, hd = 64;
   Ctx ctx = gpu_ctx();
   CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::f32, B, T, nh, nh, hd));
   CHECK_FALSE(attention_backward_wants_dq_acc(ctx, DType::bf16, B, T, nh, nh, 32));
