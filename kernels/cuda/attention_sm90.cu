@@ -458,9 +458,7 @@ static_assert(Fwd::kSmem + kStaticSmem <= kSmemLimit && Dq::kSmem + kStaticSmem 
                   Dkdv::kSmem + kStaticSmem <= kSmemLimit,
               "shared memory");
 static_assert(Fwd::kQBytes % 1024 == 0 && Fwd::kTileBytes % 1024 == 0 && Dq::kQBytes % 1024 == 0 &&
-                  Dq::kTileBytes % 1024 == 0 && Dkdv::kKVBytes % 1024 == 0 &&
-                  Dkdv::kTileBytes % 1024 == 0 && Dkdv::kStageBytes % 1024 == 0 &&
-                  kWgBytes % 1024 == 0,
+                  Dq::kTileBytes % 1024 == 0 && kWgBytes % 1024 == 0,
               "1024-byte aligned tiles");
 
 template <class T>
@@ -483,11 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                    empty = full + 8 * kS;
     if (threadIdx.x == 0) {
       mbar_init(kv_full, 1);
-      for (int s = 0; s < kS; ++s) {
-        mbar_init(landed + 8 * s, 1);
-        mbar_init(full + 8 * s, C::kHelpers);
-        mbar_init(empty + 8 * s, kMathWarps);
-      }
+      init_step_ring<C>(landed, full, empty);
       mbar_init_fence();
     }
     __syncthreads();
@@ -548,23 +542,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     // P^T and dS^T of the previous step, rounded: the A operands of dV += P^T dO, dK += dS^T Q
     uint32_t pa[C::kBM / 16][4], dsa[C::kBM / 16][4];
     auto q_tile = [&](int st) { return base + C::kRing0 + st * C::kStageBytes; };
-    // S^T = K Q^T and dP^T = V dO^T of the step in stage st (issued, not committed).
-    auto scores = [&](int st) {
-      product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile(st)));
-      product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(q_tile(st) + C::kTileBytes));
-    };
-    // Step it's S^T and dP^T (landed) -> P^T in s, dS^T in dp (dkdv_grads).
+    // The step in stage st: its products (dkdv_scores, dkdv_accumulate) and elementwise part.
+    auto scores = [&](int st) { dkdv_scores<T, C>(s, dp, k_desc, v_desc, q_tile(st)); };
     auto grads = [&](int it, int st) {
-      const unsigned char* stage = base_ptr + C::kRing0 + st * C::kStageBytes;
-      dkdv_grads<C::kBM>(s, dp, reinterpret_cast<const float*>(stage + C::kLse),
-                         reinterpret_cast<const float*>(stage + C::kDsum),
-                         (first_tile + it % per_head) * C::kBM, wg_key, key, seq, t4, scale_log2);
+      dkdv_grads<C>(s, dp, base_ptr + C::kRing0 + st * C::kStageBytes,
+                    (first_tile + it % per_head) * C::kBM, wg_key, key, seq, t4, scale_log2);
     };
-    // dV += P^T dO, dK += dS^T Q of the step in stage st (issued, not committed).
-    auto accumulate = [&](int st) {
-      product_cb<T, C::kBM>(dva, pa, mnmajor_desc(q_tile(st) + C::kTileBytes));
-      product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(q_tile(st)));
-    };
+    auto accumulate = [&](int st) { dkdv_accumulate<T, C>(dva, dka, pa, dsa, q_tile(st)); };
     mbar_wait(kv_full, 0);
     {                        // step 0
       mbar_wait(landed, 0);  // the helpers' arrivals follow the TMA's; this keeps it explicit
@@ -748,12 +732,16 @@ bool shape_fits(const AttentionShape& s) {
          (s.seq + 63) / 64 * s.batch * s.heads < limit && s.heads % s.kv_heads == 0;
 }
 
+// Whether the sm_90 kernels take dtype t and shape s here (alignment aside).
+bool runs_here(DType t, const AttentionShape& s) {
+  return enabled() && sm90_available(t) && shape_fits(s);
+}
+
 }  // namespace
 
 bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void* q, const void* k,
                             const void* v, const AttentionShape& s) {
-  if (!enabled() || !sm90_available(t) || !aligned16({out, q, k, v}) || !shape_fits(s))
-    return false;
+  if (!runs_here(t, s) || !aligned16({out, q, k, v})) return false;
   if (t == DType::f16)
     launch_forward<__half>(ctx, t, out, lse, q, k, v, s);
   else
@@ -762,15 +750,13 @@ bool attention_sm90_forward(Ctx& ctx, DType t, void* out, float* lse, const void
 }
 
 bool attention_sm90_backward_sums_dq(DType t, const AttentionShape& s) {
-  return enabled() && sm90_available(t) && shape_fits(s) && use_fused(s);
+  return runs_here(t, s) && use_fused(s);
 }
 
 bool attention_sm90_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void* dout,
                              const void* q, const void* k, const void* v, const void* out,
                              const float* lse, float* dq_acc, const AttentionShape& s) {
-  if (!enabled() || !sm90_available(t) || !aligned16({dq, dk, dv, dout, q, k, v, out}) ||
-      !shape_fits(s))
-    return false;
+  if (!runs_here(t, s) || !aligned16({dq, dk, dv, dout, q, k, v, out})) return false;
   if (dq_acc != nullptr && aligned16({dq_acc}) && use_fused(s)) {
     launch_fused_backward(ctx, t, dq, dk, dv, dq_acc, dout, q, k, v, out, lse, s);
     return true;

@@ -161,17 +161,38 @@ static_assert(DkdvGeometry::kKVBytes % 1024 == 0 && DkdvGeometry::kTileBytes % 1
                   DkdvGeometry::kDsum + DkdvGeometry::kBM * 4 <= DkdvGeometry::kStageBytes,
               "1024-byte aligned tiles; lse and D inside the stage");
 
+// The dk/dv kernels' step, for a math warpgroup's 64 keys (its K and V rows: k_desc, v_desc)
+// against the kBM queries whose tiles are at shared address `stage` (layout C): the first
+// products S^T = K Q^T and dP^T = V dO^T, and the second dV += P^T dO, dK += dS^T Q with P^T and
+// dS^T in A fragments (issued, not committed).
+template <class T, class C>
+__device__ __forceinline__ void dkdv_scores(float (&s)[C::kBM / 2], float (&dp)[C::kBM / 2],
+                                            uint64_t k_desc, uint64_t v_desc, uint32_t stage) {
+  product_abt<T, C::kBM>(s, k_desc, kmajor_desc(stage));
+  product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(stage + C::kDo));
+}
+template <class T, class C>
+__device__ __forceinline__ void dkdv_accumulate(float (&dva)[32], float (&dka)[32],
+                                                const uint32_t (&pa)[C::kBM / 16][4],
+                                                const uint32_t (&dsa)[C::kBM / 16][4],
+                                                uint32_t stage) {
+  product_cb<T, C::kBM>(dva, pa, mnmajor_desc(stage + C::kDo));
+  product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(stage));
+}
+
 // The dk/dv kernels' elementwise step: S^T and dP^T (s, dp) of a math warpgroup's 64 keys (this
 // thread's: key and key + 8) against the kBM queries from i0 -> P^T in s, dS^T = P^T (dP^T - D)
-// in dp, with lse2 (the queries' lse in the log2 domain) and dsum (their D) in the stage. Queries
+// in dp, with the queries' lse (log2 domain) and D from the landed stage (layout C). Queries
 // that see no key of the warpgroup (the causal past of its keys, past T) give P = 0, and keys
 // past T are never stored: such a step is computed like any other and adds zeros, so the loop
 // body has no branch; only steps that reach the diagonal or T evaluate a mask.
-template <int kBM>
-__device__ __forceinline__ void dkdv_grads(float (&s)[kBM / 2], float (&dp)[kBM / 2],
-                                           const float* lse2, const float* dsum, int64_t i0,
-                                           int64_t wg_key, int64_t key, int64_t seq, int t4,
-                                           float scale_log2) {
+template <class C>
+__device__ __forceinline__ void dkdv_grads(float (&s)[C::kBM / 2], float (&dp)[C::kBM / 2],
+                                           const unsigned char* stage, int64_t i0, int64_t wg_key,
+                                           int64_t key, int64_t seq, int t4, float scale_log2) {
+  constexpr int kBM = C::kBM;
+  const float* lse2 = reinterpret_cast<const float*>(stage + C::kLse);
+  const float* dsum = reinterpret_cast<const float*>(stage + C::kDsum);
   if (i0 < wg_key + kWgRows || i0 + kBM > seq) {
     // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8);
     // queries from T on have d >= lim
@@ -198,6 +219,17 @@ __device__ __forceinline__ void dkdv_grads(float (&s)[kBM / 2], float (&dp)[kBM 
         s[i] = pr;
         dp[i] = pr * (dp[i] - dsum[c]);
       }
+  }
+}
+
+// The dk/dv kernels' step ring (by thread 0, before the block's barrier): per stage, `landed`
+// completed by the TMA, `full` by the helpers' lse and D, `empty` by the math warps.
+template <class C>
+__device__ __forceinline__ void init_step_ring(uint32_t landed, uint32_t full, uint32_t empty) {
+  for (int s = 0; s < C::kStages; ++s) {
+    mbar_init(landed + 8 * s, 1);
+    mbar_init(full + 8 * s, C::kHelpers);
+    mbar_init(empty + 8 * s, kMathWarps);
   }
 }
 

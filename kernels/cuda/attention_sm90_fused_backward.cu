@@ -103,11 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_init(ds_full + 8 * s, kMathWarps);
         mbar_init(ds_empty + 8 * s, kMathWarps);
       }
-      for (int s = 0; s < kS; ++s) {
-        mbar_init(landed + 8 * s, 1);
-        mbar_init(full + 8 * s, C::kHelpers);
-        mbar_init(empty + 8 * s, kMathWarps);
-      }
+      init_step_ring<C>(landed, full, empty);
       mbar_init_fence();
     }
     __syncthreads();
@@ -208,23 +204,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       // dQ's B: all 128 keys of K, MN-major, from column 32 g (64 bytes into each swizzled row:
       // the swizzle is applied on address bits, as for the K-major k16 steps' 32-byte moves).
       const uint64_t kq_desc = desc_at(mnmajor_desc(kv), 64 * g);
-      // S^T = K Q^T and dP^T = V dO^T of the step in stage st (issued, not committed).
-      auto scores = [&](int st) {
-        product_abt<T, C::kBM>(s, k_desc, kmajor_desc(q_tile(st)));
-        product_abt<T, C::kBM>(dp, v_desc, kmajor_desc(q_tile(st) + C::kTileBytes));
-      };
-      // Step `step`'s S^T and dP^T (landed) -> P^T in s, dS^T in dp (dkdv_grads).
+      // Step `step`'s first query (of its query tile 2 kb + step % ph).
+      auto query0 = [&](int step) { return int64_t(2 * kb + step % ph) * C::kBM; };
+      // The step in stage st: its products (dkdv_scores, dkdv_accumulate) and elementwise part.
+      auto scores = [&](int st) { dkdv_scores<T, C>(s, dp, k_desc, v_desc, q_tile(st)); };
       auto grads = [&](int step, int st) {
-        const unsigned char* stage = base_ptr + C::kRing0 + st * C::kStageBytes;
-        dkdv_grads<C::kBM>(s, dp, reinterpret_cast<const float*>(stage + C::kLse),
-                           reinterpret_cast<const float*>(stage + C::kDsum),
-                           int64_t(2 * kb + step % ph) * C::kBM, wg_key, key, seq, t4, scale_log2);
+        dkdv_grads<C>(s, dp, base_ptr + C::kRing0 + st * C::kStageBytes, query0(step), wg_key, key,
+                      seq, t4, scale_log2);
       };
-      // dV += P^T dO, dK += dS^T Q of the step in stage st (issued, not committed).
-      auto accumulate = [&](int st) {
-        product_cb<T, C::kBM>(dva, pa, mnmajor_desc(q_tile(st) + C::kTileBytes));
-        product_cb<T, C::kBM>(dka, dsa, mnmajor_desc(q_tile(st)));
-      };
+      auto accumulate = [&](int st) { dkdv_accumulate<T, C>(dva, dka, pa, dsa, q_tile(st)); };
       // dQ's columns 32 g .. 32 g + 31 of step `at` (dS K over the 128 keys, into dqa afresh),
       // once both halves of its dS^T are in the buffer; issued, not committed.
       auto dq_product = [&](int at) {
@@ -234,41 +222,35 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int k = 0; k < C::kBN / 16; ++k)
           wgmma_m64n32<T, 1, 1>(dqa, desc_at(ds_desc, 2048 * k), desc_at(kq_desc, 2048 * k), k > 0);
       };
-      // Step i's dQ share (retired in dqa) into the sums: stored on key tile 0, added after it,
-      // and on the query tile's diagonal key tile (its last) added to the loaded sum, scaled and
+      // Step `step`'s dQ share (retired in dqa: rows r16 and r16 + 8 of its query tile, columns
+      // 32 g + 8 j + 2 t4 of its head) into the sums: stored on key tile 0, added after it, and
+      // on the query tile's diagonal key tile (its last) added to the loaded sum, scaled and
       // stored to dq. Rows past T are neither read nor written.
-      // This thread's sums of step `step`'s dQ (row q of the query tile, columns 32 g + 2 t4 +
-      // 8 j of the head) and its dq row.
-      auto acc_row = [&](int step, int64_t q) {
-        const int h = kvh * group + step / ph;
-        return dq_acc + ((int64_t(b) * heads + h) * seq + q) * kD + 32 * g + 2 * t4;
-      };
-      auto first_row = [&](int step) { return int64_t(2 * kb + step % ph) * C::kBM + r16; };
       auto finish_dq = [&](int step) {
         const int h = kvh * group + step / ph;
-        const int64_t q0 = first_row(step);
         const bool first = kb == 0, last = step % ph < 2;
+        float* acc = dq_acc + (int64_t(b) * heads + h) * seq * kD + 32 * g + 2 * t4;
         T* out = dq + (int64_t(b) * seq * heads + h) * kD + 32 * g + 2 * t4;
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
-          const int64_t q = q0 + 8 * hr;
+          const int64_t q = query0(step) + r16 + 8 * hr;
           if (q >= seq) continue;
-          float* a = acc_row(step, q);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
+            float* a = acc + q * kD + 8 * j;
             float x = dqa[4 * j + 2 * hr], y = dqa[4 * j + 2 * hr + 1];
             if (last) {
               if (!first) {
-                const float2 old = load_pair(a + 8 * j);
+                const float2 old = load_pair(a);
                 x = old.x + x;
                 y = old.y + y;
               }
               *reinterpret_cast<uint32_t*>(out + q * heads * kD + 8 * j) =
                   pack2<T>(x * scale, y * scale);
             } else if (first) {
-              store_pair(a + 8 * j, x, y);
+              store_pair(a, x, y);
             } else {
-              add_pair(a + 8 * j, x, y);
+              add_pair(a, x, y);
             }
           }
         }

@@ -479,7 +479,10 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
       gemm_rate, 0, [&] { attention_forward(ctx, att, lse, q, kk, v); });
   Tensor datt = pool.random(dt, {b, t, nh, hd}), dq = pool.zeros(dt, {b, t, nh, hd});
   Tensor dk = pool.zeros(dt, {b, t, nkv, hd}), dv = pool.zeros(dt, {b, t, nkv, hd});
-  Tensor dq_acc = pool.zeros(DType::f32, {b, nh, t, hd});  // as the model gives it
+  // the dq scratch where the model gives it (SelfAttention::backward)
+  const Tensor dq_acc = attention_backward_wants_dq_acc(ctx, dt, b, t, nh, nkv, hd)
+                            ? pool.zeros(DType::f32, {b, nh, t, hd})
+                            : Tensor();
   add("attention_bwd", shape({b, t, nh, hd}) + " kv " + std::to_string(nkv), 2.5 * att_flops, true,
       gemm_bwd_rate, 0,
       [&] { attention_backward(ctx, dq, dk, dv, datt, q, kk, v, att, lse, dq_acc); });
