@@ -7,6 +7,7 @@
 #include <cudaTypedefs.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/attention_mma.cuh"
 #include "cuda/cuda_common.cuh"
@@ -140,8 +141,10 @@ __device__ __forceinline__ void store_tile(const float (&c)[32], const float (&s
 // ring freed a step late (a stage's Q and dO are the next step's dK, dV operands); a stage holds
 // Q, dO, O (TMA), then lse (log2 domain) and D of its 64 queries, 1024-byte aligned. The helpers
 // (warps 2-3, one query row each) write lse and D once the stage's tiles have landed and are the
-// full barrier's arrivals. The register split (2 x 128 x math + 128 x producer <= 64 Ki): the
-// math keeps dK, dV, S^T, dP^T and the previous step's P^T, dS^T fragments.
+// full barrier's arrivals. lse and D are stored thread-major (sum_slot): the 16 queries a math
+// thread reads are 16 consecutive floats, four 16-byte loads each instead of 16 scalar ones. The
+// register split (2 x 128 x math + 128 x producer <= 64 Ki): the math keeps dK, dV, S^T, dP^T and
+// the previous step's P^T, dS^T fragments.
 struct DkdvGeometry {
   static constexpr int kBN = 128;  // keys per block (a key tile)
   static constexpr int kBM = 64;   // queries per step
@@ -149,7 +152,8 @@ struct DkdvGeometry {
   static constexpr int kKVBytes = kBN * kRowBytes;    // K or V of the key tile
   static constexpr int kTileBytes = kBM * kRowBytes;  // a Q, dO or O tile
   static constexpr int kDo = kTileBytes, kO = 2 * kTileBytes;
-  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kBM * 4;
+  static constexpr int kSumSlots = kBM + 4;  // sum_slot's range (64 queries and a gap)
+  static constexpr int kLse = 3 * kTileBytes, kDsum = kLse + kSumSlots * 4;
   static constexpr int kStageBytes = 3 * kTileBytes + 1024;
   static constexpr int kHelpers = 64;
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
@@ -158,8 +162,18 @@ static_assert(2 * 128 * DkdvGeometry::kMathRegs + 128 * DkdvGeometry::kProducerR
               "register file");
 static_assert(DkdvGeometry::kKVBytes % 1024 == 0 && DkdvGeometry::kTileBytes % 1024 == 0 &&
                   DkdvGeometry::kStageBytes % 1024 == 0 &&
-                  DkdvGeometry::kDsum + DkdvGeometry::kBM * 4 <= DkdvGeometry::kStageBytes,
-              "1024-byte aligned tiles; lse and D inside the stage");
+                  DkdvGeometry::kDsum + DkdvGeometry::kSumSlots * 4 <= DkdvGeometry::kStageBytes &&
+                  DkdvGeometry::kLse % 16 == 0 && DkdvGeometry::kDsum % 16 == 0,
+              "1024-byte aligned tiles; lse and D inside the stage, 16-byte aligned");
+
+// Where query row r (0..63) of a step keeps its lse and D: math thread t4 (lane % 4) of the
+// S^T / dP^T accumulator layout reads the rows 8 jj + 2 t4 + b (jj = 0..7, b = 0, 1), so row r
+// goes to 16 t4 + 2 jj + b, shifted by 4 floats for t4 >= 2 so that the four 16-byte loads of a
+// quarter-warp (t4 = 0..3) fall on distinct banks.
+__device__ __forceinline__ int sum_slot(int r) {
+  const int t4 = (r >> 1) & 3;
+  return 16 * t4 + 4 * (t4 >> 1) + 2 * (r >> 3) + (r & 1);
+}
 
 // The dk/dv kernels' step, for a math warpgroup's 64 keys (its K and V rows: k_desc, v_desc)
 // against the kBM queries whose tiles are at shared address `stage` (layout C): the first
@@ -191,35 +205,40 @@ __device__ __forceinline__ void dkdv_grads(float (&s)[C::kBM / 2], float (&dp)[C
                                            const unsigned char* stage, int64_t i0, int64_t wg_key,
                                            int64_t key, int64_t seq, int t4, float scale_log2) {
   constexpr int kBM = C::kBM;
-  const float* lse2 = reinterpret_cast<const float*>(stage + C::kLse);
-  const float* dsum = reinterpret_cast<const float*>(stage + C::kDsum);
-  if (i0 < wg_key + kWgRows || i0 + kBM > seq) {
-    // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8);
-    // queries from T on have d >= lim
-    const int rel = static_cast<int>(i0 - key) + 2 * t4;
-    const int lim = static_cast<int>(seq - key);
+  static_assert(kBM == 64, "sum_slot's layout: 64 queries a step");
+  // This thread's 16 queries 8 jj + 2 t4 + b keep lse and D at base + 2 jj + b: a 16-byte load of
+  // each per pair of jj, loaded where used (all 32 up front spilled in the one-kernel backward).
+  const float4* lse4 = reinterpret_cast<const float4*>(stage + C::kLse + 4 * sum_slot(2 * t4));
+  const float4* dsum4 = reinterpret_cast<const float4*>(stage + C::kDsum + 4 * sum_slot(2 * t4));
+  // d = query - key of element (jj, e) is rel + 8 jj + (e & 1) (for key + 8: minus 8); queries
+  // from T on have d >= lim
+  const int rel = static_cast<int>(i0 - key) + 2 * t4;
+  const int lim = static_cast<int>(seq - key);
+  auto pass = [&](auto masked) {
 #pragma unroll
-    for (int jj = 0; jj < kBM / 8; ++jj)
+    for (int q = 0; q < kBM / 16; ++q) {
+      const float4 l4 = lse4[q], d4 = dsum4[q];
+      const float lse2[4] = {l4.x, l4.y, l4.z, l4.w}, dsum[4] = {d4.x, d4.y, d4.z, d4.w};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-        const int d = rel + 8 * jj + (e & 1);
-        const float pr =
-            d < 8 * (e >> 1) || d >= lim ? 0.0f : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-        s[i] = pr;
-        dp[i] = pr * (dp[i] - dsum[c]);
+      for (int h = 0; h < 2; ++h) {
+        const int jj = 2 * q + h;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = 4 * jj + e, c = 2 * h + (e & 1);
+          const int d = rel + 8 * jj + (e & 1);
+          const float pr = decltype(masked)::value && (d < 8 * (e >> 1) || d >= lim)
+                               ? 0.0f
+                               : exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
+          s[i] = pr;
+          dp[i] = pr * (dp[i] - dsum[c]);
+        }
       }
-  } else {
-#pragma unroll
-    for (int jj = 0; jj < kBM / 8; ++jj)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 4 * jj + e, c = 8 * jj + 2 * t4 + (e & 1);
-        const float pr = exp2_ftz(fmaf(s[i], scale_log2, -lse2[c]));
-        s[i] = pr;
-        dp[i] = pr * (dp[i] - dsum[c]);
-      }
-  }
+    }
+  };
+  if (i0 < wg_key + kWgRows || i0 + kBM > seq)
+    pass(std::true_type{});
+  else
+    pass(std::false_type{});
 }
 
 // The dk/dv kernels' step ring (by thread 0, before the block's barrier): per stage, `landed`
@@ -259,8 +278,8 @@ __device__ __forceinline__ void write_d_and_lse(unsigned char* stage, int r, flo
     part += dot8<T>(*reinterpret_cast<const uint4*>(stage + C::kDo + at),
                     *reinterpret_cast<const uint4*>(stage + C::kO + at));
   }
-  reinterpret_cast<float*>(stage + C::kDsum)[r] = part;
-  reinterpret_cast<float*>(stage + C::kLse)[r] = row_lse;
+  reinterpret_cast<float*>(stage + C::kDsum)[sum_slot(r)] = part;
+  reinterpret_cast<float*>(stage + C::kLse)[sum_slot(r)] = row_lse;
 }
 
 constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
