@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# On a GPU machine: the working tree against a base in one call, the two binaries alternated so
+# that the machine's drift (ours moves ~4% between machines) falls on both alike. Builds moe-train
+# from the tree as it is ("new"), then with PATCH reversed ("base"), then puts PATCH back; runs
+# each COMMAND (moe-train's arguments) ROUNDS times per variant, new and base in turn, and prints
+# one line per run: the variant, the command's number, and for `train` the last logged tok/s and
+# loss, for anything else the output lines matching GREP (the bench's rows by default).
+#   git diff BASE > peers/ab.patch            (here, into a folder the device call carries)
+#   scripts/device_ab.sh peers/ab.patch 'train --config configs/moe-small.json' \
+#     'bench --config configs/moe-small.json --family attention'
+# Environment: ROUNDS (2), GREP ('TFLOP/s|GB/s'), BUILD_DIR (build-gpu-sm90), CMAKE_ARGS (the
+# sm_90 recipe of ../shared/GPU.md), RUN_TIMEOUT (300 s a run), OUT (/tmp/ab: logs). A
+# command's environment settings go before the script (they apply to both variants).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ] || [ ! -f "$1" ]; then
+  echo "usage: scripts/device_ab.sh PATCH COMMAND... (PATCH: a readable file of git diff output)" >&2
+  exit 2
+fi
+if ! grep -q '^@@' "$1"; then
+  echo "$1 holds no change: both variants would be the same" >&2
+  exit 2
+fi
+patch_file=$(realpath "$1")
+shift
+build=${BUILD_DIR:-build-gpu-sm90}
+OUT=${OUT:-/tmp/ab}
+mkdir -p "$OUT/bin"
+read -r -a cmake_args <<<"${CMAKE_ARGS:--DMOE_CUDA=ON -DMOE_CUDA_ARCHS=90}"
+gen=$(command -v ninja >/dev/null && echo "-G Ninja")
+
+# build VARIANT: moe-train from the tree as it stands, copied to $OUT/bin/VARIANT.
+build_variant() {
+  cmake -S . -B "$build" $gen -DCMAKE_BUILD_TYPE=Release "${cmake_args[@]}" >"$OUT/$1.cmake.log" 2>&1 &&
+    cmake --build "$build" -j "$(nproc)" --target moe-train >"$OUT/$1.build.log" 2>&1 &&
+    cp "$build/moe-train" "$OUT/bin/$1"
+}
+if ! build_variant new; then
+  echo "new: build failed ($OUT/new.build.log)" >&2
+  tail -20 "$OUT/new.build.log" >&2
+  exit 1
+fi
+if ! patch -R -p1 --quiet <"$patch_file"; then
+  echo "the patch does not reverse onto this tree: $patch_file" >&2
+  exit 1
+fi
+build_variant base
+built=$?
+patch -p1 --quiet <"$patch_file" || { echo "could not put the patch back" >&2; exit 1; }
+if [ $built != 0 ]; then
+  echo "base: build failed ($OUT/base.build.log)" >&2
+  exit 1
+fi
+
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  i=0
+  for cmd in "$@"; do
+    i=$((i + 1))
+    for variant in new base; do
+      log="$OUT/run.$round.$i.$variant.log"
+      read -r -a args <<<"$cmd"
+      if [ "${args[0]}" = train ]; then
+        args+=(--set "train.out_dir=\"$OUT/run-$variant\"")
+      fi
+      timeout "${RUN_TIMEOUT:-300}" "$OUT/bin/$variant" "${args[@]}" >"$log" 2>&1
+      rc=$?
+      if [ "${args[0]}" = train ]; then
+        echo "$variant #$i rc=$rc $(grep -o 'tok/s [0-9]*' "$log" | tail -1)" \
+          "$(grep -o 'loss [0-9.]*' "$log" | tail -1)"
+      else
+        grep -E "${GREP:-TFLOP/s|GB/s}" "$log" | sed "s/^/$variant #$i rc=$rc | /"
+      fi
+    done
+  done
+done | tee "$OUT/summary.txt"
