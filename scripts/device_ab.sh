@@ -12,7 +12,7 @@
 # sm_90 recipe of ../shared/GPU.md), RUN_TIMEOUT (300 s a run), OUT (/tmp/ab: logs). A
 # command's environment settings go before the script (they apply to both variants).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 if [ $# -lt 2 ] || [ ! -f "$1" ]; then
   echo "usage: scripts/device_ab.sh PATCH COMMAND... (PATCH: a readable file of git diff output)" >&2
   exit 2
@@ -27,11 +27,12 @@ build=${BUILD_DIR:-build-gpu-sm90}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT/bin"
 read -r -a cmake_args <<<"${CMAKE_ARGS:--DMOE_CUDA=ON -DMOE_CUDA_ARCHS=90}"
-gen=$(command -v ninja >/dev/null && echo "-G Ninja")
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
 
 # build VARIANT: moe-train from the tree as it stands, copied to $OUT/bin/VARIANT.
 build_variant() {
-  cmake -S . -B "$build" $gen -DCMAKE_BUILD_TYPE=Release "${cmake_args[@]}" >"$OUT/$1.cmake.log" 2>&1 &&
+  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cmake_args[@]}" >"$OUT/$1.cmake.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" --target moe-train >"$OUT/$1.build.log" 2>&1 &&
     cp "$build/moe-train" "$OUT/bin/$1"
 }
