@@ -404,8 +404,9 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
                   grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dyd, act, w2, y, up,
                                                row_w, off);
                 });
-    // Its elementwise part alone (the SwiGLU backward over dh = the product's output, in place
-    // as the op runs it): dh, gate and up read, dgate and dup written, the weights' gradient.
+    // Its elementwise part alone (the SwiGLU backward over dh, the product's output; here from
+    // a buffer of its own, where the op runs it in place over the same bytes): dh, gate and up
+    // read, dgate and dup written, the weights' gradient.
     Tensor dh = pool.random(dt, {r, f});
     add("swiglu_weighted_bwd", shape({r, f}) + " (dgate, dup, drow_w)",
         double(5 * r * f * es + 2 * r * as), false, bw, 0,
