@@ -509,21 +509,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                              static_cast<int32_t>((first_tile + it % per_head) * C::kBM), b);
         }
       } else if (threadIdx.x >= 64) {
-        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's 64 queries,
-        // one row per thread: lse is loaded before the stage's tiles land (its latency hides
-        // behind the TMA's), D is read off the landed dO and O tiles (zero past T), the 16-byte
-        // chunk c of row r at r * 128 + (c ^ r % 8) * 16 in the swizzle.
+        // lse and D = <dO_i, O_i> of each step's 64 queries, one row per thread (helper_step).
         const int r = static_cast<int>(threadIdx.x) - 64;
         for (int it = 0; it < steps; ++it) {
           const int s = it % kS;
           const int h = kvh * group + it / per_head;
-          const int64_t i = (first_tile + it % per_head) * C::kBM + r;
-          const float row_lse =
-              i < seq ? lse[(int64_t(b) * heads + h) * seq + i] * kLog2e : INFINITY;
-          unsigned char* stage = base_ptr + C::kRing0 + s * C::kStageBytes;
-          mbar_wait(landed + 8 * s, (it / kS) & 1);
-          write_d_and_lse<C, T>(stage, r, row_lse);
-          mbar_arrive(full + 8 * s);  // each thread's arrive releases its own writes
+          helper_step<C, T>(base_ptr + C::kRing0 + s * C::kStageBytes, landed + 8 * s, full + 8 * s,
+                            (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq,
+                            (first_tile + it % per_head) * C::kBM + r, seq);
         }
       }
       return;
@@ -600,11 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_fragments(dsa);
       if (signals) mbar_arrive(empty + 8 * last);
     }
-    const int64_t kv_stride = int64_t(kv_heads) * kD;
-    const int64_t kv_off = ((int64_t(b) * seq + wg_key) * kv_heads + kvh) * kD;
-    const float sk[2] = {scale, scale}, sv[2] = {1.0f, 1.0f};
-    store_tile<T>(dka, sk, k_rows, dk + kv_off, kv_stride, seq - wg_key, g);
-    store_tile<T>(dva, sv, v_rows, dv + kv_off, kv_stride, seq - wg_key, g);
+    store_dk_dv<T>(dka, dva, k_rows, v_rows, dk, dv, b, seq, wg_key, kv_heads, kvh, scale, g);
   }
 }
 
@@ -654,15 +643,11 @@ void launch_backward(Ctx& ctx, DType t, void* dq, void* dk, void* dv, const void
     MOE_CUDA_LAUNCH_CHECK();
   }
   {
-    const CUtensorMap mq = head_rows_map(t, q, s, s.heads, Dkdv::kBM);
-    const CUtensorMap mdo = head_rows_map(t, dout, s, s.heads, Dkdv::kBM);
-    const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, Dkdv::kBN);
-    const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, Dkdv::kBN);
-    const CUtensorMap mo = head_rows_map(t, out, s, s.heads, Dkdv::kBM);
+    const DkdvMaps m = dkdv_maps(t, q, dout, k, v, out, s);
     const int64_t k_tiles = blocks_for(s.seq, Dkdv::kBN);
     const unsigned grid = static_cast<unsigned>(k_tiles * s.batch * s.kv_heads);
     flash_dkdv_sm90_kernel<T><<<grid, kThreads, Dkdv::kSmem, stream_of(ctx)>>>(
-        mq, mdo, mk, mv, mo, static_cast<T*>(dk), static_cast<T*>(dv), lse, s.seq,
+        m.q, m.dout, m.k, m.v, m.out, static_cast<T*>(dk), static_cast<T*>(dv), lse, s.seq,
         static_cast<int>(s.batch), static_cast<int>(s.heads), static_cast<int>(s.kv_heads), scale,
         scale_log2);
     MOE_CUDA_LAUNCH_CHECK();
@@ -789,6 +774,14 @@ CUtensorMap head_rows_map(DType t, const void* p, const AttentionShape& s, int64
     throw InternalError("cuTensorMapEncodeTiled failed (error " + std::to_string(int(r)) +
                         ") for an attention operand");
   return map;
+}
+
+DkdvMaps dkdv_maps(DType t, const void* q, const void* dout, const void* k, const void* v,
+                   const void* out, const AttentionShape& s) {
+  using C = DkdvGeometry;
+  return {head_rows_map(t, q, s, s.heads, C::kBM), head_rows_map(t, dout, s, s.heads, C::kBM),
+          head_rows_map(t, k, s, s.kv_heads, C::kBN), head_rows_map(t, v, s, s.kv_heads, C::kBN),
+          head_rows_map(t, out, s, s.heads, C::kBM)};
 }
 
 }  // namespace flash90

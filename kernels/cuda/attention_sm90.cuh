@@ -282,6 +282,34 @@ __device__ __forceinline__ void write_d_and_lse(unsigned char* stage, int r, flo
   reinterpret_cast<float*>(stage + C::kLse)[sum_slot(r)] = row_lse;
 }
 
+// The dk/dv kernels' helper thread for query row r of a step in `stage`, query q of the head whose
+// lse row is lse_row: the row's lse (log2 domain, +inf past T so P = 0) is loaded before the
+// stage's tiles land (its latency hides behind the TMA's), then D and lse go into the stage and
+// the thread's arrival on `full` releases them.
+template <class C, class T>
+__device__ __forceinline__ void helper_step(unsigned char* stage, uint32_t landed, uint32_t full,
+                                            uint32_t parity, int r, const float* lse_row, int64_t q,
+                                            int64_t seq) {
+  const float row_lse = q < seq ? lse_row[q] * kLog2e : INFINITY;
+  mbar_wait(landed, parity);
+  write_d_and_lse<C, T>(stage, r, row_lse);
+  mbar_arrive(full);
+}
+
+// The dk/dv kernels' last act: a math warpgroup's 64 rows of dK (scaled) and dV, from wg_key of
+// kv head kvh in sequence b, through its K and V rows of shared memory as staging (store_tile).
+template <class T>
+__device__ __forceinline__ void store_dk_dv(const float (&dka)[32], const float (&dva)[32],
+                                            uint32_t k_rows, uint32_t v_rows, T* dk, T* dv, int b,
+                                            int64_t seq, int64_t wg_key, int kv_heads, int kvh,
+                                            float scale, int g) {
+  const int64_t kv_stride = int64_t(kv_heads) * kD;
+  const int64_t kv_off = ((int64_t(b) * seq + wg_key) * kv_heads + kvh) * kD;
+  const float sk[2] = {scale, scale}, sv[2] = {1.0f, 1.0f};
+  store_tile<T>(dka, sk, k_rows, dk + kv_off, kv_stride, seq - wg_key, g);
+  store_tile<T>(dva, sv, v_rows, dv + kv_off, kv_stride, seq - wg_key, g);
+}
+
 constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
 
 // A tensor map over a [B, T, n_heads, 64] 16-bit tensor seen as [B][T][n_heads * 64] (innermost
@@ -289,6 +317,14 @@ constexpr double kScale = 0.125;  // 1 / sqrt(head_dim)
 // stored in the 128-byte swizzle; positions past T are zero-filled, never the next sequence's.
 CUtensorMap head_rows_map(DType t, const void* p, const AttentionShape& s, int64_t n_heads,
                           uint32_t rows);
+
+// The dk/dv kernels' operands (DkdvGeometry's boxes): the steps' Q, dO and O tiles, the key
+// tile's K and V.
+struct DkdvMaps {
+  CUtensorMap q, dout, k, v, out;
+};
+DkdvMaps dkdv_maps(DType t, const void* q, const void* dout, const void* k, const void* v,
+                   const void* out, const AttentionShape& s);
 
 // The one-kernel backward (attention_sm90_fused_backward.cu): whether this binary's code for it
 // is sm_90a code, and its launch (the caller checks the device, the alignment and the shape as

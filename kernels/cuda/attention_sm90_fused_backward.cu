@@ -138,8 +138,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       } else if (threadIdx.x >= 64) {
-        // lse (log2 domain, +inf past T so P = 0) and D = <dO_i, O_i> of each step's queries, one
-        // row per thread, as in the dk/dv kernel.
+        // lse and D = <dO_i, O_i> of each step's queries, one row per thread (helper_step).
         const int r = static_cast<int>(threadIdx.x) - 64;
         int it = 0;
         for (int kb = 0; kb < k_tiles; ++kb) {
@@ -147,13 +146,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < steps; ++i, ++it) {
             const int s = it % kS;
             const int h = kvh * group + i / ph;
-            const int64_t q = int64_t(2 * kb + i % ph) * C::kBM + r;
-            const float row_lse =
-                q < seq ? lse[(int64_t(b) * heads + h) * seq + q] * kLog2e : INFINITY;
-            unsigned char* stage = base_ptr + C::kRing0 + s * C::kStageBytes;
-            mbar_wait(landed + 8 * s, (it / kS) & 1);
-            write_d_and_lse<C, T>(stage, r, row_lse);
-            mbar_arrive(full + 8 * s);
+            helper_step<C, T>(base_ptr + C::kRing0 + s * C::kStageBytes, landed + 8 * s,
+                              full + 8 * s, (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq,
+                              int64_t(2 * kb + i % ph) * C::kBM + r, seq);
           }
         }
       }
@@ -331,11 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Both warpgroups' dQ products (which read all 128 rows of K) have retired: each
       // warpgroup's K and V rows can stage its dK and dV; then the set is the producer's again.
       named_barrier_sync(C::kMathBarrier, 256);
-      const int64_t kv_stride = int64_t(kv_heads) * kD;
-      const int64_t kv_off = ((int64_t(b) * seq + wg_key) * kv_heads + kvh) * kD;
-      const float sk[2] = {scale, scale}, sv[2] = {1.0f, 1.0f};
-      store_tile<T>(dka, sk, k_rows, dk + kv_off, kv_stride, seq - wg_key, g);
-      store_tile<T>(dva, sv, v_rows, dv + kv_off, kv_stride, seq - wg_key, g);
+      store_dk_dv<T>(dka, dva, k_rows, v_rows, dk, dv, b, seq, wg_key, kv_heads, kvh, scale, g);
       __syncwarp();
       if (signals) mbar_arrive(kv_empty + 8 * set);
     }
@@ -350,15 +341,11 @@ void launch(Ctx& ctx, DType t, void* dq, void* dk, void* dv, float* dq_acc, cons
   auto kernel = flash_bwd_fused_sm90_kernel<T>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmem); });
-  const CUtensorMap mq = head_rows_map(t, q, s, s.heads, C::kBM);
-  const CUtensorMap mdo = head_rows_map(t, dout, s, s.heads, C::kBM);
-  const CUtensorMap mk = head_rows_map(t, k, s, s.kv_heads, C::kBN);
-  const CUtensorMap mv = head_rows_map(t, v, s, s.kv_heads, C::kBN);
-  const CUtensorMap mo = head_rows_map(t, out, s, s.heads, C::kBM);
+  const DkdvMaps m = dkdv_maps(t, q, dout, k, v, out, s);
   const auto grid = static_cast<unsigned>(s.batch * s.kv_heads);
   kernel<<<grid, kThreads, C::kSmem, stream_of(ctx)>>>(
-      mq, mdo, mk, mv, mo, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv), dq_acc,
-      lse, s.seq, static_cast<int>(s.heads), static_cast<int>(s.kv_heads),
+      m.q, m.dout, m.k, m.v, m.out, static_cast<T*>(dq), static_cast<T*>(dk), static_cast<T*>(dv),
+      dq_acc, lse, s.seq, static_cast<int>(s.heads), static_cast<int>(s.kv_heads),
       static_cast<float>(kScale), static_cast<float>(kScale * 1.4426950408889634));
   MOE_CUDA_LAUNCH_CHECK();
 }
