@@ -10,7 +10,8 @@
 #     'bench --config configs/moe-small.json --family attention'
 # Environment: ROUNDS (2), GREP ('TFLOP/s|GB/s'), BUILD_DIR (build-gpu-sm90), CMAKE_ARGS (the
 # sm_90 recipe of ../shared/GPU.md), RUN_TIMEOUT (300 s a run), OUT (/tmp/ab: logs). A
-# command's environment settings go before the script (they apply to both variants).
+# command's environment settings go before the script (they apply to both variants). A COMMAND
+# is split on whitespace: an argument cannot hold a space or quotes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 if [ $# -lt 2 ] || [ ! -f "$1" ]; then
@@ -30,17 +31,21 @@ read -r -a cmake_args <<<"${CMAKE_ARGS:--DMOE_CUDA=ON -DMOE_CUDA_ARCHS=90}"
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 
-# build VARIANT: moe-train from the tree as it stands, copied to $OUT/bin/VARIANT.
+# build VARIANT: moe-train from the tree as it stands, copied to $OUT/bin/VARIANT; on failure
+# the tail of the log of the step that failed.
 build_variant() {
-  cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cmake_args[@]}" >"$OUT/$1.cmake.log" 2>&1 &&
+  if cmake -S . -B "$build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release "${cmake_args[@]}" >"$OUT/$1.cmake.log" 2>&1 &&
     cmake --build "$build" -j "$(nproc)" --target moe-train >"$OUT/$1.build.log" 2>&1 &&
-    cp "$build/moe-train" "$OUT/bin/$1"
+    cp "$build/moe-train" "$OUT/bin/$1"; then
+    return 0
+  fi
+  local log="$OUT/$1.build.log"
+  [ -f "$log" ] || log="$OUT/$1.cmake.log"
+  echo "$1: build failed ($log)" >&2
+  tail -20 "$log" >&2
+  return 1
 }
-if ! build_variant new; then
-  echo "new: build failed ($OUT/new.build.log)" >&2
-  tail -20 "$OUT/new.build.log" >&2
-  exit 1
-fi
+build_variant new || exit 1
 if ! patch -R -p1 --quiet <"$patch_file"; then
   echo "the patch does not reverse onto this tree: $patch_file" >&2
   exit 1
@@ -48,10 +53,7 @@ fi
 build_variant base
 built=$?
 patch -p1 --quiet <"$patch_file" || { echo "could not put the patch back" >&2; exit 1; }
-if [ $built != 0 ]; then
-  echo "base: build failed ($OUT/base.build.log)" >&2
-  exit 1
-fi
+[ $built = 0 ] || exit 1
 
 for round in $(seq 1 "${ROUNDS:-2}"); do
   i=0
