@@ -8,22 +8,38 @@
 #   git diff BASE > peers/ab.patch            (here, into a folder the device call carries)
 #   scripts/device_ab.sh peers/ab.patch 'train --config configs/moe-small.json' \
 #     'bench --config configs/moe-small.json --family attention'
+# With --env SETTINGS instead of PATCH, the variants are environment settings of one binary
+# built from the tree (a kernel switch read at run time): SETTINGS is NAME=VALUE words separated
+# by spaces, each word a variant, run in the order given:
+#   scripts/device_ab.sh --env 'MOE_GROUPED_SM90=pingpong MOE_GROUPED_SM90=256' \
+#     'train --config configs/moe-fine.json'
 # Environment: ROUNDS (2), GREP ('TFLOP/s|GB/s'), BUILD_DIR (build-gpu-sm90), CMAKE_ARGS (the
 # sm_90 recipe of ../shared/GPU.md), RUN_TIMEOUT (300 s a run), OUT (/tmp/ab: logs). A
 # command's environment settings go before the script (they apply to both variants). A COMMAND
 # is split on whitespace: an argument cannot hold a space or quotes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-if [ $# -lt 2 ] || [ ! -f "$1" ]; then
-  echo "usage: scripts/device_ab.sh PATCH COMMAND... (PATCH: a readable file of git diff output)" >&2
-  exit 2
+usage="usage: scripts/device_ab.sh PATCH|--env SETTINGS COMMAND... (PATCH: a readable file of git diff output)"
+settings=()
+if [ "${1:-}" = --env ]; then
+  [ $# -ge 3 ] || { echo "$usage" >&2; exit 2; }
+  read -r -a settings <<<"$2"
+  for s in "${settings[@]}"; do
+    [[ "$s" =~ ^[A-Za-z_][A-Za-z0-9_]*=.*$ ]] || { echo "not a NAME=VALUE setting: $s" >&2; exit 2; }
+  done
+  shift 2
+else
+  if [ $# -lt 2 ] || [ ! -f "$1" ]; then
+    echo "$usage" >&2
+    exit 2
+  fi
+  if ! grep -q '^@@' "$1"; then
+    echo "$1 holds no change: both variants would be the same" >&2
+    exit 2
+  fi
+  patch_file=$(realpath "$1")
+  shift
 fi
-if ! grep -q '^@@' "$1"; then
-  echo "$1 holds no change: both variants would be the same" >&2
-  exit 2
-fi
-patch_file=$(realpath "$1")
-shift
 build=${BUILD_DIR:-build-gpu-sm90}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT/bin"
@@ -46,26 +62,36 @@ build_variant() {
   return 1
 }
 build_variant new || exit 1
-if ! patch -R -p1 --quiet <"$patch_file"; then
-  echo "the patch does not reverse onto this tree: $patch_file" >&2
-  exit 1
+if [ ${#settings[@]} = 0 ]; then
+  if ! patch -R -p1 --quiet <"$patch_file"; then
+    echo "the patch does not reverse onto this tree: $patch_file" >&2
+    exit 1
+  fi
+  build_variant base
+  built=$?
+  patch -p1 --quiet <"$patch_file" || { echo "could not put the patch back" >&2; exit 1; }
+  [ $built = 0 ] || exit 1
+  variants=(new base)
+else
+  variants=("${settings[@]}")
 fi
-build_variant base
-built=$?
-patch -p1 --quiet <"$patch_file" || { echo "could not put the patch back" >&2; exit 1; }
-[ $built = 0 ] || exit 1
 
 for round in $(seq 1 "${ROUNDS:-2}"); do
   i=0
   for cmd in "$@"; do
     i=$((i + 1))
-    for variant in new base; do
-      log="$OUT/run.$round.$i.$variant.log"
+    for variant in "${variants[@]}"; do
+      tag=${variant//[^A-Za-z0-9_.-]/_}  # (a setting's = and / in file names)
+      log="$OUT/run.$round.$i.$tag.log"
       read -r -a args <<<"$cmd"
       if [ "${args[0]}" = train ]; then
-        args+=(--set "train.out_dir=\"$OUT/run-$variant\"")
+        args+=(--set "train.out_dir=\"$OUT/run-$tag\"")
       fi
-      timeout "${RUN_TIMEOUT:-300}" "$OUT/bin/$variant" "${args[@]}" >"$log" 2>&1
+      if [ ${#settings[@]} = 0 ]; then
+        timeout "${RUN_TIMEOUT:-300}" "$OUT/bin/$variant" "${args[@]}" >"$log" 2>&1
+      else
+        env "$variant" timeout "${RUN_TIMEOUT:-300}" "$OUT/bin/new" "${args[@]}" >"$log" 2>&1
+      fi
       rc=$?
       if [ "${args[0]}" = train ]; then
         echo "$variant #$i rc=$rc $(grep -o 'tok/s [0-9]*' "$log" | tail -1)" \

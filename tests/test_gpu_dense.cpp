@@ -909,11 +909,17 @@ struct GroupedCase {
 };
 
 // The grouped GEMM kernels a case runs: "sm90-n256" / "sm90-n128" (the sm_90 TMA + wgmma kernels
-// with 256- / 128-column tiles; where they decline, the sm_80+ ones) or "sm80-k32" / "sm80-k64"
-// (the sm_80+ kernels with 32- / 64-wide k-slices).
+// with 256- / 128-column tiles; where they decline, the sm_80+ ones), "sm90-pingpong" (the
+// ping-pong kernels: 128 x 128 tiles alternating between the math warpgroups) or "sm80-k32" /
+// "sm80-k64" (the sm_80+ kernels with 32- / 64-wide k-slices).
 void select_grouped_kernel(const std::string& kernel) {
   const bool sm90 = kernel.rfind("sm90", 0) == 0;
-  setenv("MOE_GROUPED_SM90", !sm90 ? "0" : kernel == "sm90-n128" ? "128" : "256", 1);
+  setenv("MOE_GROUPED_SM90",
+         !sm90                       ? "0"
+         : kernel == "sm90-n128"     ? "128"
+         : kernel == "sm90-pingpong" ? "pingpong"
+                                     : "256",
+         1);
   setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
 }
 // An empty expert in the middle and one taking most rows; empty first and last experts with a
@@ -972,8 +978,8 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   // Each kernel configuration this device runs: the sm_90 TMA + wgmma kernels
   // (grouped_wgmma_sm90.cu, 256- and 128-column tiles; elsewhere they decline) and, with those
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
+  const std::string kernel = GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong",
+                                      "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1046,8 +1052,8 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
 TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's dw", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = grouped_cases(false);
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm80-k32", "sm80-k64");
+  const std::string kernel = GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong",
+                                      "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1140,10 +1146,11 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
 // expert and adds them in chunk order (flags per tile). One expert of 32 holds most rows (15
 // chunks, with a ragged last one), an empty one beside it, its tiles more than once over the SMs
 // with the other experts' units: dw must match the CPU and give the same bits on every run, over
-// a non-zero dw, with 256- and 128-column tiles (elsewhere the sm_80 kernels run the same checks).
+// a non-zero dw, with 256- and 128-column tiles and the ping-pong kernel (there the half tile is
+// one warpgroup's 64 rows; elsewhere the sm_80 kernels run the same checks).
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   INFO("tiles " << kernel);
   const DType dt = DType::bf16, acc = DType::f32;
@@ -1213,9 +1220,10 @@ std::vector<GroupedCase> swiglu_cases(bool hot_expert = false) {
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();
-  // The fused sm_90 kernel (256-column tiles; elsewhere, or with 128-column tiles, the op runs
-  // the three ops itself) against the three ops.
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128");
+  // The fused sm_90 kernel (256-column tiles, under "pingpong" too, its three ops then the
+  // ping-pong products; with 128-column tiles the op runs the three ops itself) against the
+  // three ops.
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1267,7 +1275,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
           "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1308,12 +1316,12 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
   unsetenv("MOE_GROUPED_SM90");
 }
 
-// The gather of x's rows fused into the sm_90 dw kernel (256- and 128-column tiles) and the op's
-// own permute elsewhere ("0") give the bits of permute_forward and grouped_linear_backward, dw
-// added to and overwritten, chunked hot experts included.
+// The gather of x's rows fused into the sm_90 dw kernel (256- and 128-column tiles, ping-pong) and
+// the op's own permute elsewhere ("0") give the bits of permute_forward and
+// grouped_linear_backward, dw added to and overwritten, chunked hot experts included.
 TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
@@ -1360,7 +1368,7 @@ TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's 
 TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();  // (d: the down projection's output)
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1415,13 +1423,14 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
   unsetenv("MOE_GROUPED_SM90");
 }
 
-// dy's rows gathered into the sm_90 dh and dw kernels' loads (256- and 128-column tiles) and
+// dy's rows gathered into the sm_90 dh and dw kernels' loads (256- and 128-column tiles,
+// ping-pong) and
 // the op's own permute elsewhere ("0"): the bits of permute_forward and
 // grouped_swiglu_down_backward, dw2 added to and overwritten.
 TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backward's bits",
           "[gpu]") {
   Ctx gpu = gpu_ctx();
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "0");
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   // (in: d, the down projection's output)
   const std::vector<GroupedCase> cases = swiglu_cases(true);

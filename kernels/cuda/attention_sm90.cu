@@ -494,6 +494,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int64_t q_tiles = (seq + C::kBM - 1) / C::kBM, first_tile = k0 / C::kBM;
     const int per_head = static_cast<int>(q_tiles - first_tile);
     const int steps = group * per_head;  // (query head, query tile) pairs, head-major
+    // step it's first query (of its head)
+    auto query0 = [&](int it) { return (first_tile + it % per_head) * C::kBM; };
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
       release_registers<C::kProducerRegs>();
@@ -505,8 +507,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = it % kS;
           if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
           load_step_tiles<C>(base + C::kRing0 + s * C::kStageBytes, landed + 8 * s, &map_q, &map_do,
-                             &map_o, kvh * group + it / per_head,
-                             static_cast<int32_t>((first_tile + it % per_head) * C::kBM), b);
+                             &map_o, kvh * group + it / per_head, static_cast<int32_t>(query0(it)),
+                             b);
         }
       } else if (threadIdx.x >= 64) {
         // lse and D = <dO_i, O_i> of each step's 64 queries, one row per thread (helper_step).
@@ -515,8 +517,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = it % kS;
           const int h = kvh * group + it / per_head;
           helper_step<C, T>(base_ptr + C::kRing0 + s * C::kStageBytes, landed + 8 * s, full + 8 * s,
-                            (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq,
-                            (first_tile + it % per_head) * C::kBM + r, seq);
+                            (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq, query0(it),
+                            seq);
         }
       }
       return;
@@ -538,8 +540,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     // The step in stage st: its products (dkdv_scores, dkdv_accumulate) and elementwise part.
     auto scores = [&](int st) { dkdv_scores<T, C>(s, dp, k_desc, v_desc, q_tile(st)); };
     auto grads = [&](int it, int st) {
-      dkdv_grads<C>(s, dp, base_ptr + C::kRing0 + st * C::kStageBytes,
-                    (first_tile + it % per_head) * C::kBM, wg_key, key, seq, t4, scale_log2);
+      dkdv_grads<C>(s, dp, base_ptr + C::kRing0 + st * C::kStageBytes, query0(it), wg_key, key, seq,
+                    t4, scale_log2);
     };
     auto accumulate = [&](int st) { dkdv_accumulate<T, C>(dva, dka, pa, dsa, q_tile(st)); };
     mbar_wait(kv_full, 0);

@@ -265,12 +265,19 @@ __device__ __forceinline__ void load_step_tiles(uint32_t stage, uint32_t landed,
   tma_load_3d(stage + C::kO, map_o, landed, h * kD, i0, b);
 }
 
-// The dk/dv kernels' helper threads, one query row r of a landed stage (layout C: C::kDo, kO,
-// kLse, kDsum): D = <dO_r, O_r> read off the swizzled dO and O tiles (zero past T; chunk c of row
-// r at r * 128 + (c ^ r % 8) * 16), written beside the row's lse (log2 domain, loaded by the
-// caller before the tiles landed, so its latency hides behind the TMA's).
+// The dk/dv kernels' helper thread for query row r of a step in `stage` (layout C: C::kDo, kO,
+// kLse, kDsum), the step's queries starting at query0 of the head whose lse row is lse_row: the
+// row's lse (log2 domain, +inf past T so P = 0) is loaded before the stage's tiles land (its
+// latency hides behind the TMA's), then D = <dO_r, O_r> is read off the swizzled dO and O tiles
+// (zero past T; chunk c of row r at r * 128 + (c ^ r % 8) * 16) and written beside the lse, and
+// the thread's arrival on `full` releases them.
 template <class C, class T>
-__device__ __forceinline__ void write_d_and_lse(unsigned char* stage, int r, float row_lse) {
+__device__ __forceinline__ void helper_step(unsigned char* stage, uint32_t landed, uint32_t full,
+                                            uint32_t parity, int r, const float* lse_row,
+                                            int64_t query0, int64_t seq) {
+  const int64_t q = query0 + r;
+  const float row_lse = q < seq ? lse_row[q] * kLog2e : INFINITY;
+  mbar_wait(landed, parity);
   float part = 0.0f;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
@@ -280,19 +287,6 @@ __device__ __forceinline__ void write_d_and_lse(unsigned char* stage, int r, flo
   }
   reinterpret_cast<float*>(stage + C::kDsum)[sum_slot(r)] = part;
   reinterpret_cast<float*>(stage + C::kLse)[sum_slot(r)] = row_lse;
-}
-
-// The dk/dv kernels' helper thread for query row r of a step in `stage`, query q of the head whose
-// lse row is lse_row: the row's lse (log2 domain, +inf past T so P = 0) is loaded before the
-// stage's tiles land (its latency hides behind the TMA's), then D and lse go into the stage and
-// the thread's arrival on `full` releases them.
-template <class C, class T>
-__device__ __forceinline__ void helper_step(unsigned char* stage, uint32_t landed, uint32_t full,
-                                            uint32_t parity, int r, const float* lse_row, int64_t q,
-                                            int64_t seq) {
-  const float row_lse = q < seq ? lse_row[q] * kLog2e : INFINITY;
-  mbar_wait(landed, parity);
-  write_d_and_lse<C, T>(stage, r, row_lse);
   mbar_arrive(full);
 }
 

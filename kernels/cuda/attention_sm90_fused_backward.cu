@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int h = kvh * group + i / ph;
             helper_step<C, T>(base_ptr + C::kRing0 + s * C::kStageBytes, landed + 8 * s,
                               full + 8 * s, (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq,
-                              int64_t(2 * kb + i % ph) * C::kBM + r, seq);
+                              int64_t(2 * kb + i % ph) * C::kBM, seq);
           }
         }
       }

@@ -77,6 +77,10 @@ constexpr int kBK = 64;   // k per slice: one 128-byte swizzle row of 16-bit ele
 
 using Wide = Sm90Cfg<256, 4>;    // 192 KiB: one block per SM
 using Narrow = Sm90Cfg<128, 4>;  // 128 KiB: one block per SM, half the accumulators
+// The ping-pong kernels' ring (MOE_GROUPED_SM90=pingpong): each math warpgroup computes a whole
+// 128 x 128 tile, the two taking turns, so a stage holds one warpgroup's slice; 6 of them keep
+// the same 192 KiB in flight as Wide's 4.
+using PingPong = Sm90Cfg<128, 6>;
 static_assert(Wide::kABytes == kBM * kBK * 2 && Sw128::kBlockBytes == kBK * Sw128::kRowBytes,
               "tiles of 128 rows and 64-wide k-slices of 16-bit elements");
 
@@ -117,6 +121,8 @@ constexpr size_t kRowsSmemBytes = C::kSmemBytes + kStagingBytes;
 // Shared memory per block on sm_90: 227 KiB, static and dynamic together.
 static_assert(kRowsSmemBytes<Sm90Cfg<256, 4>> + 4 * (kSharedOffsets + 1) + 16 * 4 <= 232448,
               "the rows kernel's ring, staging, offsets and barriers fit in 227 KiB");
+static_assert(kRowsSmemBytes<PingPong> + 4 * (kSharedOffsets + 1) + 16 * 7 <= 232448,
+              "the ping-pong rows kernel's ring, staging, offsets, barriers and turns fit");
 
 // Ring bookkeeping shared by the producer and the math warps: slice number `it` (counted over
 // every tile the block runs) uses stage it % kStages in round it / kStages.
@@ -146,20 +152,50 @@ struct TmaRing {
 
 // Sets up the ring in the dynamic shared memory and the barriers: all threads call it.
 // full_arrivals: the arrivals that fill a stage besides its bytes (the producer's expect_tx; the
-// gathering rows kernel's cp.async copies too).
-template <class C>
+// gathering rows kernel's cp.async copies too). kPingPong: a stage is freed by the 4 warps of
+// the one math warpgroup that computes its slice (else by all 8), and the two turn barriers
+// (pingpong_wait_turn) get one arrival each.
+template <class C, bool kPingPong = false>
 __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* full,
-                                                uint64_t* empty, int full_arrivals = 1) {
+                                                uint64_t* empty, int full_arrivals = 1,
+                                                uint64_t* turns = nullptr) {
   TmaRing<C> r{ring_base(smem), shared_addr(full), shared_addr(empty)};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(r.full0 + 8 * s, full_arrivals);
-      mbar_init(r.empty0 + 8 * s, kTmaThreads / 32 - 4);  // one arrival per math warp
+      mbar_init(r.empty0 + 8 * s, kPingPong ? 4 : kTmaThreads / 32 - 4);  // one per math warp
+    }
+    if constexpr (kPingPong) {
+      mbar_init(shared_addr(turns), 1);
+      mbar_init(shared_addr(turns) + 8, 1);
     }
     mbar_init_fence();
   }
   __syncthreads();
   return r;
+}
+
+// The ping-pong kernels' order: the block's tiles (units, for dw) alternate between the math
+// warpgroups, tile j on warpgroup j % 2, which computes all 128 of its rows (two m64 wgmma per
+// k16 step) and stores them while the other warpgroup's main loop runs: the tensor cores have
+// work during every epilogue, which the cooperative kernels (both warpgroups on one tile, then
+// both storing) leave idle. The main loops take turns: warpgroup g waits on turn[g] before its
+// first slice and, once it waits on no more stages of the tile, arrives on turn[1 - g]. Besides
+// the alternation, the turns are what keep the ring's parity waits sound: without them,
+// warpgroup 1 could wait on a stage's full barrier for its slice while that barrier's phase is
+// still two rounds behind (warpgroup 0 not yet through its own slices), and a parity wait
+// cannot tell phase p from p - 2 (scripts/models/pingpong_barriers.py models the protocol).
+// turn0: the shared address of turn[0] (turn[1] = turn0 + 8). Before warpgroup g's k-th main
+// loop (k = 0, 1, ...): warpgroup 0's first goes at once; its k-th waits for warpgroup 1's
+// (k-1)-th to pass the turn, and warpgroup 1's k-th for warpgroup 0's k-th.
+[[maybe_unused]] __device__ __forceinline__ void pingpong_wait_turn(uint32_t turn0, int g,
+                                                                    int64_t k) {
+  if (g == 0 && k == 0) return;
+  mbar_wait(turn0 + 8 * g, static_cast<uint32_t>((g == 0 ? k - 1 : k) & 1));
+}
+// One thread of warpgroup g, after its last wait on a stage of the tile.
+[[maybe_unused]] __device__ __forceinline__ void pingpong_pass_turn(uint32_t turn0, int g) {
+  mbar_arrive(turn0 + 8 * (1 - g));
 }
 
 // Math warpgroup `g` (0 or 1: rows 64g..64g+63 of the tile): acc = the sum over `slices`
@@ -188,6 +224,50 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
+  if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
+}
+
+// The ping-pong main loop of math warpgroup g's k-th tile: acc[h] = rows 64h..64h+63 of the
+// block tile over ring slices it0 .. it0 + slices - 1 (kBoth: rows 64-127 too; else the tile's
+// real rows end before them and only acc[0] is computed), between the turns (pingpong_wait_turn;
+// turns: the shared address of turn[0]). before(t, stage) as in tma_math_loop. kBoth is a
+// template argument, the caller branching once per tile: a test of a runtime flag between the
+// wgmma made ptxas serialize every wgmma of the kernel (C7520, "WG.AR in divergent path").
+template <class C, class T, bool kAKFast, bool kBKFast, bool kBoth, class Before>
+__device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], const TmaRing<C>& ring,
+                                                   int64_t it0, int slices, uint32_t turns, int g,
+                                                   int64_t k, Before&& before) {
+#pragma unroll
+  for (int i = 0; i < C::kAcc; ++i) acc[0][i] = acc[1][i] = 0.0f;
+  pingpong_wait_turn(turns, g, k);
+  const bool signals = (threadIdx.x % 32) == 0;
+  for (int t = 0; t < slices; ++t) {
+    const int64_t it = it0 + t;
+    mbar_wait(ring.full(it), TmaRing<C>::parity(it));
+    const uint32_t stage = ring.stage(it), b = stage + C::kABytes;
+    before(t, stage);
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < kBK / 16; ++s) {
+      const uint64_t db = step_desc<kBKFast>(b, 0, s);
+      wgmma_step<T, C::kBN, kAKFast ? 0 : 1, kBKFast ? 0 : 1>(acc[0],
+                                                              step_desc<kAKFast>(stage, 0, s), db);
+      if constexpr (kBoth)
+        wgmma_step<T, C::kBN, kAKFast ? 0 : 1, kBKFast ? 0 : 1>(
+            acc[1], step_desc<kAKFast>(stage, 64, s), db);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
+    fence_accumulators(acc[0]);
+    fence_accumulators(acc[1]);
+    if (t > 0 && signals) mbar_arrive(ring.empty(it - 1));
+  }
+  // This warpgroup waits on no more stages of the tile: the other one's main loop may start, its
+  // first wgmma queued behind this one's last.
+  if (threadIdx.x % 128 == 0) pingpong_pass_turn(turns, g);
+  wgmma_wait<0>();
+  fence_accumulators(acc[0]);
+  fence_accumulators(acc[1]);
   if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
 }
 
@@ -415,7 +495,10 @@ static_assert(kRowsProducerRegs<false> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
 // kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
 // MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
 // them by cp.async (gathered_row, copy_warp_lines).
-template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false>
+// kPingPong: the ping-pong order (pingpong_wait_turn; C = PingPong, not with kSwiglu), the tile's
+// 128 rows on one math warpgroup.
+template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
+          bool kPingPong = false>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
     const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_a2,
@@ -424,7 +507,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const int32_t* offsets, int experts, int64_t rows, int64_t n_total, int64_t k_total,
     int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
     const AdamRider rider, bool pair) {
-  static_assert(!kSwiglu || (kBKFast && C::kBN == 256),
+  static_assert(!kSwiglu || (kBKFast && C::kBN == 256 && !kPingPong),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
   if constexpr (kHasWgmma) {
@@ -441,8 +524,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     // The math warpgroups done with their tiles (the riders stop at 2).
     __shared__ int math_done;
     if (threadIdx.x == 0) math_done = 0;
+    __shared__ __align__(8) uint64_t turn[2];  // kPingPong
     // (its barrier publishes the offsets' copy and math_done)
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
+    const TmaRing<C> ring = make_ring<C, kPingPong>(smem, full, empty, kGather ? 1 + 128 : 1,
+                                                    kPingPong ? turn : nullptr);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     // pair (!kSwiglu, !kGather): the k-slices of (map_a, map_b), then as many of (map_a2, map_b2)
     const int half_slices = static_cast<int>((k_total + kBK - 1) / kBK);
@@ -505,6 +590,46 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
           }
         }
         __syncwarp();
+      }
+    } else if constexpr (kPingPong) {
+      claim_registers<kRowsMathRegs<kSwiglu>>();
+      const int g = wg - 1;
+      const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
+      const uint32_t turns = shared_addr(turn);
+      // The block's tile j = g, g + 2, ... (this warpgroup's tile j / 2): every tile has
+      // `slices` k-slices, so tile j's are ring slices j * slices on.
+      for (int64_t tile = blockIdx.x + g * int64_t(gridDim.x); tile < tiles;
+           tile += 2 * int64_t(gridDim.x)) {
+        // (from the tile: a second loop counter spilled 4 bytes)
+        const int64_t j = (tile - blockIdx.x) / gridDim.x;
+        int e = 0;
+        int64_t r0 = 0, r1 = 0;
+        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        const int64_t n0 = (tile % n_tiles) * kTileN;
+        const bool both = r0 + 64 < r1;  // else the tile's real rows end in its first half
+        float acc[2][C::kAcc];
+        // kGather: the copies into the stage are the generic proxy's, the wgmma read it through
+        // the async proxy
+        auto before = [](int, uint32_t) {
+          if constexpr (kGather) fence_proxy_async_smem();
+        };
+        if (both)
+          pingpong_math_loop<C, T, true, kBKFast, true>(acc, ring, j * slices, slices, turns, g,
+                                                        j / 2, before);
+        else
+          pingpong_math_loop<C, T, true, kBKFast, false>(acc, ring, j * slices, slices, turns, g,
+                                                         j / 2, before);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h == 1 && !both) break;
+          store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, [&](int jj, int hr) {
+            return pack2<T>(acc[h][4 * jj + 2 * hr], acc[h][4 * jj + 2 * hr + 1]);
+          });
+        }
+      }
+      if (threadIdx.x % 128 == 0) {
+        tma_store_wait_all();  // its TMA stores have landed
+        atomicAdd(&math_done, 1);
       }
     } else {
       claim_registers<kRowsMathRegs<kSwiglu>>();
@@ -619,11 +744,66 @@ struct DwUnits {
   }
 };
 
+// Who waits and publishes around a dw tile's reductions: the named barrier the tile's
+// warpgroup syncs on after its leader saw the earlier chunks' flag, the barrier (and its thread
+// count) that gathers every thread's reductions before the publish, and the publishing thread.
+struct DwTileSync {
+  int wait_bar, publish_bar, publish_threads;
+  unsigned publisher;
+};
+
+// A dw unit's reductions into dw_e [out, in] at tile (m0, n0), chunk c of `chunks` of the tile
+// (flag: dw_flags' entry of the tile, when chunks > 1): after the tile's earlier chunks (the flag
+// reads c), then publishing c + 1 (the last chunk puts 0 back). pairs(add) hands this thread's
+// accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). store: st instead of red
+// (the overwrite's first chunk).
+template <class C, class Pairs>
+__device__ __forceinline__ void dw_tile_reduce(int* flag, int c, int chunks, bool leader,
+                                               DwTileSync sync, float* dw_e, int64_t out,
+                                               int64_t in, int64_t m0, int64_t n0, bool store,
+                                               Pairs&& pairs) {
+  if (c > 0) {  // the tile's earlier chunks first
+    if (leader) {
+      int seen = -1;
+      for (;;) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+        if (seen == c) break;
+        __nanosleep(100);
+      }
+    }
+    named_barrier_sync(sync.wait_bar, 128);
+  }
+  pairs([&](int row, int col, float v0, float v1) {
+    const int64_t o = m0 + row, i = n0 + col;
+    // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
+    // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
+    // flush to zero).
+    if (o >= out || i >= in) return;
+    if (store)
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0), "f"(v1)
+                   : "memory");
+    else
+      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
+                   "f"(v1)
+                   : "memory");
+  });
+  if (chunks > 1) {  // publish: every thread's reductions, then the flag
+    __threadfence();
+    named_barrier_sync(sync.publish_bar, sync.publish_threads);
+    if (threadIdx.x == sync.publisher) {
+      const int next = c + 1 == chunks ? 0 : c + 1;
+      asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
+    }
+  }
+}
+
 // kGatherDy / kGatherX: dy's / x's rows are gathered, k-row r being row row_token[r] of dy_src
 // [tokens, out] / x_src [tokens, in] (the MoE layer's output gradient / input, no permuted copy;
 // that operand's map unused): the producer warpgroup's 128 threads copy them by cp.async
 // (gather_k_rows), the other operand still by TMA.
-template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
+// kPingPong: the ping-pong order (pingpong_wait_turn; C = PingPong), a unit's 128 x kBN tile on one
+// math warpgroup, its reductions under the other's main loop.
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false, bool kPingPong = false>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x,
@@ -651,8 +831,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       }
       unit_start[experts] = at;
     }
+    __shared__ __align__(8) uint64_t turn[2];  // kPingPong
     // (its barrier publishes the table)
-    const TmaRing<C> ring = make_ring<C>(smem, full, empty, kGather ? 1 + 128 : 1);
+    const TmaRing<C> ring = make_ring<C, kPingPong>(smem, full, empty, kGather ? 1 + 128 : 1,
+                                                    kPingPong ? turn : nullptr);
     const DwUnits units{unit_start, experts, rows, chunk, tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
@@ -702,6 +884,59 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           if constexpr (kGather) cp_async_mbar_arrive(bar);
         }
       }
+    } else if constexpr (kPingPong) {
+      claim_registers<kGather ? kGatherMathRegs : 232>();
+      const int g = wg - 1;
+      const uint32_t turns = shared_addr(turn);
+      // The block's unit j is warpgroup j % 2's; units differ in k-slices, so each warpgroup
+      // walks them all to count the ring's slices.
+      int64_t j = 0, k = 0;
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x, ++j) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        if (j % 2 != g) {
+          it += slices;
+          continue;
+        }
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
+        const int tail = static_cast<int>((k1 - k0) % kBK);  // as in the cooperative branch
+        const bool both = m0 + 64 < out;  // else dw's rows end in the tile's first half
+        float acc[2][C::kAcc];
+        auto before = [&](int t, uint32_t stage) {
+          if constexpr (kGather) fence_proxy_async_smem();
+          if (t != slices - 1 || tail == 0) return;
+          // k-rows tail..63 of each computed 64-wide block of A (the cooperative hook's
+          // rows, in both blocks)
+          const int per_block = (64 - tail) * 8;  // 16-byte chunks
+          for (int i = static_cast<int>(threadIdx.x) % 128; i < (both ? 2 : 1) * per_block;
+               i += 128) {
+            const uint32_t at =
+                stage + (i / per_block) * Sw128::kBlockBytes + 16 * (tail * 8 + i % per_block);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
+          }
+          fence_proxy_async_smem();
+          named_barrier_sync(1 + g, 128);
+        };
+        if (both)
+          pingpong_math_loop<C, T, false, false, true>(acc, ring, it, slices, turns, g, k, before);
+        else
+          pingpong_math_loop<C, T, false, false, false>(acc, ring, it, slices, turns, g, k, before);
+        it += slices;
+        ++k;
+        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
+        // (the tile is this warpgroup's alone: it publishes on its own barrier)
+        dw_tile_reduce<C>(flag, c, chunks, threadIdx.x % 128 == 0,
+                          {1 + g, 1 + g, 128, 128u * (1 + g)},
+                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
+                          overwrite && c == 0, [&](auto&& add) {
+                            for_each_math_pair<C>(acc[0], 0, add);
+                            if (both) for_each_math_pair<C>(acc[1], 1, add);
+                          });
+      }
     } else {
       claim_registers<kGather ? kGatherMathRegs : 232>();
       const int g = wg - 1;
@@ -743,47 +978,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         it += slices;
         // (only formed when the tile is split: then E x tiles fits the flags, launch_dw)
         int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
-        if (c > 0) {  // the tile's earlier chunks first
-          if (leader) {
-            int seen = -1;
-            for (;;) {
-              asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n"
-                           : "=r"(seen)
-                           : "l"(flag)
-                           : "memory");
-              if (seen == c) break;
-              __nanosleep(100);
-            }
-          }
-          named_barrier_sync(1 + g, 128);
-        }
-        float* dw_e = (second ? dw2 : dw) + int64_t(e) * out * in;
         // overwrite: the tile's first chunk stores (dw is neither zeroed before nor read), the
-        // later ones add behind it in chunk order as always.
-        const bool store = overwrite && c == 0;
-        for_each_math_pair<C>(acc, g, [&](int row, int col, float v0, float v1) {
-          const int64_t o = m0 + row, i = n0 + col;
-          // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
-          // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
-          // flush to zero).
-          if (o >= out || i >= in) return;
-          if (store)
-            asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
-                         "f"(v1)
-                         : "memory");
-          else
-            asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i),
-                         "f"(v0), "f"(v1)
-                         : "memory");
-        });
-        if (chunks > 1) {  // publish: every thread's reductions, then the flag
-          __threadfence();
-          named_barrier_sync(3, 256);
-          if (threadIdx.x == 128) {
-            const int next = c + 1 == chunks ? 0 : c + 1;
-            asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
-          }
-        }
+        // later ones add behind it in chunk order as always. The publish counts both
+        // warpgroups (barrier 3), thread 128 stores the flag.
+        dw_tile_reduce<C>(flag, c, chunks, leader, {1 + g, 3, 256, 128},
+                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
+                          overwrite && c == 0,
+                          [&](auto&& add) { for_each_math_pair<C>(acc, g, add); });
       }
     }
   }
@@ -829,12 +1030,13 @@ struct RowsIn {
   const void* a2 = nullptr;
 };
 
-// w2: w3 for SwiGLU (kSwiglu), unused otherwise.
-template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false>
+// w2: w3 for SwiGLU (kSwiglu), unused otherwise. kPingPong: the ping-pong kernel (C = PingPong).
+template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
+          bool kPingPong = false>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
-  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather>;
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kPingPong>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, kRowsSmemBytes<C>); });
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;
@@ -886,11 +1088,11 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
 // kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
 // g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
 // launch.
-template <class C, class T, bool kGatherDy = false, bool kGatherX = false>
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false, bool kPingPong = false>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g = {},
                float* dw2 = nullptr, const void* dy2 = nullptr) {
-  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX>;
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kPingPong>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
@@ -928,18 +1130,22 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
 }
 
 // Whether the code the device runs for C's kernels is the sm_90a code (see the top comment).
-template <class C, class T>
+// kPingPong: the ping-pong kernels (no SwiGLU one).
+template <class C, class T, bool kPP = false>
 bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, true>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true>));
+  if constexpr (!kPP) {
+    if (!is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) ||
+        !is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)))
+      return false;
+  }
+  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false, false, kPP>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, false, kPP>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, true, kPP>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, false, kPP>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false, kPP>)) &&
+         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true, kPP>));
 #else
   return false;
 #endif
@@ -954,14 +1160,20 @@ bool device_is_sm90() {
 }
 
 // MOE_GROUPED_SM90 (read at every launch, so the tests cover every setting in one process):
-// "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, anything else (or
-// unset) 256-column ones.
-enum class Mode { off, narrow, wide };
+// "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, "pingpong" the
+// ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the rows
+// products only (dw as by default), anything else (or unset) 256-column cooperative tiles. The
+// fused SwiGLU forward has no ping-pong form: it runs the 256-column kernel under both.
+enum class Mode { off, narrow, wide, pingpong, pingpong_rows };
 Mode mode() {
   const char* v = std::getenv("MOE_GROUPED_SM90");
   if (v == nullptr) return Mode::wide;
   const std::string s(v);
-  return s == "0" ? Mode::off : s == "128" ? Mode::narrow : Mode::wide;
+  return s == "0"               ? Mode::off
+         : s == "128"           ? Mode::narrow
+         : s == "pingpong"      ? Mode::pingpong
+         : s == "pingpong-rows" ? Mode::pingpong_rows
+                                : Mode::wide;
 }
 
 bool sm90_available(DType t) {
@@ -970,21 +1182,33 @@ bool sm90_available(DType t) {
   static bool half_ok = false, bf16_ok = false;
   std::call_once(once, [] {
     if (!device_is_sm90()) return;
-    half_ok = compiled_for_sm90a<Wide, __half>() && compiled_for_sm90a<Narrow, __half>();
-    bf16_ok =
-        compiled_for_sm90a<Wide, __nv_bfloat16>() && compiled_for_sm90a<Narrow, __nv_bfloat16>();
+    half_ok = compiled_for_sm90a<Wide, __half>() && compiled_for_sm90a<Narrow, __half>() &&
+              compiled_for_sm90a<PingPong, __half, true>();
+    bf16_ok = compiled_for_sm90a<Wide, __nv_bfloat16>() &&
+              compiled_for_sm90a<Narrow, __nv_bfloat16>() &&
+              compiled_for_sm90a<PingPong, __nv_bfloat16, true>();
   });
   return t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
 }
 
-// Calls fn(C{}, T{}) with the configuration and storage type of this launch.
+// Calls fn(C{}, T{}, pingpong) with the configuration, storage type and order (a
+// std::bool_constant: the ping-pong kernels or not) of this launch; dw: a dw product's.
 template <class Fn>
-void with_config(DType t, Mode m, Fn&& fn) {
-  const bool wide = m == Mode::wide;
+void with_config(DType t, Mode m, bool dw, Fn&& fn) {
+  const bool pingpong = m == Mode::pingpong || (m == Mode::pingpong_rows && !dw);
+  const bool narrow = m == Mode::narrow;
+  auto typed = [&](auto zero) {
+    if (pingpong)
+      fn(PingPong{}, zero, std::true_type{});
+    else if (narrow)
+      fn(Narrow{}, zero, std::false_type{});
+    else
+      fn(Wide{}, zero, std::false_type{});
+  };
   if (t == DType::f16)
-    wide ? fn(Wide{}, __half{}) : fn(Narrow{}, __half{});
+    typed(__half{});
   else
-    wide ? fn(Wide{}, __nv_bfloat16{}) : fn(Narrow{}, __nv_bfloat16{});
+    typed(__nv_bfloat16{});
 }
 
 }  // namespace
@@ -1002,18 +1226,20 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     return false;
   if (rows == 0) return true;  // nothing to write (and a tensor map needs a row)
   const RowsIn in{a, row_token, tokens};
-  with_config(t, m, [&](auto cfg, auto zero) {
+  with_config(t, m, false, [&](auto cfg, auto zero, auto pingpong) {
     using C = decltype(cfg);
     using T = decltype(zero);
+    constexpr bool kPP = decltype(pingpong)::value;
+    const AdamRider r = rider ? *rider : AdamRider{};
     if (row_token != nullptr)
-      launch_rows<C, T, false, false, true>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows,
-                                            n_total, k_total, expert_stride);
+      launch_rows<C, T, false, false, true, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
+                                                 rows, n_total, k_total, expert_stride);
     else if (b_k_fast)
-      launch_rows<C, T, true>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total, k_total,
-                              expert_stride, rider ? *rider : AdamRider{});
+      launch_rows<C, T, true, false, false, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
+                                                 rows, n_total, k_total, expert_stride, r);
     else
-      launch_rows<C, T, false>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows, n_total,
-                               k_total, expert_stride, rider ? *rider : AdamRider{});
+      launch_rows<C, T, false, false, false, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
+                                                  rows, n_total, k_total, expert_stride, r);
   });
   return true;
 }
@@ -1036,14 +1262,16 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
       !dw_operands_fit(dw, dy, x, out, in, experts) ||
       !dw_operands_fit(dw2, dy2, x, out, in, experts) || rows == 0 || experts == 0)
     return false;
-  with_config(t, m, [&](auto cfg, auto zero) {
+  with_config(t, m, true, [&](auto cfg, auto zero, auto pingpong) {
     using C = decltype(cfg);
     using T = decltype(zero);
+    constexpr bool kPP = decltype(pingpong)::value;
     if (g.x)
-      launch_dw<C, T, false, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite, g,
-                                   dw2, dy2);
+      launch_dw<C, T, false, true, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                        overwrite, g, dw2, dy2);
     else
-      launch_dw<C, T>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite, {}, dw2, dy2);
+      launch_dw<C, T, false, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                         overwrite, {}, dw2, dy2);
   });
   return true;
 }
@@ -1065,11 +1293,11 @@ bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const voi
   if (rows == 0) return true;  // nothing to write
   RowsIn in{a};
   in.a2 = a2;
-  with_config(t, m, [&](auto cfg, auto zero) {
+  with_config(t, m, false, [&](auto cfg, auto zero, auto pingpong) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    launch_rows<C, T, false>(ctx, t, {c}, in, w, w2, offsets, experts, rows, n_total, k_total,
-                             expert_stride);
+    launch_rows<C, T, false, false, false, decltype(pingpong)::value>(
+        ctx, t, {c}, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride);
   });
   return true;
 }
@@ -1082,8 +1310,9 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
   const char* fused = std::getenv("MOE_SWIGLU_FUSED");
-  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m != Mode::wide ||
-      !sm90_available(t) ||
+  // (the ping-pong settings run this 256-column kernel too: it has no ping-pong form)
+  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr ||
+      (m != Mode::wide && m != Mode::pingpong && m != Mode::pingpong_rows) || !sm90_available(t) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
       !aligned16_rows(h, features))
@@ -1122,17 +1351,19 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
           cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));
     return true;
   }
-  with_config(t, m, [&](auto cfg, auto zero) {
+  with_config(t, m, true, [&](auto cfg, auto zero, auto pingpong) {
     using C = decltype(cfg);
     using T = decltype(zero);
+    constexpr bool kPP = decltype(pingpong)::value;
     if (g.dy)
-      launch_dw<C, T, true, false>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
-                                   g);
+      launch_dw<C, T, true, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                        overwrite, g);
     else if (g.x)
-      launch_dw<C, T, false, true>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite,
-                                   g);
+      launch_dw<C, T, false, true, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                        overwrite, g);
     else
-      launch_dw<C, T>(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite);
+      launch_dw<C, T, false, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                         overwrite);
   });
   return true;
 }
