@@ -160,13 +160,14 @@ TEST_CASE("gpu adamw_step_split: a non-finite norm leaves everything; decode is 
 }
 
 // grouped_linear_forward_adamw: on sm_90 the split update rides in the product's spare warps
-// (256- and 128-column tiles, ping-pong) and a finishing kernel takes what they left; with the
-// sm_90 kernels off, or a slab of no whole quads, the two ops run in turn. Every way gives the bits
-// of the two ops in turn (y, hi, lo, m, v), y matches the CPU product and the master the CPU
-// update.
+// (256- and 128-column tiles, ping-pong, multicast) and a finishing kernel takes what they left;
+// with the sm_90 kernels off, or a slab of no whole quads, the two ops run in turn. Every way gives
+// the bits of the two ops in turn (y, hi, lo, m, v), y matches the CPU product and the master the
+// CPU update.
 TEST_CASE("gpu grouped_linear_forward_adamw: the bits of the product and the update in turn",
           "[gpu][optim]") {
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   const int64_t e = 5, in = 192, out = 320;
   const std::vector<int32_t> offsets = {0, 300, 300, 517, 900, 1031};

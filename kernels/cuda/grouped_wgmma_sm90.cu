@@ -81,6 +81,12 @@ using Narrow = Sm90Cfg<128, 4>;  // 128 KiB: one block per SM, half the accumula
 // 128 x 128 tile, the two taking turns, so a stage holds one warpgroup's slice; 6 of them keep
 // the same 192 KiB in flight as Wide's 4.
 using PingPong = Sm90Cfg<128, 6>;
+
+// How a kernel's two math warpgroups share the work (MOE_GROUPED_SM90): cooperative (both on
+// one 128-row tile, 64 rows each), pingpong (alternate whole tiles, pingpong_wait_turn) or
+// multicast (cooperative, the blocks in clusters of two on adjacent row tiles of one expert, each
+// loading half of the B tile they share by TMA multicast: block_row_tile; rows kernels only).
+enum class Sched { cooperative, pingpong, multicast };
 static_assert(Wide::kABytes == kBM * kBK * 2 && Sw128::kBlockBytes == kBK * Sw128::kRowBytes,
               "tiles of 128 rows and 64-wide k-slices of 16-bit elements");
 
@@ -152,20 +158,25 @@ struct TmaRing {
 
 // Sets up the ring in the dynamic shared memory and the barriers: all threads call it.
 // full_arrivals: the arrivals that fill a stage besides its bytes (the producer's expect_tx; the
-// gathering rows kernel's cp.async copies too). kPingPong: a stage is freed by the 4 warps of
-// the one math warpgroup that computes its slice (else by all 8), and the two turn barriers
-// (pingpong_wait_turn) get one arrival each.
-template <class C, bool kPingPong = false>
+// gathering rows kernel's cp.async copies too). A stage is freed by one arrival per math warp
+// that read it (kSched): all 8 (cooperative), the 4 of the one warpgroup that computes its slice
+// (pingpong), or the 8 of both blocks of the cluster pair (multicast: the peer's TMA writes
+// into this block's stage too). turns (pingpong): the two turn barriers, one arrival each.
+template <class C, Sched kSched = Sched::cooperative>
 __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* full,
                                                 uint64_t* empty, int full_arrivals = 1,
                                                 uint64_t* turns = nullptr) {
+  constexpr int kMathWarps = kTmaThreads / 32 - 4;
+  constexpr int kEmptyArrivals = kSched == Sched::pingpong    ? kMathWarps / 2
+                                 : kSched == Sched::multicast ? 2 * kMathWarps
+                                                              : kMathWarps;
   TmaRing<C> r{ring_base(smem), shared_addr(full), shared_addr(empty)};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(r.full0 + 8 * s, full_arrivals);
-      mbar_init(r.empty0 + 8 * s, kPingPong ? 4 : kTmaThreads / 32 - 4);  // one per math warp
+      mbar_init(r.empty0 + 8 * s, kEmptyArrivals);
     }
-    if constexpr (kPingPong) {
+    if constexpr (kSched == Sched::pingpong) {
       mbar_init(shared_addr(turns), 1);
       mbar_init(shared_addr(turns) + 8, 1);
     }
@@ -201,9 +212,17 @@ __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* f
 // Math warpgroup `g` (0 or 1: rows 64g..64g+63 of the tile): acc = the sum over `slices`
 // k-slices of ring slices it0, it0 + 1, ... . `before(t, stage)` runs after slice t has landed
 // and before its wgmma (the dw kernel masks the rows past the expert there).
-template <class C, class T, bool kAKFast, bool kBKFast, class Before>
+// kPeer (multicast): each stage freed is also freed in the cluster peer's ring (peer_empty0: the
+// peer's empty[0], cluster_peer_address), whose TMA wrote half of it.
+template <class C, class T, bool kAKFast, bool kBKFast, bool kPeer = false, class Before>
 __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRing<C>& ring,
-                                              int64_t it0, int slices, int g, Before&& before) {
+                                              int64_t it0, int slices, int g, Before&& before,
+                                              uint32_t peer_empty0 = 0) {
+  auto free_stage = [&](int64_t it) {
+    mbar_arrive(ring.empty(it));
+    if constexpr (kPeer)
+      mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
+  };
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const bool signals = (threadIdx.x % 32) == 0;
@@ -220,11 +239,11 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
     wgmma_commit();
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc);
-    if (t > 0 && signals) mbar_arrive(ring.empty(it - 1));
+    if (t > 0 && signals) free_stage(it - 1);
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
+  if (slices > 0 && signals) free_stage(it0 + slices - 1);
 }
 
 // The ping-pong main loop of math warpgroup g's k-th tile: acc[h] = rows 64h..64h+63 of the
@@ -275,12 +294,38 @@ __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], con
 // to land and frees it, as tma_math_loop does, so the ring's barriers see every math warp's
 // arrival in every phase (an arrival before its stage is full could count toward the phase
 // before).
-template <class C>
-__device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0, int slices) {
+// kPeer, peer_empty0: as tma_math_loop's.
+template <class C, bool kPeer = false>
+__device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0, int slices,
+                                            uint32_t peer_empty0 = 0) {
   const bool signals = (threadIdx.x % 32) == 0;
   for (int t = 0; t < slices; ++t) {
-    mbar_wait(ring.full(it0 + t), TmaRing<C>::parity(it0 + t));
-    if (signals) mbar_arrive(ring.empty(it0 + t));
+    const int64_t it = it0 + t;
+    mbar_wait(ring.full(it), TmaRing<C>::parity(it));
+    if (signals) {
+      mbar_arrive(ring.empty(it));
+      if constexpr (kPeer)
+        mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
+    }
+  }
+}
+
+// The multicast schedule's tiles (kMulticast): the cluster pair's tile `tile` is a 256-row tile
+// of one expert (find_row_tile<256>), the block of rank r taking its rows 128 r .. 128 r + 127;
+// where the expert ends first, [r0, r1) is empty, and the block still loads its half of each B
+// slice and frees its stages. Otherwise find_row_tile's 128-row tile.
+template <bool kMulticast>
+__device__ __forceinline__ bool block_row_tile(const int32_t* offsets, int experts, int64_t rows,
+                                               int64_t tile, uint32_t rank, int* e, int64_t* r0,
+                                               int64_t* r1) {
+  if constexpr (kMulticast) {
+    int64_t s0 = 0, s1 = 0;
+    if (!find_row_tile<2 * kBM>(offsets, experts, rows, tile, e, &s0, &s1)) return false;
+    *r0 = s0 + kBM * int64_t(rank);
+    *r1 = s1 < *r0 + kBM ? s1 : *r0 + kBM;  // (below r0: no rows)
+    return true;
+  } else {
+    return find_row_tile<kBM>(offsets, experts, rows, tile, e, r0, r1);
   }
 }
 
@@ -474,12 +519,15 @@ __device__ __forceinline__ void copy_warp_lines(uint32_t block, int line0, const
 // The rows kernel's registers per thread: the producer warpgroup's (its warps 1-3 carry an AdamW
 // rider: at 40 they spilled 72 bytes) and the math warpgroups' (at most 3 x 168 together, the
 // block's: setmaxnreg.inc only takes what a .dec gave back). The SwiGLU kernel carries no rider
-// (its epilogue spilled 64 bytes at 216) and keeps 40 + 2 x 232.
-template <bool kSwiglu>
-constexpr int kRowsProducerRegs = kSwiglu ? 40 : 64;
+// (its epilogue spilled 64 bytes at 216) and keeps 40 + 2 x 232. kMulticast: the dx-form
+// producer's multicast loads and rider spilled 8 bytes at 64; 72 + 2 x 216 is the whole block.
+template <bool kSwiglu, bool kMulticast = false>
+constexpr int kRowsProducerRegs = kSwiglu      ? 40
+                                  : kMulticast ? 72
+                                               : 64;
 template <bool kSwiglu>
 constexpr int kRowsMathRegs = kSwiglu ? 232 : 216;
-static_assert(kRowsProducerRegs<false> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
+static_assert(kRowsProducerRegs<false, true> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
                   kRowsProducerRegs<true> + 2 * kRowsMathRegs<true> <= 3 * 168,
               "setmaxnreg within the block");
 
@@ -495,10 +543,11 @@ static_assert(kRowsProducerRegs<false> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
 // kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
 // MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
 // them by cp.async (gathered_row, copy_warp_lines).
-// kPingPong: the ping-pong order (pingpong_wait_turn; C = PingPong, not with kSwiglu), the tile's
-// 128 rows on one math warpgroup.
+// kSched: pingpong (C = PingPong, not with kSwiglu): the tile's 128 rows on one math warpgroup,
+// the warpgroups alternating (pingpong_wait_turn); multicast: launched in clusters of two
+// blocks, which share each B slice (block_row_tile, load_b).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
-          bool kPingPong = false>
+          Sched kSched = Sched::cooperative>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
     const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_a2,
@@ -507,6 +556,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const int32_t* offsets, int experts, int64_t rows, int64_t n_total, int64_t k_total,
     int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
     const AdamRider rider, bool pair) {
+  constexpr bool kPingPong = kSched == Sched::pingpong, kMulticast = kSched == Sched::multicast;
   static_assert(!kSwiglu || (kBKFast && C::kBN == 256 && !kPingPong),
                 "SwiGLU follows the forward product, gate and up 128 columns each");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -526,17 +576,40 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     if (threadIdx.x == 0) math_done = 0;
     __shared__ __align__(8) uint64_t turn[2];  // kPingPong
     // (its barrier publishes the offsets' copy and math_done)
-    const TmaRing<C> ring = make_ring<C, kPingPong>(smem, full, empty, kGather ? 1 + 128 : 1,
-                                                    kPingPong ? turn : nullptr);
+    const TmaRing<C> ring =
+        make_ring<C, kSched>(smem, full, empty, kGather ? 1 + 128 : 1, kPingPong ? turn : nullptr);
+    // kMulticast: the pair's barriers are set up before either block's TMA writes into the
+    // other's ring; the pair walks tiles first, first + step, ... (its blocks the same ones).
+    if constexpr (kMulticast) cluster_sync();
+    const uint32_t rank = kMulticast ? cluster_rank() : 0;
+    const unsigned first = kMulticast ? blockIdx.x / 2 : blockIdx.x;
+    const unsigned step = kMulticast ? gridDim.x / 2 : gridDim.x;
     const int wg = static_cast<int>(threadIdx.x) / 128;
     // pair (!kSwiglu, !kGather): the k-slices of (map_a, map_b), then as many of (map_a2, map_b2)
     const int half_slices = static_cast<int>((k_total + kBK - 1) / kBK);
     const int slices = pair ? 2 * half_slices : half_slices;
     int64_t it = 0;
     // Slice t of B for tile column n0 of expert e into `stage`, counted on `bar`.
-    // (second: the pair's second B, map_b2, at its own slice t)
+    // (second: the pair's second B, map_b2, at its own slice t). kMulticast: this block loads
+    // its half (rank 0 the first, w1's for SwiGLU) into both blocks' stages, the peer the other.
     auto load_b = [&](uint32_t stage, uint32_t bar, int t, int n0, int e, bool second) {
-      if constexpr (kSwiglu) {
+      if constexpr (kMulticast) {
+        const CUtensorMap* map =
+            kSwiglu ? (rank == 0 ? &map_b : &map_b2) : (second ? &map_b2 : &map_b);
+        constexpr uint16_t kBoth = 0x3;
+        if constexpr (kBKFast) {  // SwiGLU: w1's or w3's 128 rows; else half of kBN (host's box)
+          const int half = kSwiglu ? 0 : C::kBN / 2 * static_cast<int>(rank);
+          tma_load_3d_multicast(stage + C::kABytes + (C::kBN / 2) * Sw128::kRowBytes * rank, map,
+                                bar, t * kBK, n0 + half, e, kBoth);
+        } else {
+#pragma unroll
+          for (int i = 0; i < C::kBN / 128; ++i) {
+            const int j = C::kBN / 128 * static_cast<int>(rank) + i;
+            tma_load_3d_multicast(stage + C::kABytes + j * Sw128::kBlockBytes, map, bar,
+                                  n0 + 64 * j, t * kBK, e, kBoth);
+          }
+        }
+      } else if constexpr (kSwiglu) {
         tma_load_3d(stage + C::kABytes, &map_b, bar, t * kBK, n0, e);
         tma_load_3d(stage + C::kABytes + kTileN * Sw128::kRowBytes, &map_b2, bar, t * kBK, n0, e);
       } else if constexpr (kBKFast) {
@@ -549,21 +622,24 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       }
     };
     if (wg == 0) {
-      release_registers<kRowsProducerRegs<kSwiglu>>();
+      release_registers<kRowsProducerRegs<kSwiglu, kMulticast>>();
       // Thread 0 loads by TMA (warp 0 scans the offsets); kGather: all 128 threads copy A's rows,
       // thread p row p. Otherwise warps 1-3 carry the rider's AdamW (if any) until the math
       // warpgroups are done.
-      if (!kGather && threadIdx.x >= 32) {
+      // (kMulticast: no thread exits before the cluster's last barrier, below)
+      const bool loads = kGather || threadIdx.x < 32;
+      if (!loads) {
         if constexpr (!kSwiglu) {
           if (rider.quads > 0) ride_adam(rider, &math_done, 2);
         }
-        return;
+        if constexpr (!kMulticast) return;
       }
       const int p = static_cast<int>(threadIdx.x);
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+      for (int64_t tile = first; loads && tile < tiles; tile += step) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
-        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        if (!block_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
+          break;
         const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
         // kGather: the A row thread p copies (null past the expert's end: zeros, which feed
         // output rows that are not stored)
@@ -641,25 +717,31 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       // would round the static part up by another KiB).
       const uint32_t row_scales = ring.base + C::kStages * C::kStageBytes + kStagingBytes;
       if (kSwiglu && ring.base - shared_addr(smem) > 1024 - 2 * 64 * 4) __trap();  // never
-      for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, it += slices) {
+      // (kMulticast: the peer's empty[0], on which this block's math warps free stages too)
+      const uint32_t peer_empty0 = kMulticast ? cluster_peer_address(ring.empty0, rank ^ 1u) : 0;
+      for (int64_t tile = first; tile < tiles; tile += step, it += slices) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
-        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        if (!block_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
+          break;
         const int64_t n0 = (tile % n_tiles) * kTileN;
         // A tile cut at its expert's end with no real rows in this warpgroup's half (an expert's
         // last 1-64 rows, or a cold expert's few) leaves its wgmma to the other warpgroup, which
         // then has the SM's tensor cores to itself: the stages are still waited for and freed.
         const bool real = r0 + 64 * g < r1;
         if (!real) {
-          skip_slices(ring, it, slices);
+          skip_slices<C, kMulticast>(ring, it, slices, peer_empty0);
           continue;
         }
         float acc[C::kAcc];
         // kGather: the copies into the stage are the generic proxy's, the wgmma read it through
         // the async proxy
-        tma_math_loop<C, T, true, kBKFast>(acc, ring, it, slices, g, [](int, uint32_t) {
-          if constexpr (kGather) fence_proxy_async_smem();
-        });
+        tma_math_loop<C, T, true, kBKFast, kMulticast>(
+            acc, ring, it, slices, g,
+            [](int, uint32_t) {
+              if constexpr (kGather) fence_proxy_async_smem();
+            },
+            peer_empty0);
         store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
                                   row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
       }
@@ -668,6 +750,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         atomicAdd(&math_done, 1);
       }
     }
+    // kMulticast: neither block exits while the other may still write into its ring or arrive on
+    // its barriers.
+    if constexpr (kMulticast) cluster_sync();
   }
 }
 
@@ -801,9 +886,10 @@ __device__ __forceinline__ void dw_tile_reduce(int* flag, int c, int chunks, boo
 // [tokens, out] / x_src [tokens, in] (the MoE layer's output gradient / input, no permuted copy;
 // that operand's map unused): the producer warpgroup's 128 threads copy them by cp.async
 // (gather_k_rows), the other operand still by TMA.
-// kPingPong: the ping-pong order (pingpong_wait_turn; C = PingPong), a unit's 128 x kBN tile on one
-// math warpgroup, its reductions under the other's main loop.
-template <class C, class T, bool kGatherDy = false, bool kGatherX = false, bool kPingPong = false>
+// kSched: pingpong (C = PingPong): a unit's 128 x kBN tile on one math warpgroup, its reductions
+// under the other's main loop (pingpong_wait_turn); no multicast form.
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
+          Sched kSched = Sched::cooperative>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x,
@@ -812,6 +898,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                           int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
                           const T* x_src, const int32_t* row_token, int64_t tokens) {
   constexpr bool kGather = kGatherDy || kGatherX;
+  constexpr bool kPingPong = kSched == Sched::pingpong;
+  static_assert(kSched != Sched::multicast, "the dw kernel has no multicast form");
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -833,8 +921,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     }
     __shared__ __align__(8) uint64_t turn[2];  // kPingPong
     // (its barrier publishes the table)
-    const TmaRing<C> ring = make_ring<C, kPingPong>(smem, full, empty, kGather ? 1 + 128 : 1,
-                                                    kPingPong ? turn : nullptr);
+    const TmaRing<C> ring =
+        make_ring<C, kSched>(smem, full, empty, kGather ? 1 + 128 : 1, kPingPong ? turn : nullptr);
     const DwUnits units{unit_start, experts, rows, chunk, tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
@@ -1030,15 +1118,44 @@ struct RowsIn {
   const void* a2 = nullptr;
 };
 
-// w2: w3 for SwiGLU (kSwiglu), unused otherwise. kPingPong: the ping-pong kernel (C = PingPong).
+// w2: w3 for SwiGLU (kSwiglu), unused otherwise. kSched: the kernel's schedule (pingpong: C =
+// PingPong).
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
-          bool kPingPong = false>
+          Sched kSched = Sched::cooperative>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
-  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kPingPong>;
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kSched>;
+  constexpr bool kMulticast = kSched == Sched::multicast;
+  // kMulticast: the launch in clusters of two blocks, as many pairs as the device holds at once
+  // (one block an SM; a GPC's odd SM holds none).
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.blockDim = dim3(kTmaThreads);
+  config.dynamicSmemBytes = kRowsSmemBytes<C>;
+  config.stream = stream_of(ctx);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  static int max_pairs = 0;
   static std::once_flag once;
-  std::call_once(once, [&] { allow_dynamic_smem(kernel, kRowsSmemBytes<C>); });
+  std::call_once(once, [&] {
+    allow_dynamic_smem(kernel, kRowsSmemBytes<C>);
+    if constexpr (kMulticast) {
+      config.gridDim = dim3(2);
+      MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_pairs, kernel, &config));
+    }
+  });
+  if constexpr (kMulticast) {
+    if (max_pairs < 1) {  // no pair fits: the cooperative kernel
+      launch_rows<C, T, kBKFast, kSwiglu, kGather>(ctx, t, out, in, w, w2, offsets, experts, rows,
+                                                   n_total, k_total, expert_stride, rider);
+      return;
+    }
+  }
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;
   const void* a = in.a;
   // (gathering: a map over the token rows that the kernel does not use)
@@ -1050,7 +1167,9 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   const uint64_t b_dims[3] = {uint64_t(kBKFast ? k_total : n_total),
                               uint64_t(kBKFast ? n_total : k_total), uint64_t(experts)};
   const uint64_t b_strides[2] = {b_dims[0], uint64_t(expert_stride)};
-  const uint32_t b_box[3] = {kBK, kBKFast ? uint32_t(kTileN) : 64u, 1};
+  // (kMulticast: a block loads half of each B slice, load_b; a SwiGLU half is w1's or w3's box)
+  const uint32_t b_box[3] = {
+      kBK, kBKFast ? uint32_t(kMulticast && !kSwiglu ? kTileN / 2 : kTileN) : 64u, 1};
   const CUtensorMap map_b = tile_map(t, w, 3, b_dims, b_strides, b_box);
   const bool pair = in.a2 != nullptr;
   const CUtensorMap map_b2 = kSwiglu || pair ? tile_map(t, w2, 3, b_dims, b_strides, b_box) : map_b;
@@ -1063,12 +1182,21 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   const CUtensorMap map_up = kSwiglu ? tile_map(t, out.up, 2, c_dims, c_strides, c_box) : map_c;
   const CUtensorMap map_h = kSwiglu ? tile_map(t, out.h, 2, c_dims, c_strides, c_box) : map_c;
   const int n_tiles = static_cast<int>(blocks_for(n_total, kTileN));
-  const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kBM) + experts);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
-  kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
-      map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
-      static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
-      k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair);
+  // (kMulticast: tiles of a pair, 256 rows each)
+  const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kMulticast ? 2 * kBM : kBM) + experts);
+  if constexpr (kMulticast) {
+    config.gridDim = dim3(2 * static_cast<unsigned>(std::min<int64_t>(tiles, max_pairs)));
+    MOE_CUDA_CHECK(cudaLaunchKernelEx(
+        &config, kernel, map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
+        static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
+        k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair));
+  } else {
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
+    kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
+        map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
+        static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
+        k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair);
+  }
   MOE_CUDA_LAUNCH_CHECK();
 }
 
@@ -1088,11 +1216,12 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
 // kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
 // g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
 // launch.
-template <class C, class T, bool kGatherDy = false, bool kGatherX = false, bool kPingPong = false>
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
+          Sched kSched = Sched::cooperative>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g = {},
                float* dw2 = nullptr, const void* dy2 = nullptr) {
-  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kPingPong>;
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kSched>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
@@ -1130,22 +1259,25 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
 }
 
 // Whether the code the device runs for C's kernels is the sm_90a code (see the top comment).
-// kPingPong: the ping-pong kernels (no SwiGLU one).
-template <class C, class T, bool kPP = false>
+// kS: the kernels of that schedule (pingpong: no SwiGLU kernel; multicast: rows kernels only).
+template <class C, class T, Sched kS = Sched::cooperative>
 bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  if constexpr (!kPP) {
-    if (!is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true>)) ||
-        !is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true>)))
+  if constexpr (kS != Sched::pingpong) {
+    if (!is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, false, kS>)) ||
+        !is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true, kS>)))
       return false;
   }
-  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false, false, kPP>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, false, kPP>)) &&
-         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, true, kPP>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, false, kPP>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false, kPP>)) &&
-         is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true, kPP>));
+  if constexpr (kS != Sched::multicast) {
+    if (!is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, false, kS>)) ||
+        !is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false, kS>)) ||
+        !is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true, kS>)))
+      return false;
+  }
+  return is90(compiled_arch(grouped_tma_rows_kernel<C, T, true, false, false, kS>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, false, kS>)) &&
+         is90(compiled_arch(grouped_tma_rows_kernel<C, T, false, false, true, kS>));
 #else
   return false;
 #endif
@@ -1161,10 +1293,11 @@ bool device_is_sm90() {
 
 // MOE_GROUPED_SM90 (read at every launch, so the tests cover every setting in one process):
 // "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, "pingpong" the
-// ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the rows
-// products only (dw as by default), anything else (or unset) 256-column cooperative tiles. The
-// fused SwiGLU forward has no ping-pong form: it runs the 256-column kernel under both.
-enum class Mode { off, narrow, wide, pingpong, pingpong_rows };
+// ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the
+// rows products only, "multicast" the cluster-pair rows kernels (block_row_tile; dw as by
+// default), anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward has
+// no ping-pong form: it runs the 256-column cooperative kernel under both ping-pong settings.
+enum class Mode { off, narrow, wide, pingpong, pingpong_rows, multicast };
 Mode mode() {
   const char* v = std::getenv("MOE_GROUPED_SM90");
   if (v == nullptr) return Mode::wide;
@@ -1173,6 +1306,7 @@ Mode mode() {
          : s == "128"           ? Mode::narrow
          : s == "pingpong"      ? Mode::pingpong
          : s == "pingpong-rows" ? Mode::pingpong_rows
+         : s == "multicast"     ? Mode::multicast
                                 : Mode::wide;
 }
 
@@ -1182,28 +1316,35 @@ bool sm90_available(DType t) {
   static bool half_ok = false, bf16_ok = false;
   std::call_once(once, [] {
     if (!device_is_sm90()) return;
-    half_ok = compiled_for_sm90a<Wide, __half>() && compiled_for_sm90a<Narrow, __half>() &&
-              compiled_for_sm90a<PingPong, __half, true>();
-    bf16_ok = compiled_for_sm90a<Wide, __nv_bfloat16>() &&
-              compiled_for_sm90a<Narrow, __nv_bfloat16>() &&
-              compiled_for_sm90a<PingPong, __nv_bfloat16, true>();
+    auto all = [](auto zero) {
+      using T = decltype(zero);
+      return compiled_for_sm90a<Wide, T>() && compiled_for_sm90a<Narrow, T>() &&
+             compiled_for_sm90a<PingPong, T, Sched::pingpong>() &&
+             compiled_for_sm90a<Wide, T, Sched::multicast>();
+    };
+    half_ok = all(__half{});
+    bf16_ok = all(__nv_bfloat16{});
   });
   return t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
 }
 
-// Calls fn(C{}, T{}, pingpong) with the configuration, storage type and order (a
-// std::bool_constant: the ping-pong kernels or not) of this launch; dw: a dw product's.
-template <class Fn>
-void with_config(DType t, Mode m, bool dw, Fn&& fn) {
-  const bool pingpong = m == Mode::pingpong || (m == Mode::pingpong_rows && !dw);
-  const bool narrow = m == Mode::narrow;
+template <Sched kS>
+using SchedTag = std::integral_constant<Sched, kS>;
+
+// Calls fn(C{}, T{}, sched) with the configuration, storage type and schedule (a SchedTag) of
+// this launch; kDw: a dw product's (no multicast form).
+template <bool kDw, class Fn>
+void with_config(DType t, Mode m, Fn&& fn) {
+  const bool pingpong = m == Mode::pingpong || (m == Mode::pingpong_rows && !kDw);
   auto typed = [&](auto zero) {
-    if (pingpong)
-      fn(PingPong{}, zero, std::true_type{});
-    else if (narrow)
-      fn(Narrow{}, zero, std::false_type{});
+    if (pingpong) {
+      fn(PingPong{}, zero, SchedTag<Sched::pingpong>{});
+    } else if (m == Mode::multicast && !kDw) {
+      if constexpr (!kDw) fn(Wide{}, zero, SchedTag<Sched::multicast>{});
+    } else if (m == Mode::narrow)
+      fn(Narrow{}, zero, SchedTag<Sched::cooperative>{});
     else
-      fn(Wide{}, zero, std::false_type{});
+      fn(Wide{}, zero, SchedTag<Sched::cooperative>{});
   };
   if (t == DType::f16)
     typed(__half{});
@@ -1226,20 +1367,20 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     return false;
   if (rows == 0) return true;  // nothing to write (and a tensor map needs a row)
   const RowsIn in{a, row_token, tokens};
-  with_config(t, m, false, [&](auto cfg, auto zero, auto pingpong) {
+  with_config<false>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    constexpr bool kPP = decltype(pingpong)::value;
+    constexpr Sched kS = decltype(sched)::value;
     const AdamRider r = rider ? *rider : AdamRider{};
     if (row_token != nullptr)
-      launch_rows<C, T, false, false, true, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
-                                                 rows, n_total, k_total, expert_stride);
+      launch_rows<C, T, false, false, true, kS>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows,
+                                                n_total, k_total, expert_stride);
     else if (b_k_fast)
-      launch_rows<C, T, true, false, false, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
-                                                 rows, n_total, k_total, expert_stride, r);
+      launch_rows<C, T, true, false, false, kS>(ctx, t, {c}, in, w, nullptr, offsets, experts, rows,
+                                                n_total, k_total, expert_stride, r);
     else
-      launch_rows<C, T, false, false, false, kPP>(ctx, t, {c}, in, w, nullptr, offsets, experts,
-                                                  rows, n_total, k_total, expert_stride, r);
+      launch_rows<C, T, false, false, false, kS>(ctx, t, {c}, in, w, nullptr, offsets, experts,
+                                                 rows, n_total, k_total, expert_stride, r);
   });
   return true;
 }
@@ -1262,16 +1403,16 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
       !dw_operands_fit(dw, dy, x, out, in, experts) ||
       !dw_operands_fit(dw2, dy2, x, out, in, experts) || rows == 0 || experts == 0)
     return false;
-  with_config(t, m, true, [&](auto cfg, auto zero, auto pingpong) {
+  with_config<true>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    constexpr bool kPP = decltype(pingpong)::value;
+    constexpr Sched kS = decltype(sched)::value;
     if (g.x)
-      launch_dw<C, T, false, true, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                        overwrite, g, dw2, dy2);
+      launch_dw<C, T, false, true, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                       overwrite, g, dw2, dy2);
     else
-      launch_dw<C, T, false, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                         overwrite, {}, dw2, dy2);
+      launch_dw<C, T, false, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                        overwrite, {}, dw2, dy2);
   });
   return true;
 }
@@ -1293,10 +1434,10 @@ bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const voi
   if (rows == 0) return true;  // nothing to write
   RowsIn in{a};
   in.a2 = a2;
-  with_config(t, m, false, [&](auto cfg, auto zero, auto pingpong) {
+  with_config<false>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    launch_rows<C, T, false, false, false, decltype(pingpong)::value>(
+    launch_rows<C, T, false, false, false, decltype(sched)::value>(
         ctx, t, {c}, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride);
   });
   return true;
@@ -1310,9 +1451,9 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
   const char* fused = std::getenv("MOE_SWIGLU_FUSED");
-  // (the ping-pong settings run this 256-column kernel too: it has no ping-pong form)
-  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr ||
-      (m != Mode::wide && m != Mode::pingpong && m != Mode::pingpong_rows) || !sm90_available(t) ||
+  // (the ping-pong settings run the cooperative 256-column kernel: it has no ping-pong form)
+  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m == Mode::off ||
+      m == Mode::narrow || !sm90_available(t) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
       !aligned16_rows(h, features))
@@ -1320,19 +1461,26 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   if (rows == 0) return true;  // nothing to write
   const RowsOut out{gate, up, h, row_w};
   const RowsIn a{x, row_token, tokens};
-  auto launch = [&](auto zero) {
+  auto launch = [&](auto zero, auto sched) {
     using T = decltype(zero);
+    constexpr Sched kS = decltype(sched)::value;
     if (row_token != nullptr)
-      launch_rows<Wide, T, true, true, true>(ctx, t, out, a, w1, w3, offsets, experts, rows,
-                                             features, in, stride);
+      launch_rows<Wide, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                                 features, in, stride);
     else
-      launch_rows<Wide, T, true, true>(ctx, t, out, a, w1, w3, offsets, experts, rows, features, in,
-                                       stride);
+      launch_rows<Wide, T, true, true, false, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                                  features, in, stride);
+  };
+  auto typed = [&](auto zero) {
+    if (m == Mode::multicast)
+      launch(zero, SchedTag<Sched::multicast>{});
+    else
+      launch(zero, SchedTag<Sched::cooperative>{});
   };
   if (t == DType::f16)
-    launch(__half{});
+    typed(__half{});
   else
-    launch(__nv_bfloat16{});
+    typed(__nv_bfloat16{});
   return true;
 }
 
@@ -1351,19 +1499,19 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
           cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));
     return true;
   }
-  with_config(t, m, true, [&](auto cfg, auto zero, auto pingpong) {
+  with_config<true>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
-    constexpr bool kPP = decltype(pingpong)::value;
+    constexpr Sched kS = decltype(sched)::value;
     if (g.dy)
-      launch_dw<C, T, true, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                        overwrite, g);
+      launch_dw<C, T, true, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                       overwrite, g);
     else if (g.x)
-      launch_dw<C, T, false, true, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                        overwrite, g);
+      launch_dw<C, T, false, true, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                       overwrite, g);
     else
-      launch_dw<C, T, false, false, kPP>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                         overwrite);
+      launch_dw<C, T, false, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
+                                        overwrite);
   });
   return true;
 }

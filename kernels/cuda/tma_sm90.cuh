@@ -99,6 +99,75 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 #endif
 }
 
+// Thread-block clusters (the multicast grouped GEMM): tma_load_*_multicast writes the box into
+// the same shared-memory offset `dst` of every block of the cluster in `cta_mask` (bit r: the
+// block of rank r) and completes its bytes on the barrier at offset `bar` of each.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map,
+                                                      uint32_t bar, int32_t c0, int32_t c1,
+                                                      uint16_t cta_mask) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
+      : "memory");
+#endif
+}
+
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map,
+                                                      uint32_t bar, int32_t c0, int32_t c1,
+                                                      int32_t c2, uint16_t cta_mask) {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%3, %4, %5}], [%2], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "h"(cta_mask)
+      : "memory");
+#endif
+}
+
+// This block's rank in its cluster.
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r = 0;
+#if MOE_HAS_WGMMA
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+#endif
+  return r;
+}
+
+// The shared::cluster address of the barrier at this block's shared address `bar` in the block of
+// rank `cta` (mapa), for mbar_arrive_remote.
+__device__ __forceinline__ uint32_t cluster_peer_address(uint32_t bar, uint32_t cta) {
+  uint32_t remote = 0;
+#if MOE_HAS_WGMMA
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(cta));
+#endif
+  return remote;
+}
+
+// One arrival on another block's barrier (remote: from cluster_peer_address), released at
+// cluster scope: this thread's earlier reads of that block's data (the wgmma that read a stage
+// the peer's TMA multicast filled) are done before the peer sees it.
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t remote) {
+#if MOE_HAS_WGMMA
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
+               : "memory");
+#endif
+}
+
+// Every thread of every block of the cluster arrives, then waits for all: after the barriers'
+// initialisation (no block multicasts into a peer's ring before the peer set it up) and at the
+// end (no block exits while a peer may still write into its shared memory or arrive on it).
+// Every non-exited thread of the cluster must call it.
+__device__ __forceinline__ void cluster_sync() {
+#if MOE_HAS_WGMMA
+  asm volatile(
+      "barrier.cluster.arrive.release;\n"
+      "barrier.cluster.wait.acquire;\n" ::
+          : "memory");
+#endif
+}
+
 // Warp specialisation: the producer warpgroup gives registers back (kRegs per thread) so the
 // math warpgroups can take more; every warp of a warpgroup must execute the same call.
 template <int kRegs>
