@@ -1,0 +1,332 @@
+// The sm_90a grouped GEMM's dw kernel (dw_e += dy_e^T x_e over units of expert, chunk and tile,
+// deterministic chunk order), cooperative or ping-pong, and its gathering forms. Included by
+// grouped_wgmma_sm90.cu alone.
+#pragma once
+
+#include "cuda/grouped_sm90_parts.cuh"
+
+namespace moe::cuda_detail::grouped_sm90 {
+
+// dw kernel, persistent: dw[e] += dy_e^T x_e as work units of (expert e, chunk c of its rows,
+// 128 x kBN tile of dw[e]). A(m = o, k = r) = dy[r, o] and B(k = r, n = i) = x[r, i] come through
+// tensor maps over dy [rows, out] and x [rows, in] (boxes of 64 x 64, MN-major tiles). An expert's
+// rows are cut into chunks of `chunk` rows (a multiple of kBK; the host makes it twice the mean
+// rows per expert, so balanced routing keeps one chunk per expert and only a hot expert is split:
+// at maxvio 7 one expert holds every row, and unsplit its 88 tiles left a third of the H200's 132
+// SMs idle). Units run expert-major, then chunk, then tile; block b takes units b, b + grid, ...
+// and its producer streams the next unit's slices during the current one's epilogue.
+//
+// Determinism: the chunks of one tile add to dw in chunk order. Chunk c waits until the tile's
+// flag (dw_flags, one per (expert, tile), 0 between launches) reads c, adds, then publishes c + 1
+// (the last chunk puts 0 back). Each element still gets one reduction per chunk from one thread,
+// so the bits depend only on the offsets and the shapes. No deadlock: a unit only waits on a unit
+// of lower index, and the lowest-index unfinished unit is always running once its block is on an
+// SM (that block has finished every earlier unit of its own). Units are assigned to blocks
+// statically, so a block kept off the SMs by another stream's kernels (NCCL's during an
+// overlapped backward) delays the chunks that wait on its units until those kernels end; with SMs
+// withheld for good (MPS limits) it would not end. Claiming units in index order by an atomic
+// ticket would remove that dependence (next step). The flags assume one dw launch at a time per
+// device (the trainer's one compute stream), as norm.cu's scratch does.
+// A slice that runs past the chunk's last row holds the next rows: each math warpgroup zeroes those
+// k-rows of its own 64-wide block of A before its wgmma, so they add nothing.
+// The gathering dw kernel's copy of one operand's k-slice at k (rows k .. k + 63, those from k1
+// on zeros): kBlocks blocks of [64 k-rows][64 columns from col0] of rows row_token[k-row] of
+// src [tokens, width], in the layout their TMA loads would give. Thread p (0..127) holds k-row
+// p % 64, and its warp copies its 32 k-rows of blocks p / 64, p / 64 + 2, ... (copy_warp_lines).
+template <int kBlocks, class T>
+__device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
+                                              const int32_t* row_token, int64_t tokens, int64_t k,
+                                              int64_t k1, int64_t col0, int64_t width) {
+  const int q = p % 64;
+  const T* row = gathered_row(src, row_token, k + q, k + q < k1, tokens, width);
+  for (int j = p / 64; j < kBlocks; j += 2)
+    copy_warp_lines(dst + j * Sw128::kBlockBytes, q & ~31, row, src, col0 + 64 * j, width);
+}
+
+// The gathering dw producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72
+// registers they spilled (60, 12 and 4 bytes), at 88 not. 88 + 2 x 208 = 3 x 168, the block's
+// registers (setmaxnreg.inc only takes what a .dec gave back), and the math code fits 208.
+constexpr int kGatherProducerRegs = 88, kGatherMathRegs = 208;
+static_assert(kGatherProducerRegs + 2 * kGatherMathRegs <= 3 * 168, "setmaxnreg within the block");
+
+constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
+__device__ int dw_flags[kDwMaxFlags];
+
+// The work units of the dw kernel, from the offsets (every thread of a block computes the same).
+struct DwUnits {
+  const int64_t* start;  // [E + 1], shared memory: first unit of expert e (empty experts: none)
+  int experts;
+  int64_t rows, chunk, tiles;  // tiles: per expert (out tiles x in tiles)
+  __device__ __forceinline__ int64_t total() const { return start[experts]; }
+  // The unit's expert, chunk rows [k0, k1), chunk index, number of chunks and tile.
+  __device__ __forceinline__ void find(const int32_t* offsets, int64_t u, int* e, int64_t* k0,
+                                       int64_t* k1, int* c, int* chunks, int64_t* tile) const {
+    int lo = 0, hi = experts - 1;  // the last expert whose first unit is <= u
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start[mid] <= u)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int64_t r0 = clamp_offset(offsets[lo], rows), r1 = clamp_offset(offsets[lo + 1], rows);
+    const int64_t local = u - start[lo];
+    *e = lo;
+    *c = static_cast<int>(local / tiles);
+    *tile = local % tiles;
+    *chunks = static_cast<int>((r1 - r0 + chunk - 1) / chunk);
+    *k0 = r0 + int64_t(*c) * chunk;
+    *k1 = std::min(r1, *k0 + chunk);
+  }
+};
+
+// Who waits and publishes around a dw tile's reductions: the named barrier the tile's
+// warpgroup syncs on after its leader saw the earlier chunks' flag, the barrier (and its thread
+// count) that gathers every thread's reductions before the publish, and the publishing thread.
+struct DwTileSync {
+  int wait_bar, publish_bar, publish_threads;
+  unsigned publisher;
+};
+
+// A dw unit's reductions into dw_e [out, in] at tile (m0, n0), chunk c of `chunks` of the tile
+// (flag: dw_flags' entry of the tile, when chunks > 1): after the tile's earlier chunks (the flag
+// reads c), then publishing c + 1 (the last chunk puts 0 back). pairs(add) hands this thread's
+// accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). store: st instead of red
+// (the overwrite's first chunk).
+template <class C, class Pairs>
+__device__ __forceinline__ void dw_tile_reduce(int* flag, int c, int chunks, bool leader,
+                                               DwTileSync sync, float* dw_e, int64_t out,
+                                               int64_t in, int64_t m0, int64_t n0, bool store,
+                                               Pairs&& pairs) {
+  if (c > 0) {  // the tile's earlier chunks first
+    if (leader) {
+      int seen = -1;
+      for (;;) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
+        if (seen == c) break;
+        __nanosleep(100);
+      }
+    }
+    named_barrier_sync(sync.wait_bar, 128);
+  }
+  pairs([&](int row, int col, float v0, float v1) {
+    const int64_t o = m0 + row, i = n0 + col;
+    // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
+    // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
+    // flush to zero).
+    if (o >= out || i >= in) return;
+    if (store)
+      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0), "f"(v1)
+                   : "memory");
+    else
+      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
+                   "f"(v1)
+                   : "memory");
+  });
+  if (chunks > 1) {  // publish: every thread's reductions, then the flag
+    __threadfence();
+    named_barrier_sync(sync.publish_bar, sync.publish_threads);
+    if (threadIdx.x == sync.publisher) {
+      const int next = c + 1 == chunks ? 0 : c + 1;
+      asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
+    }
+  }
+}
+
+// kGatherDy / kGatherX: dy's / x's rows are gathered, k-row r being row row_token[r] of dy_src
+// [tokens, out] / x_src [tokens, in] (the MoE layer's output gradient / input, no permuted copy;
+// that operand's map unused): the producer warpgroup's 128 threads copy them by cp.async
+// (gather_k_rows), the other operand still by TMA.
+// kSched: pingpong (C = PingPong): a unit's 128 x kBN tile on one math warpgroup, its reductions
+// under the other's main loop (pingpong_wait_turn); no multicast form.
+template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
+          Sched kSched = Sched::cooperative>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
+                          const __grid_constant__ CUtensorMap map_x,
+                          const __grid_constant__ CUtensorMap map_dy2, float* dw, float* dw2,
+                          const int32_t* offsets, int experts, int64_t rows, int64_t out,
+                          int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
+                          const T* x_src, const int32_t* row_token, int64_t tokens) {
+  constexpr bool kGather = kGatherDy || kGatherX;
+  constexpr bool kPingPong = kSched == Sched::pingpong;
+  static_assert(kSched != Sched::multicast, "the dw kernel has no multicast form");
+  if constexpr (kHasWgmma) {
+    extern __shared__ __align__(1024) unsigned char smem[];
+    __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
+    __shared__ int64_t unit_start[kSharedOffsets + 1];
+    const int m_tiles = static_cast<int>((out + kBM - 1) / kBM);
+    const int n_tiles = static_cast<int>((in + C::kBN - 1) / C::kBN);
+    // A pair (dw2; dy not gathered): each expert's tiles of dw (dy's), then as many of dw2
+    // (map_dy2's), over the same x.
+    const int64_t half_tiles = int64_t(m_tiles) * n_tiles;
+    const int64_t tiles = dw2 != nullptr ? 2 * half_tiles : half_tiles;
+    if (threadIdx.x == 0) {  // experts <= kSharedOffsets (the host's condition)
+      int64_t at = 0;
+      for (int e = 0; e < experts; ++e) {
+        unit_start[e] = at;
+        const int64_t len = clamp_offset(offsets[e + 1], rows) - clamp_offset(offsets[e], rows);
+        if (len > 0) at += (len + chunk - 1) / chunk * tiles;
+      }
+      unit_start[experts] = at;
+    }
+    __shared__ __align__(8) uint64_t turn[2];  // kPingPong
+    // (its barrier publishes the table)
+    const TmaRing<C> ring =
+        make_ring<C, kSched>(smem, full, empty, kGather ? 1 + 128 : 1, kPingPong ? turn : nullptr);
+    const DwUnits units{unit_start, experts, rows, chunk, tiles};
+    const int wg = static_cast<int>(threadIdx.x) / 128;
+    int64_t it = 0;
+    if (wg == 0) {
+      release_registers<kGather ? kGatherProducerRegs : 40>();
+      // Thread 0 loads by TMA; kGather: all 128 copy the gathered k-rows, thread p row p % 64.
+      if (!kGather && threadIdx.x != 0) return;
+      const int p = static_cast<int>(threadIdx.x);
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int m0 = static_cast<int>(own / n_tiles) * kBM;
+        const int n0 = static_cast<int>(own % n_tiles) * C::kBN;
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        for (int t = 0; t < slices; ++t, ++it) {
+          ring.wait_free(it);
+          const uint32_t stage = ring.stage(it), bar = ring.full(it);
+          const int32_t k = static_cast<int32_t>(k0) + t * kBK;
+          if (p == 0) {
+            constexpr uint32_t kTmaBytes =
+                (kGatherDy ? 0 : C::kABytes) + (kGatherX ? 0 : C::kBBytes);
+            if constexpr (kTmaBytes > 0)
+              mbar_arrive_expect_tx(bar, kTmaBytes);
+            else
+              mbar_arrive(bar);
+            if constexpr (!kGatherDy) {
+#pragma unroll
+              for (int j = 0; j < kBM / 64; ++j)
+                tma_load_2d(stage + j * Sw128::kBlockBytes, second ? &map_dy2 : &map_dy, bar,
+                            m0 + 64 * j, k);
+            }
+            if constexpr (!kGatherX) {
+#pragma unroll
+              for (int j = 0; j < C::kBN / 64; ++j)
+                tma_load_2d(stage + C::kABytes + j * Sw128::kBlockBytes, &map_x, bar, n0 + 64 * j,
+                            k);
+            }
+          }
+          if constexpr (kGatherDy)
+            gather_k_rows<kBM / 64>(stage, p, dy_src, row_token, tokens, k, k1, m0, out);
+          if constexpr (kGatherX)
+            gather_k_rows<C::kBN / 64>(stage + C::kABytes, p, x_src, row_token, tokens, k, k1, n0,
+                                       in);
+          if constexpr (kGather) cp_async_mbar_arrive(bar);
+        }
+      }
+    } else if constexpr (kPingPong) {
+      claim_registers<kGather ? kGatherMathRegs : 232>();
+      const int g = wg - 1;
+      const uint32_t turns = shared_addr(turn);
+      // The block's unit j is warpgroup j % 2's; units differ in k-slices, so each warpgroup
+      // walks them all to count the ring's slices.
+      int64_t j = 0, k = 0;
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x, ++j) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        if (j % 2 != g) {
+          it += slices;
+          continue;
+        }
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
+        const int tail = static_cast<int>((k1 - k0) % kBK);  // as in the cooperative branch
+        const bool both = m0 + 64 < out;  // else dw's rows end in the tile's first half
+        float acc[2][C::kAcc];
+        auto before = [&](int t, uint32_t stage) {
+          if constexpr (kGather) fence_proxy_async_smem();
+          if (t != slices - 1 || tail == 0) return;
+          // k-rows tail..63 of each computed 64-wide block of A (the cooperative hook's
+          // rows, in both blocks)
+          const int per_block = (64 - tail) * 8;  // 16-byte chunks
+          for (int i = static_cast<int>(threadIdx.x) % 128; i < (both ? 2 : 1) * per_block;
+               i += 128) {
+            const uint32_t at =
+                stage + (i / per_block) * Sw128::kBlockBytes + 16 * (tail * 8 + i % per_block);
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
+          }
+          fence_proxy_async_smem();
+          named_barrier_sync(1 + g, 128);
+        };
+        if (both)
+          pingpong_math_loop<C, T, false, false, true>(acc, ring, it, slices, turns, g, k, before);
+        else
+          pingpong_math_loop<C, T, false, false, false>(acc, ring, it, slices, turns, g, k, before);
+        it += slices;
+        ++k;
+        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
+        // (the tile is this warpgroup's alone: it publishes on its own barrier)
+        dw_tile_reduce<C>(flag, c, chunks, threadIdx.x % 128 == 0,
+                          {1 + g, 1 + g, 128, 128u * (1 + g)},
+                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
+                          overwrite && c == 0, [&](auto&& add) {
+                            for_each_math_pair<C>(acc[0], 0, add);
+                            if (both) for_each_math_pair<C>(acc[1], 1, add);
+                          });
+      }
+    } else {
+      claim_registers<kGather ? kGatherMathRegs : 232>();
+      const int g = wg - 1;
+      const bool leader = threadIdx.x % 128 == 0;
+      for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
+        int e = 0, c = 0, chunks = 0;
+        int64_t k0 = 0, k1 = 0, tile = 0;
+        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
+        const bool second = tile >= half_tiles;
+        const int64_t own = second ? tile - half_tiles : tile;
+        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
+        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        const int tail = static_cast<int>((k1 - k0) % kBK);  // k-rows of the last slice, 0: whole
+        // A tile whose rows of this warpgroup's half lie past `out` (the last tile of an output
+        // count of 1-64 past a multiple of 128, as moe-fine's 704) adds nothing: the other
+        // warpgroup has the tensor cores to itself. The stages are still waited for and freed,
+        // and a split tile's publish still counts this warpgroup (barrier 3).
+        if (m0 + 64 * g >= out) {
+          skip_slices(ring, it, slices);
+          it += slices;
+          if (chunks > 1) named_barrier_sync(3, 256);
+          continue;
+        }
+        float acc[C::kAcc];
+        tma_math_loop<C, T, false, false>(acc, ring, it, slices, g, [&](int t, uint32_t stage) {
+          // kGather: the copies into the stage are the generic proxy's, the wgmma read it
+          // through the async proxy
+          if constexpr (kGather) fence_proxy_async_smem();
+          if (t != slices - 1 || tail == 0) return;
+          // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
+          // only permutes chunks within a row).
+          const uint32_t block = stage + g * Sw128::kBlockBytes;
+          for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
+            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
+                         : "memory");
+          fence_proxy_async_smem();
+          named_barrier_sync(1 + g, 128);
+        });
+        it += slices;
+        // (only formed when the tile is split: then E x tiles fits the flags, launch_dw)
+        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
+        // overwrite: the tile's first chunk stores (dw is neither zeroed before nor read), the
+        // later ones add behind it in chunk order as always. The publish counts both
+        // warpgroups (barrier 3), thread 128 stores the flag.
+        dw_tile_reduce<C>(flag, c, chunks, leader, {1 + g, 3, 256, 128},
+                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
+                          overwrite && c == 0,
+                          [&](auto&& add) { for_each_math_pair<C>(acc, g, add); });
+      }
+    }
+  }
+}
+
+}  // namespace moe::cuda_detail::grouped_sm90
