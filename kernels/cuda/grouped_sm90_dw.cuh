@@ -53,14 +53,29 @@ constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
 __device__ int dw_flags[kDwMaxFlags];
 
 // The work units of the dw kernel, from the offsets (every thread of a block computes the same).
+// A work unit of the dw kernel: expert e, chunk c (of `chunks`) of its rows, [k0, k1), and tile
+// `tile` of the expert's, at output row m0 and column n0 of dw[e] (second: a pair's dw2 tile).
+struct DwUnit {
+  int e, c, chunks;
+  int64_t k0, k1, tile, m0, n0;
+  bool second;
+  __device__ __forceinline__ int slices() const {
+    return static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+  }
+  // k-rows of the last slice (0: a whole one)
+  __device__ __forceinline__ int tail() const { return static_cast<int>((k1 - k0) % kBK); }
+};
+
 struct DwUnits {
   const int64_t* start;  // [E + 1], shared memory: first unit of expert e (empty experts: none)
   int experts;
   int64_t rows, chunk, tiles;  // tiles: per expert (out tiles x in tiles)
+  int64_t half_tiles;          // a pair's tiles of dw, then as many of dw2 (else = tiles)
+  int n_tiles;                 // column tiles of dw[e]
   __device__ __forceinline__ int64_t total() const { return start[experts]; }
-  // The unit's expert, chunk rows [k0, k1), chunk index, number of chunks and tile.
-  __device__ __forceinline__ void find(const int32_t* offsets, int64_t u, int* e, int64_t* k0,
-                                       int64_t* k1, int* c, int* chunks, int64_t* tile) const {
+  // Unit u (kBN: the tile's columns).
+  template <int kBN>
+  __device__ __forceinline__ DwUnit find(const int32_t* offsets, int64_t u) const {
     int lo = 0, hi = experts - 1;  // the last expert whose first unit is <= u
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -71,12 +86,18 @@ struct DwUnits {
     }
     const int64_t r0 = clamp_offset(offsets[lo], rows), r1 = clamp_offset(offsets[lo + 1], rows);
     const int64_t local = u - start[lo];
-    *e = lo;
-    *c = static_cast<int>(local / tiles);
-    *tile = local % tiles;
-    *chunks = static_cast<int>((r1 - r0 + chunk - 1) / chunk);
-    *k0 = r0 + int64_t(*c) * chunk;
-    *k1 = std::min(r1, *k0 + chunk);
+    DwUnit w;
+    w.e = lo;
+    w.c = static_cast<int>(local / tiles);
+    w.tile = local % tiles;
+    w.chunks = static_cast<int>((r1 - r0 + chunk - 1) / chunk);
+    w.k0 = r0 + int64_t(w.c) * chunk;
+    w.k1 = std::min(r1, w.k0 + chunk);
+    w.second = w.tile >= half_tiles;
+    const int64_t own = w.second ? w.tile - half_tiles : w.tile;
+    w.m0 = (own / n_tiles) * kBM;
+    w.n0 = (own % n_tiles) * kBN;
+    return w;
   }
 };
 
@@ -88,16 +109,21 @@ struct DwTileSync {
   unsigned publisher;
 };
 
-// A dw unit's reductions into dw_e [out, in] at tile (m0, n0), chunk c of `chunks` of the tile
-// (flag: dw_flags' entry of the tile, when chunks > 1): after the tile's earlier chunks (the flag
-// reads c), then publishing c + 1 (the last chunk puts 0 back). pairs(add) hands this thread's
-// accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). store: st instead of red
-// (the overwrite's first chunk).
+// Unit w's reductions into dw[w.e] ([out, in] each) at its tile, chunk w.c of w.chunks: after the
+// tile's earlier chunks (its flag, flags[w.e * tiles + w.tile], reads w.c; formed only when the
+// tile is split, where E x tiles fits the flags: launch_dw), then publishing w.c + 1 (the last
+// chunk puts 0 back). pairs(add) hands this thread's accumulator pairs to add(row, col, v0, v1)
+// (for_each_math_pair). overwrite: the tile's first chunk stores (dw is neither zeroed before
+// nor read), the later ones add behind it in chunk order as always.
 template <class C, class Pairs>
-__device__ __forceinline__ void dw_tile_reduce(int* flag, int c, int chunks, bool leader,
-                                               DwTileSync sync, float* dw_e, int64_t out,
-                                               int64_t in, int64_t m0, int64_t n0, bool store,
-                                               Pairs&& pairs) {
+__device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int* flags, int64_t tiles,
+                                               bool leader, DwTileSync sync, float* dw, int64_t out,
+                                               int64_t in, bool overwrite, Pairs&& pairs) {
+  const int c = w.c, chunks = w.chunks;
+  int* flag = chunks > 1 ? &flags[int64_t(w.e) * tiles + w.tile] : nullptr;
+  float* dw_e = dw + int64_t(w.e) * out * in;
+  const int64_t m0 = w.m0, n0 = w.n0;
+  const bool store = overwrite && c == 0;
   if (c > 0) {  // the tile's earlier chunks first
     if (leader) {
       int seen = -1;
@@ -174,7 +200,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     // (its barrier publishes the table)
     const TmaRing<C> ring =
         make_ring<C, kSched>(smem, full, empty, kGather ? 1 + 128 : 1, kPingPong ? turn : nullptr);
-    const DwUnits units{unit_start, experts, rows, chunk, tiles};
+    const DwUnits units{unit_start, experts, rows, chunk, tiles, half_tiles, n_tiles};
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
     if (wg == 0) {
@@ -183,18 +209,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       if (!kGather && threadIdx.x != 0) return;
       const int p = static_cast<int>(threadIdx.x);
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
-        int e = 0, c = 0, chunks = 0;
-        int64_t k0 = 0, k1 = 0, tile = 0;
-        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
-        const bool second = tile >= half_tiles;
-        const int64_t own = second ? tile - half_tiles : tile;
-        const int m0 = static_cast<int>(own / n_tiles) * kBM;
-        const int n0 = static_cast<int>(own % n_tiles) * C::kBN;
-        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        const DwUnit w = units.find<C::kBN>(offsets, u);
+        const int m0 = static_cast<int>(w.m0), n0 = static_cast<int>(w.n0), slices = w.slices();
+        const bool second = w.second;
+        const int64_t k1 = w.k1;
         for (int t = 0; t < slices; ++t, ++it) {
           ring.wait_free(it);
           const uint32_t stage = ring.stage(it), bar = ring.full(it);
-          const int32_t k = static_cast<int32_t>(k0) + t * kBK;
+          const int32_t k = static_cast<int32_t>(w.k0) + t * kBK;
           if (p == 0) {
             constexpr uint32_t kTmaBytes =
                 (kGatherDy ? 0 : C::kABytes) + (kGatherX ? 0 : C::kBBytes);
@@ -231,19 +253,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       // walks them all to count the ring's slices.
       int64_t j = 0, k = 0;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x, ++j) {
-        int e = 0, c = 0, chunks = 0;
-        int64_t k0 = 0, k1 = 0, tile = 0;
-        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
-        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
+        const DwUnit w = units.find<C::kBN>(offsets, u);
+        const int slices = w.slices();
         if (j % 2 != g) {
           it += slices;
           continue;
         }
-        const bool second = tile >= half_tiles;
-        const int64_t own = second ? tile - half_tiles : tile;
-        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
-        const int tail = static_cast<int>((k1 - k0) % kBK);  // as in the cooperative branch
-        const bool both = m0 + 64 < out;  // else dw's rows end in the tile's first half
+        const int tail = w.tail();
+        const bool both = w.m0 + 64 < out;  // else dw's rows end in the tile's first half
         float acc[2][C::kAcc];
         auto before = [&](int t, uint32_t stage) {
           if constexpr (kGather) fence_proxy_async_smem();
@@ -266,12 +283,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           pingpong_math_loop<C, T, false, false, false>(acc, ring, it, slices, turns, g, k, before);
         it += slices;
         ++k;
-        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
         // (the tile is this warpgroup's alone: it publishes on its own barrier)
-        dw_tile_reduce<C>(flag, c, chunks, threadIdx.x % 128 == 0,
-                          {1 + g, 1 + g, 128, 128u * (1 + g)},
-                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
-                          overwrite && c == 0, [&](auto&& add) {
+        dw_tile_reduce<C>(w, dw_flags, tiles, threadIdx.x % 128 == 0,
+                          {1 + g, 1 + g, 128, 128u * (1 + g)}, w.second ? dw2 : dw, out, in,
+                          overwrite, [&](auto&& add) {
                             for_each_math_pair<C>(acc[0], 0, add);
                             if (both) for_each_math_pair<C>(acc[1], 1, add);
                           });
@@ -281,22 +296,16 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const int g = wg - 1;
       const bool leader = threadIdx.x % 128 == 0;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
-        int e = 0, c = 0, chunks = 0;
-        int64_t k0 = 0, k1 = 0, tile = 0;
-        units.find(offsets, u, &e, &k0, &k1, &c, &chunks, &tile);
-        const bool second = tile >= half_tiles;
-        const int64_t own = second ? tile - half_tiles : tile;
-        const int64_t m0 = (own / n_tiles) * kBM, n0 = (own % n_tiles) * C::kBN;
-        const int slices = static_cast<int>((k1 - k0 + kBK - 1) / kBK);
-        const int tail = static_cast<int>((k1 - k0) % kBK);  // k-rows of the last slice, 0: whole
+        const DwUnit w = units.find<C::kBN>(offsets, u);
+        const int slices = w.slices(), tail = w.tail();
         // A tile whose rows of this warpgroup's half lie past `out` (the last tile of an output
         // count of 1-64 past a multiple of 128, as moe-fine's 704) adds nothing: the other
         // warpgroup has the tensor cores to itself. The stages are still waited for and freed,
         // and a split tile's publish still counts this warpgroup (barrier 3).
-        if (m0 + 64 * g >= out) {
+        if (w.m0 + 64 * g >= out) {
           skip_slices(ring, it, slices);
           it += slices;
-          if (chunks > 1) named_barrier_sync(3, 256);
+          if (w.chunks > 1) named_barrier_sync(3, 256);
           continue;
         }
         float acc[C::kAcc];
@@ -315,14 +324,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           named_barrier_sync(1 + g, 128);
         });
         it += slices;
-        // (only formed when the tile is split: then E x tiles fits the flags, launch_dw)
-        int* flag = chunks > 1 ? &dw_flags[int64_t(e) * tiles + tile] : nullptr;
-        // overwrite: the tile's first chunk stores (dw is neither zeroed before nor read), the
-        // later ones add behind it in chunk order as always. The publish counts both
-        // warpgroups (barrier 3), thread 128 stores the flag.
-        dw_tile_reduce<C>(flag, c, chunks, leader, {1 + g, 3, 256, 128},
-                          (second ? dw2 : dw) + int64_t(e) * out * in, out, in, m0, n0,
-                          overwrite && c == 0,
+        // The publish counts both warpgroups (barrier 3), thread 128 stores the flag.
+        dw_tile_reduce<C>(w, dw_flags, tiles, leader, {1 + g, 3, 256, 128}, w.second ? dw2 : dw,
+                          out, in, overwrite,
                           [&](auto&& add) { for_each_math_pair<C>(acc, g, add); });
       }
     }

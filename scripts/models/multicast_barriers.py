@@ -17,35 +17,11 @@ overwrite), and everything finishes (no deadlock). It also runs the protocol wit
 empty barrier counting only its own warps and requires the checks to catch the peer's
 overwrite there. Exit status 0 when both hold.
 """
-import random
+import os
 import sys
 
-
-class MBar:
-    def __init__(self, count):
-        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
-
-    def arrive(self, n=1, tx=0):
-        self.tx += tx
-        self.pending -= n
-        assert self.pending >= 0, "more arrivals than the barrier's count"
-        self._complete()
-
-    def complete_tx(self, tx):
-        self.tx -= tx
-        self._complete()
-
-    def _complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def parity_done(self, parity):
-        return (self.phase & 1) != parity
-
-
-class Failure(Exception):
-    pass
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from mbarrier_model import Failure, MBar, check, run_processes  # noqa: E402
 
 
 def run(rng, stages, slices, peer_frees):
@@ -104,48 +80,25 @@ def run(rng, stages, slices, peer_frees):
         if peer_frees:
             empty[1 - b][s].arrive(4)
 
-    procs = [producer(0), producer(1), tma(), math(0, 0), math(0, 1), math(1, 0), math(1, 1)]
-    waits = [None] * len(procs)
-    live = list(range(len(procs)))
-    while live:
-        ready = [i for i in live if waits[i] is None or waits[i]()]
-        if not ready:
-            raise Failure("deadlock: no process can go on")
-        i = rng.choice(ready)
-        try:
-            waits[i] = next(procs[i])
-        except StopIteration:
-            live.remove(i)
+    run_processes(rng, [producer(0), producer(1), tma(), math(0, 0), math(0, 1), math(1, 0),
+                        math(1, 1)])
 
 
-def explore(peer_frees, runs, seed):
-    rng = random.Random(seed)
-    failures, first = 0, None
-    for _ in range(runs):
+def random_case(peer_frees):
+    def one_run(rng):
         stages = rng.randint(2, 6)
         slices = rng.randint(1, 40)
         try:
             run(rng, stages, slices, peer_frees)
         except Failure as e:
-            failures += 1
-            first = first or f"{e} (stages {stages}, slices {slices})"
-    return failures, first
+            raise Failure(f"{e} (stages {stages}, slices {slices})")
+    return one_run
 
 
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    bad, first = explore(True, runs, 1)
-    print(f"peers free each other's stages: {bad} of {runs} interleavings failed" +
-          (f": {first}" if first else ""))
-    caught, example = explore(False, runs, 2)
-    print(f"each block frees only its own: {caught} of {runs} interleavings failed" +
-          (f", e.g. {example}" if example else ""))
-    if bad:
-        return 1
-    if not caught:
-        print("the model caught nothing in the broken protocol: it would not catch a real bug")
-        return 1
-    return 0
+    return check(runs, random_case(True), random_case(False), "peers free each other's stages",
+                 "each block frees only its own")
 
 
 if __name__ == "__main__":

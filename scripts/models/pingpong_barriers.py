@@ -17,37 +17,11 @@ It also runs the protocol without the turns and requires that the checks catch i
 stale-parity read the turns exist to prevent): a model that found nothing either way would
 prove nothing. Exit status 0 when both hold.
 """
-import random
+import os
 import sys
 
-
-class MBar:
-    """An mbarrier: arrivals and transaction bytes complete a phase."""
-
-    def __init__(self, count):
-        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
-
-    def arrive(self, n=1, tx=0):
-        self.tx += tx
-        self.pending -= n
-        assert self.pending >= 0, "more arrivals than the barrier's count"
-        self._complete()
-
-    def complete_tx(self, tx):
-        self.tx -= tx
-        self._complete()
-
-    def _complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def parity_done(self, parity):
-        return (self.phase & 1) != parity
-
-
-class Failure(Exception):
-    pass
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
+from mbarrier_model import Failure, MBar, check, run_processes  # noqa: E402
 
 
 def run(rng, stages, slices, turns_on):
@@ -118,25 +92,11 @@ def run(rng, stages, slices, turns_on):
             k += 1
             yield None  # the epilogue
 
-    procs = [producer(), tma(), math(0), math(1)]
-    waits = [None] * len(procs)
-    live = list(range(len(procs)))
-    while live:
-        ready = [i for i in live if waits[i] is None or waits[i]()]
-        if not ready:
-            raise Failure("deadlock: no process can go on")
-        i = rng.choice(ready)
-        try:
-            waits[i] = next(procs[i])
-        except StopIteration:
-            live.remove(i)
+    run_processes(rng, [producer(), tma(), math(0), math(1)])
 
 
-def explore(turns_on, runs, seed):
-    rng = random.Random(seed)
-    failures = 0
-    first = None
-    for _ in range(runs):
+def random_case(turns_on):
+    def one_run(rng):
         stages = rng.randint(4, 6)
         tiles = rng.randint(1, 9)
         uniform = rng.random() < 0.5  # rows kernel: equal slices a tile; dw: any
@@ -145,24 +105,13 @@ def explore(turns_on, runs, seed):
         try:
             run(rng, stages, slices, turns_on)
         except Failure as e:
-            failures += 1
-            first = first or f"{e} (stages {stages}, slices {slices})"
-    return failures, first
+            raise Failure(f"{e} (stages {stages}, slices {slices})")
+    return one_run
 
 
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    bad, first = explore(True, runs, 1)
-    print(f"with turns: {bad} of {runs} interleavings failed" + (f": {first}" if first else ""))
-    caught, example = explore(False, runs, 2)
-    print(f"without turns: {caught} of {runs} interleavings failed" +
-          (f", e.g. {example}" if example else ""))
-    if bad:
-        return 1
-    if not caught:
-        print("the model caught nothing without the turns: it would not catch a broken protocol")
-        return 1
-    return 0
+    return check(runs, random_case(True), random_case(False), "with turns", "without turns")
 
 
 if __name__ == "__main__":

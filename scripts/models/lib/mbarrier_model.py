@@ -1,0 +1,81 @@
+"""What the protocol models of scripts/models/ share: an mbarrier, a scheduler that runs
+generator processes under a random interleaving, and the check that a model finds no failure in
+the protocol and some in a broken variant of it."""
+import random
+
+
+class MBar:
+    """An mbarrier: a phase completes once its arrivals are in and its transaction count is back
+    to zero (it may go below zero first: bytes may land before the producer arms the phase)."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def arrive(self, n=1, tx=0):
+        self.tx += tx
+        self.pending -= n
+        assert self.pending >= 0, "more arrivals than the barrier's count"
+        self._complete()
+
+    def complete_tx(self, tx):
+        self.tx -= tx
+        self._complete()
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def parity_done(self, parity):
+        """A parity wait: true once the phase of that parity has completed (it cannot tell
+        phase n from n - 2)."""
+        return (self.phase & 1) != parity
+
+
+class Failure(Exception):
+    pass
+
+
+def run_processes(rng, procs):
+    """Runs the generators to the end, one step of a random ready one at a time. A process
+    yields None (it can go on) or a predicate (it waits until it holds). Raises Failure on a
+    deadlock; the processes raise it for their own checks."""
+    waits = [None] * len(procs)
+    live = list(range(len(procs)))
+    while live:
+        ready = [i for i in live if waits[i] is None or waits[i]()]
+        if not ready:
+            raise Failure("deadlock: no process can go on")
+        i = rng.choice(ready)
+        try:
+            waits[i] = next(procs[i])
+        except StopIteration:
+            live.remove(i)
+
+
+def explore(runs, seed, one_run):
+    """one_run(rng) runs one random case; returns (failures, the first failure's message)."""
+    rng = random.Random(seed)
+    failures, first = 0, None
+    for _ in range(runs):
+        try:
+            one_run(rng)
+        except Failure as e:
+            failures += 1
+            first = first or str(e)
+    return failures, first
+
+
+def check(runs, protocol, broken, protocol_name, broken_name):
+    """The exit status: 0 when the protocol never fails and the broken variant does."""
+    bad, first = explore(runs, 1, protocol)
+    print(f"{protocol_name}: {bad} of {runs} interleavings failed" + (f": {first}" if first else ""))
+    caught, example = explore(runs, 2, broken)
+    print(f"{broken_name}: {caught} of {runs} interleavings failed" +
+          (f", e.g. {example}" if example else ""))
+    if bad:
+        return 1
+    if not caught:
+        print("the model caught nothing in the broken variant: it would not catch a real bug")
+        return 1
+    return 0
