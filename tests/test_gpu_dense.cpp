@@ -1222,9 +1222,9 @@ std::vector<GroupedCase> swiglu_cases(bool hot_expert = false) {
 TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();
-  // The fused sm_90 kernel (256-column tiles, under "pingpong" too, its three ops then the
-  // ping-pong products; with 128-column tiles the op runs the three ops itself) against the
-  // three ops.
+  // The fused sm_90 kernel (256-column tiles; "pingpong": 64 features a tile, the gate and up
+  // columns of a piece going to two tensors; "multicast": in block pairs; with 128-column tiles
+  // the op runs the three ops itself) against the three ops.
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {

@@ -320,10 +320,27 @@ __device__ __forceinline__ void for_each_math_pair(const float (&acc)[C::kAcc], 
 // way into the staging, scale being the piece's 64 floats in shared memory at `scale`; the
 // caller's cp.async brings them (store_tile), the piece waits for them, and each thread reads the
 // two it needs (its rows row0 and row0 + 8).
-template <class T, bool kScaled = false, class Pair>
+// kBoxes = 1: a 64 x 64 piece, box 0 alone (pair's jj < 8). box1: where the second box goes
+// when it is not beside the first (the ping-pong SwiGLU tile's up columns, to c_up at the gate's
+// column); by default dst at column n0 + 64.
+template <class T>
+struct SecondBox {
+  T* dst = nullptr;  // null: beside the first box
+  const CUtensorMap* map = nullptr;
+  int64_t n0 = 0;
+};
+
+template <class T, bool kScaled = false, int kBoxes = 2, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, const CUtensorMap* map,
                                             int64_t r0, int64_t r1, int64_t n0, int64_t n_total,
-                                            Pair&& pair, uint32_t scale = 0) {
+                                            Pair&& pair, uint32_t scale = 0,
+                                            SecondBox<T> box1 = {}) {
+  static_assert(kBoxes == 1 || kBoxes == 2, "a piece is one or two 64-column boxes");
+  constexpr int kChunks = 8 * kBoxes;  // 8-column chunks of a row
+  const bool apart = box1.dst != nullptr;
+  const CUtensorMap* map1 = apart ? box1.map : map;
+  const int64_t n1 = apart ? box1.n0 : n0 + 64;  // the second box's first column
+  T* dst1 = apart ? box1.dst : dst;
   const int t = static_cast<int>(threadIdx.x) % 128;
   const int row0 = (t / 32) * 16 + (t % 32) / 4, col = 4 * (t % 4);
   // Chunk c (0..15, 8 columns each) of row r: box c / 8, line r, 16-byte slot (c % 8) ^ (r % 8).
@@ -343,7 +360,7 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
                    : "memory");
   }
 #pragma unroll
-  for (int jj = 0; jj < 16; ++jj) {
+  for (int jj = 0; jj < kChunks; ++jj) {
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int row = row0 + 8 * hr;
@@ -360,8 +377,8 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
     named_barrier_sync(1 + g, 128);
     if (t == 0) {
       tma_store_2d(map, staging, static_cast<int32_t>(n0), static_cast<int32_t>(r0));
-      if (n0 + 64 < n_total)
-        tma_store_2d(map, staging + kStagingBoxBytes, static_cast<int32_t>(n0 + 64),
+      if (kBoxes == 2 && n1 < n_total)
+        tma_store_2d(map1, staging + kStagingBoxBytes, static_cast<int32_t>(n1),
                      static_cast<int32_t>(r0));
       tma_store_commit();
     }
@@ -369,17 +386,18 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
   }
   named_barrier_sync(1 + g, 128);
 #pragma unroll
-  for (int i = 0; i < 64 * 16 / 128; ++i) {
-    const int idx = i * 128 + t, row = idx / 16, chunk = idx % 16;
+  for (int i = 0; i < 64 * kChunks / 128; ++i) {
+    const int idx = i * 128 + t, row = idx / kChunks, chunk = idx % kChunks;
     uint4 v;
     asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "r"(slot(row, chunk))
                  : "memory");
-    const int64_t r = r0 + row, n = n0 + chunk * 8;
+    const bool second = chunk >= 8;
+    const int64_t r = r0 + row, n = (second ? n1 - 64 : n0) + chunk * 8;
     // n_total % 8 == 0: a chunk is wholly inside or outside; 16-byte aligned
     if (r >= r1 || n >= n_total) continue;
-    *reinterpret_cast<uint4*>(dst + r * n_total + n) = v;
+    *reinterpret_cast<uint4*>((second ? dst1 : dst) + r * n_total + n) = v;
   }
 }
 

@@ -11,16 +11,20 @@ namespace moe::cuda_detail::grouped_sm90 {
 // The rows kernel's registers per thread: the producer warpgroup's (its warps 1-3 carry an AdamW
 // rider: at 40 they spilled 72 bytes) and the math warpgroups' (at most 3 x 168 together, the
 // block's: setmaxnreg.inc only takes what a .dec gave back). The SwiGLU kernel carries no rider
-// (its epilogue spilled 64 bytes at 216) and keeps 40 + 2 x 232. kMulticast: the dx-form
-// producer's multicast loads and rider spilled 8 bytes at 64; 72 + 2 x 216 is the whole block.
+// (its epilogue spilled 64 bytes at 216) and keeps 40 + 2 x 232. kMulticast: the producer's
+// multicast loads spilled at 64 (with the rider: 8 bytes) and at 40 (SwiGLU: 4), so 72 + 2 x 216
+// and 56 + 2 x 224, each the block's whole file.
 template <bool kSwiglu, bool kMulticast = false>
-constexpr int kRowsProducerRegs = kSwiglu      ? 40
+constexpr int kRowsProducerRegs = kSwiglu      ? (kMulticast ? 56 : 40)
                                   : kMulticast ? 72
                                                : 64;
-template <bool kSwiglu>
-constexpr int kRowsMathRegs = kSwiglu ? 232 : 216;
-static_assert(kRowsProducerRegs<false, true> + 2 * kRowsMathRegs<false> <= 3 * 168 &&
-                  kRowsProducerRegs<true> + 2 * kRowsMathRegs<true> <= 3 * 168,
+template <bool kSwiglu, bool kMulticast = false>
+constexpr int kRowsMathRegs = kSwiglu ? (kMulticast ? 224 : 232) : 216;
+template <bool kSwiglu, bool kMulticast>
+constexpr bool kRowsRegsFit =
+    kRowsProducerRegs<kSwiglu, kMulticast> + 2 * kRowsMathRegs<kSwiglu, kMulticast> <= 3 * 168;
+static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
+                  kRowsRegsFit<true, false> && kRowsRegsFit<true, true>,
               "setmaxnreg within the block");
 
 // Rows kernel, persistent: block b runs tiles b, b + gridDim.x, ... of (row tile, column tile),
@@ -49,8 +53,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
     const AdamRider rider, bool pair) {
   constexpr bool kPingPong = kSched == Sched::pingpong, kMulticast = kSched == Sched::multicast;
-  static_assert(!kSwiglu || (kBKFast && C::kBN == 256 && !kPingPong),
-                "SwiGLU follows the forward product, gate and up 128 columns each");
+  static_assert(!kSwiglu || (kBKFast && C::kBN == (kPingPong ? 128 : 256)),
+                "SwiGLU follows the forward product, gate and up 128 columns each (ping-pong: 64)");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -164,6 +168,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       const int g = wg - 1;
       const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
       const uint32_t turns = shared_addr(turn);
+      // kSwiglu: each math warpgroup's 128 routing weights, after the staging, in the 1 KiB kept
+      // for aligning the ring (as the cooperative branch's 64; all of it here).
+      const uint32_t row_scales =
+          ring.base + C::kStages * C::kStageBytes + kStagingBytes + g * kBM * 4;
+      if (kSwiglu && ring.base != shared_addr(smem)) __trap();  // never
       // The block's tile j = g, g + 2, ... (this warpgroup's tile j / 2): every tile has
       // `slices` k-slices, so tile j's are ring slices j * slices on.
       for (int64_t tile = blockIdx.x + g * int64_t(gridDim.x); tile < tiles;
@@ -187,12 +196,36 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         else
           pingpong_math_loop<C, T, true, kBKFast, false>(acc, ring, j * slices, slices, turns, g,
                                                          j / 2, before);
+        if constexpr (kSwiglu) {
+          // The tile's 128 routing weights by cp.async, once every thread is done reading the
+          // previous tile's (the barrier); the h pieces wait for them (store_piece).
+          named_barrier_sync(1 + g, 128);
+          const int t = static_cast<int>(threadIdx.x) % 128;
+          const bool real = r0 + t < r1;
+          cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
+        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 1 && !both) break;
-          store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, [&](int jj, int hr) {
+          auto columns = [&](int jj, int hr) {
             return pack2<T>(acc[h][4 * jj + 2 * hr], acc[h][4 * jj + 2 * hr + 1]);
-          });
+          };
+          if constexpr (kSwiglu) {
+            // The tile's 64 features: gate (columns 0-63) to c and up (64-127) to c_up at n0 in
+            // one piece, then h = row_w * silu(gate) * up to c_h.
+            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, columns, 0,
+                           SecondBox<T>{c_up, &map_up, n0});
+            store_piece<T, true, 1>(
+                g, staging, c_h, &map_h, r0 + 64 * h, r1, n0, n_total,
+                [&](int jj, int hr) {
+                  const int ju = 8 + jj;
+                  return swiglu_pair<T>(acc[h][4 * jj + 2 * hr], acc[h][4 * jj + 2 * hr + 1],
+                                        acc[h][4 * ju + 2 * hr], acc[h][4 * ju + 2 * hr + 1]);
+                },
+                row_scales + 64 * 4 * h);
+          } else {
+            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, columns);
+          }
         }
       }
       if (threadIdx.x % 128 == 0) {
@@ -200,7 +233,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         atomicAdd(&math_done, 1);
       }
     } else {
-      claim_registers<kRowsMathRegs<kSwiglu>>();
+      claim_registers<kRowsMathRegs<kSwiglu, kMulticast>>();
       const int g = wg - 1;
       const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
       // kSwiglu: each math warpgroup's 64 routing weights, after the staging, in the 1 KiB kept

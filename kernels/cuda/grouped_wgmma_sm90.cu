@@ -237,16 +237,16 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
 }
 
 // Whether the code the device runs for C's kernels is the sm_90a code (see the top comment).
-// kS: the kernels of that schedule (pingpong: no SwiGLU kernel; multicast: rows kernels only).
+// kS: the kernels of that schedule (multicast: rows kernels only).
 template <class C, class T, Sched kS = Sched::cooperative>
 bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  if constexpr (kS != Sched::pingpong) {
-    if (!is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, false, kS>)) ||
-        !is90(compiled_arch(grouped_tma_rows_kernel<Wide, T, true, true, true, kS>)))
-      return false;
-  }
+  // (the SwiGLU kernels: 256-column tiles, ping-pong 128)
+  using S = std::conditional_t<kS == Sched::pingpong, PingPong, Wide>;
+  if (!is90(compiled_arch(grouped_tma_rows_kernel<S, T, true, true, false, kS>)) ||
+      !is90(compiled_arch(grouped_tma_rows_kernel<S, T, true, true, true, kS>)))
+    return false;
   if constexpr (kS != Sched::multicast) {
     if (!is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, false, kS>)) ||
         !is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false, kS>)) ||
@@ -273,8 +273,8 @@ bool device_is_sm90() {
 // "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, "pingpong" the
 // ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the
 // rows products only, "multicast" the cluster-pair rows kernels (block_row_tile; dw as by
-// default), anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward has
-// no ping-pong form: it runs the 256-column cooperative kernel under both ping-pong settings.
+// default), anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward is a
+// rows product: ping-pong (64 features a tile) under both ping-pong settings.
 enum class Mode { off, narrow, wide, pingpong, pingpong_rows, multicast };
 Mode mode() {
   const char* v = std::getenv("MOE_GROUPED_SM90");
@@ -429,7 +429,6 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
   const char* fused = std::getenv("MOE_SWIGLU_FUSED");
-  // (the ping-pong settings run the cooperative 256-column kernel: it has no ping-pong form)
   if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m == Mode::off ||
       m == Mode::narrow || !sm90_available(t) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
@@ -439,19 +438,23 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   if (rows == 0) return true;  // nothing to write
   const RowsOut out{gate, up, h, row_w};
   const RowsIn a{x, row_token, tokens};
+  // (a tile of 128 features, gate and up 256 columns; ping-pong: 64 features, 128 columns)
   auto launch = [&](auto zero, auto sched) {
     using T = decltype(zero);
     constexpr Sched kS = decltype(sched)::value;
+    using C = std::conditional_t<kS == Sched::pingpong, PingPong, Wide>;
     if (row_token != nullptr)
-      launch_rows<Wide, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
-                                                 features, in, stride);
+      launch_rows<C, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                              features, in, stride);
     else
-      launch_rows<Wide, T, true, true, false, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
-                                                  features, in, stride);
+      launch_rows<C, T, true, true, false, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                               features, in, stride);
   };
   auto typed = [&](auto zero) {
     if (m == Mode::multicast)
       launch(zero, SchedTag<Sched::multicast>{});
+    else if (m == Mode::pingpong || m == Mode::pingpong_rows)
+      launch(zero, SchedTag<Sched::pingpong>{});
     else
       launch(zero, SchedTag<Sched::cooperative>{});
   };
