@@ -48,7 +48,7 @@ using PingPong = Sm90Cfg<128, 6>;
 // How a kernel's two math warpgroups share the work (MOE_GROUPED_SM90): cooperative (both on
 // one 128-row tile, 64 rows each), pingpong (alternate whole tiles, pingpong_wait_turn) or
 // multicast (cooperative, the blocks in clusters of two on adjacent row tiles of one expert, each
-// loading half of the B tile they share by TMA multicast: block_row_tile; rows kernels only).
+// loading half of the B tile they share by TMA multicast: sched_row_tile; rows kernels only).
 enum class Sched { cooperative, pingpong, multicast };
 static_assert(Wide::kABytes == kBM * kBK * 2 && Sw128::kBlockBytes == kBK * Sw128::kRowBytes,
               "tiles of 128 rows and 64-wide k-slices of 16-bit elements");
@@ -276,9 +276,10 @@ __device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0,
 // The multicast schedule's tiles (kMulticast): the cluster pair's tile `tile` is a 256-row tile
 // of one expert (find_row_tile<256>), the block of rank r taking its rows 128 r .. 128 r + 127;
 // where the expert ends first, [r0, r1) is empty, and the block still loads its half of each B
-// slice and frees its stages. Otherwise find_row_tile's 128-row tile.
+// slice and frees its stages. Otherwise find_row_tile's 128-row tile. (Not grouped_tiles.cuh's
+// block_row_tile, which syncs the whole block: in a warp-specialised kernel it would hang.)
 template <bool kMulticast>
-__device__ __forceinline__ bool block_row_tile(const int32_t* offsets, int experts, int64_t rows,
+__device__ __forceinline__ bool sched_row_tile(const int32_t* offsets, int experts, int64_t rows,
                                                int64_t tile, uint32_t rank, int* e, int64_t* r0,
                                                int64_t* r1) {
   if constexpr (kMulticast) {

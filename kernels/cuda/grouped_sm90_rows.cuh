@@ -41,7 +41,7 @@ static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
 // them by cp.async (gathered_row, copy_warp_lines).
 // kSched: pingpong (C = PingPong, not with kSwiglu): the tile's 128 rows on one math warpgroup,
 // the warpgroups alternating (pingpong_wait_turn); multicast: launched in clusters of two
-// blocks, which share each B slice (block_row_tile, load_b).
+// blocks, which share each B slice (sched_row_tile, load_b).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
           Sched kSched = Sched::cooperative>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       for (int64_t tile = first; loads && tile < tiles; tile += step) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
-        if (!block_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
+        if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
           break;
         const int n0 = static_cast<int>(tile % n_tiles) * kTileN;
         // kGather: the A row thread p copies (null past the expert's end: zeros, which feed
@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       for (int64_t tile = first; tile < tiles; tile += step, it += slices) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
-        if (!block_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
+        if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
           break;
         const int64_t n0 = (tile % n_tiles) * kTileN;
         // A tile cut at its expert's end with no real rows in this warpgroup's half (an expert's

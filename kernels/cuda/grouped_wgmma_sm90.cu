@@ -272,7 +272,7 @@ bool device_is_sm90() {
 // MOE_GROUPED_SM90 (read at every launch, so the tests cover every setting in one process):
 // "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, "pingpong" the
 // ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the
-// rows products only, "multicast" the cluster-pair rows kernels (block_row_tile; dw as by
+// rows products only, "multicast" the cluster-pair rows kernels (sched_row_tile; dw as by
 // default), anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward is a
 // rows product: ping-pong (64 features a tile) under both ping-pong settings.
 enum class Mode { off, narrow, wide, pingpong, pingpong_rows, multicast };
