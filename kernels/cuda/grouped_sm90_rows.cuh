@@ -35,12 +35,12 @@ static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
 // kBN / 64 of them per slice), so each expert's bounds zero-fill on their own.
 // kSwiglu (forward, kBN = 256): a tile is 128 features, w1's rows (map_b, box 64 x 128 x 1) in
 // the B tile's first 128 rows and w3's (map_b2) in the next 128; the epilogue stores gate, up
-// and h = row_w * silu(gate) * up (store_tile).
+// and h = row_w * silu(gate) * up (store_tile). Ping-pong (kBN = 128): 64 features, 64 rows each.
 // kGather: A's rows are gathered, row r being row row_token[r] of a_src [a_tokens, k_total] (the
 // MoE permute fused into the loads; map_a unused): the producer warpgroup's 128 threads copy
 // them by cp.async (gathered_row, copy_warp_lines).
-// kSched: pingpong (C = PingPong, not with kSwiglu): the tile's 128 rows on one math warpgroup,
-// the warpgroups alternating (pingpong_wait_turn); multicast: launched in clusters of two
+// kSched: pingpong (C = PingPong): the tile's 128 rows on one math warpgroup, the warpgroups
+// alternating (pingpong_wait_turn); multicast: launched in clusters of two
 // blocks, which share each B slice (sched_row_tile, load_b).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
           Sched kSched = Sched::cooperative>
