@@ -911,16 +911,18 @@ struct GroupedCase {
 // The grouped GEMM kernels a case runs: "sm90-n256" / "sm90-n128" (the sm_90 TMA + wgmma kernels
 // with 256- / 128-column tiles; where they decline, the sm_80+ ones), "sm90-pingpong" (the
 // ping-pong kernels: 128 x 128 tiles alternating between the math warpgroups), "sm90-multicast"
-// (the rows kernels in clusters of two blocks sharing B by TMA multicast) or "sm80-k32" /
-// "sm80-k64" (the sm_80+ kernels with 32- / 64-wide k-slices).
+// (the rows kernels in clusters of two blocks sharing B by TMA multicast), "sm90-pp-multicast"
+// (ping-pong rows kernels in such pairs) or "sm80-k32" / "sm80-k64" (the sm_80+ kernels with
+// 32- / 64-wide k-slices).
 void select_grouped_kernel(const std::string& kernel) {
   const bool sm90 = kernel.rfind("sm90", 0) == 0;
   setenv("MOE_GROUPED_SM90",
-         !sm90                        ? "0"
-         : kernel == "sm90-n128"      ? "128"
-         : kernel == "sm90-pingpong"  ? "pingpong"
-         : kernel == "sm90-multicast" ? "multicast"
-                                      : "256",
+         !sm90                           ? "0"
+         : kernel == "sm90-n128"         ? "128"
+         : kernel == "sm90-pingpong"     ? "pingpong"
+         : kernel == "sm90-multicast"    ? "multicast"
+         : kernel == "sm90-pp-multicast" ? "pingpong-multicast"
+                                         : "256",
          1);
   setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
 }
@@ -980,8 +982,9 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   // Each kernel configuration this device runs: the sm_90 TMA + wgmma kernels
   // (grouped_wgmma_sm90.cu, 256- and 128-column tiles; elsewhere they decline) and, with those
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
-  const std::string kernel = GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong",
-                                      "sm90-multicast", "sm80-k32", "sm80-k64");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong", "sm90-multicast",
+               "sm90-pp-multicast", "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1054,8 +1057,9 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
 TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's dw", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = grouped_cases(false);
-  const std::string kernel = GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong",
-                                      "sm90-multicast", "sm80-k32", "sm80-k64");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong", "sm90-multicast",
+               "sm90-pp-multicast", "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1152,7 +1156,8 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
 // one warpgroup's 64 rows; elsewhere the sm_80 kernels run the same checks).
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   INFO("tiles " << kernel);
   const DType dt = DType::bf16, acc = DType::f32;
@@ -1225,7 +1230,8 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   // The fused sm_90 kernel (256-column tiles; "pingpong": 64 features a tile, the gate and up
   // columns of a piece going to two tensors; "multicast": in block pairs; with 128-column tiles
   // the op runs the three ops itself) against the three ops.
-  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1278,7 +1284,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();
   const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1325,7 +1331,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
 TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
@@ -1373,7 +1379,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();  // (d: the down projection's output)
   const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1436,7 +1442,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backwa
           "[gpu]") {
   Ctx gpu = gpu_ctx();
   const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   // (in: d, the down projection's output)
   const std::vector<GroupedCase> cases = swiglu_cases(true);

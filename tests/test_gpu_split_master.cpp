@@ -167,7 +167,7 @@ TEST_CASE("gpu adamw_step_split: a non-finite norm leaves everything; decode is 
 TEST_CASE("gpu grouped_linear_forward_adamw: the bits of the product and the update in turn",
           "[gpu][optim]") {
   const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "0");
+      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
   setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
   const int64_t e = 5, in = 192, out = 320;
   const std::vector<int32_t> offsets = {0, 300, 300, 517, 900, 1031};

@@ -175,8 +175,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                           int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
                           const T* x_src, const int32_t* row_token, int64_t tokens) {
   constexpr bool kGather = kGatherDy || kGatherX;
-  constexpr bool kPingPong = kSched == Sched::pingpong;
-  static_assert(kSched != Sched::multicast, "the dw kernel has no multicast form");
+  constexpr bool kPingPong = is_pingpong(kSched);
+  static_assert(!is_multicast(kSched), "the dw kernel has no multicast form");
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];

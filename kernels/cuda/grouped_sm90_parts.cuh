@@ -48,8 +48,15 @@ using PingPong = Sm90Cfg<128, 6>;
 // How a kernel's two math warpgroups share the work (MOE_GROUPED_SM90): cooperative (both on
 // one 128-row tile, 64 rows each), pingpong (alternate whole tiles, pingpong_wait_turn) or
 // multicast (cooperative, the blocks in clusters of two on adjacent row tiles of one expert, each
-// loading half of the B tile they share by TMA multicast: sched_row_tile; rows kernels only).
-enum class Sched { cooperative, pingpong, multicast };
+// loading half of the B tile they share by TMA multicast: sched_row_tile; rows kernels only), or
+// both (pingpong_multicast: ping-pong blocks in such pairs; rows kernels only).
+enum class Sched { cooperative, pingpong, multicast, pingpong_multicast };
+constexpr bool is_pingpong(Sched s) {
+  return s == Sched::pingpong || s == Sched::pingpong_multicast;
+}
+constexpr bool is_multicast(Sched s) {
+  return s == Sched::multicast || s == Sched::pingpong_multicast;
+}
 static_assert(Wide::kABytes == kBM * kBK * 2 && Sw128::kBlockBytes == kBK * Sw128::kRowBytes,
               "tiles of 128 rows and 64-wide k-slices of 16-bit elements");
 
@@ -123,23 +130,22 @@ struct TmaRing {
 // full_arrivals: the arrivals that fill a stage besides its bytes (the producer's expect_tx; the
 // gathering rows kernel's cp.async copies too). A stage is freed by one arrival per math warp
 // that read it (kSched): all 8 (cooperative), the 4 of the one warpgroup that computes its slice
-// (pingpong), or the 8 of both blocks of the cluster pair (multicast: the peer's TMA writes
-// into this block's stage too). turns (pingpong): the two turn barriers, one arrival each.
+// (pingpong), those of both blocks of the cluster pair (multicast: the peer's TMA writes into
+// this block's stage too). turns (pingpong): the two turn barriers, one arrival each.
 template <class C, Sched kSched = Sched::cooperative>
 __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* full,
                                                 uint64_t* empty, int full_arrivals = 1,
                                                 uint64_t* turns = nullptr) {
   constexpr int kMathWarps = kTmaThreads / 32 - 4;
-  constexpr int kEmptyArrivals = kSched == Sched::pingpong    ? kMathWarps / 2
-                                 : kSched == Sched::multicast ? 2 * kMathWarps
-                                                              : kMathWarps;
+  constexpr int kEmptyArrivals =
+      (is_pingpong(kSched) ? kMathWarps / 2 : kMathWarps) * (is_multicast(kSched) ? 2 : 1);
   TmaRing<C> r{ring_base(smem), shared_addr(full), shared_addr(empty)};
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kStages; ++s) {
       mbar_init(r.full0 + 8 * s, full_arrivals);
       mbar_init(r.empty0 + 8 * s, kEmptyArrivals);
     }
-    if constexpr (kSched == Sched::pingpong) {
+    if constexpr (is_pingpong(kSched)) {
       mbar_init(shared_addr(turns), 1);
       mbar_init(shared_addr(turns) + 8, 1);
     }
@@ -215,10 +221,18 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
 // turns: the shared address of turn[0]). before(t, stage) as in tma_math_loop. kBoth is a
 // template argument, the caller branching once per tile: a test of a runtime flag between the
 // wgmma made ptxas serialize every wgmma of the kernel (C7520, "WG.AR in divergent path").
-template <class C, class T, bool kAKFast, bool kBKFast, bool kBoth, class Before>
+// kPeer (pingpong_multicast): as tma_math_loop's, the peer's barrier found at each arrival (held
+// in a register through the loop, it and the rank spilled).
+template <class C, class T, bool kAKFast, bool kBKFast, bool kBoth, bool kPeer = false,
+          class Before>
 __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], const TmaRing<C>& ring,
                                                    int64_t it0, int slices, uint32_t turns, int g,
                                                    int64_t k, Before&& before) {
+  auto free_stage = [&](int64_t it) {
+    mbar_arrive(ring.empty(it));
+    if constexpr (kPeer)
+      mbar_arrive_remote(cluster_peer_address(ring.empty(it), cluster_rank() ^ 1u));
+  };
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[0][i] = acc[1][i] = 0.0f;
   pingpong_wait_turn(turns, g, k);
@@ -242,7 +256,7 @@ __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], con
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc[0]);
     fence_accumulators(acc[1]);
-    if (t > 0 && signals) mbar_arrive(ring.empty(it - 1));
+    if (t > 0 && signals) free_stage(it - 1);
   }
   // This warpgroup waits on no more stages of the tile: the other one's main loop may start, its
   // first wgmma queued behind this one's last.
@@ -250,7 +264,7 @@ __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], con
   wgmma_wait<0>();
   fence_accumulators(acc[0]);
   fence_accumulators(acc[1]);
-  if (slices > 0 && signals) mbar_arrive(ring.empty(it0 + slices - 1));
+  if (slices > 0 && signals) free_stage(it0 + slices - 1);
 }
 
 // A math warpgroup with nothing to compute in slices it0 .. it0 + slices - 1: it waits for each

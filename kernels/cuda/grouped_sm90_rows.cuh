@@ -1,7 +1,9 @@
 // The sm_90a grouped GEMM's rows kernel (y = x w_e^T, dx = dy w_e, the pair's one product, the
-// fused SwiGLU forward, the gathering forms), in its three schedules. Included by
+// fused SwiGLU forward, the gathering forms), in each schedule (Sched). Included by
 // grouped_wgmma_sm90.cu alone.
 #pragma once
+
+#include <type_traits>
 
 #include "cuda/adam_rider.cuh"
 #include "cuda/grouped_sm90_parts.cuh"
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const int32_t* offsets, int experts, int64_t rows, int64_t n_total, int64_t k_total,
     int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
     const AdamRider rider, bool pair) {
-  constexpr bool kPingPong = kSched == Sched::pingpong, kMulticast = kSched == Sched::multicast;
+  constexpr bool kPingPong = is_pingpong(kSched), kMulticast = is_multicast(kSched);
   static_assert(!kSwiglu || (kBKFast && C::kBN == (kPingPong ? 128 : 256)),
                 "SwiGLU follows the forward product, gate and up 128 columns each (ping-pong: 64)");
   constexpr int kTileN = kSwiglu ? C::kBN / 2 : C::kBN;  // output columns per tile
@@ -164,7 +166,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         __syncwarp();
       }
     } else if constexpr (kPingPong) {
-      claim_registers<kRowsMathRegs<kSwiglu>>();
+      claim_registers<kRowsMathRegs<kSwiglu, kMulticast>>();
       const int g = wg - 1;
       const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
       const uint32_t turns = shared_addr(turn);
@@ -174,14 +176,23 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
           ring.base + C::kStages * C::kStageBytes + kStagingBytes + g * kBM * 4;
       if (kSwiglu && ring.base != shared_addr(smem)) __trap();  // never
       // The block's tile j = g, g + 2, ... (this warpgroup's tile j / 2): every tile has
-      // `slices` k-slices, so tile j's are ring slices j * slices on.
-      for (int64_t tile = blockIdx.x + g * int64_t(gridDim.x); tile < tiles;
-           tile += 2 * int64_t(gridDim.x)) {
+      // `slices` k-slices, so tile j's are ring slices j * slices on. (The first tile and the
+      // step, and kMulticast's rank, are read again where used: held through the loop, they
+      // spilled.)
+      auto first_tile = [] { return kMulticast ? blockIdx.x / 2 : blockIdx.x; };
+      auto tile_step = [] { return kMulticast ? gridDim.x / 2 : gridDim.x; };
+      // (kMulticast: 32-bit tile indices, a launch's tiles being far fewer than 2^31; 64-bit ones
+      // spilled there, and 32-bit ones in the plain ping-pong kernel: register allocation)
+      using Index = std::conditional_t<kMulticast, uint32_t, int64_t>;
+      for (Index tile = first_tile() + g * Index(tile_step()); tile < tiles;
+           tile += 2 * Index(tile_step())) {
         // (from the tile: a second loop counter spilled 4 bytes)
-        const int64_t j = (tile - blockIdx.x) / gridDim.x;
+        const Index j = (tile - first_tile()) / tile_step();
         int e = 0;
         int64_t r0 = 0, r1 = 0;
-        if (!find_row_tile<kBM>(offsets, experts, rows, tile / n_tiles, &e, &r0, &r1)) break;
+        if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles,
+                                        kMulticast ? cluster_rank() : 0, &e, &r0, &r1))
+          break;
         const int64_t n0 = (tile % n_tiles) * kTileN;
         const bool both = r0 + 64 < r1;  // else the tile's real rows end in its first half
         float acc[2][C::kAcc];
@@ -190,12 +201,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         auto before = [](int, uint32_t) {
           if constexpr (kGather) fence_proxy_async_smem();
         };
+        // (kMulticast: a block with none of the pair tile's rows, its expert ended, still computes
+        // a first half that is not stored: it takes its turn and frees its stages)
         if (both)
-          pingpong_math_loop<C, T, true, kBKFast, true>(acc, ring, j * slices, slices, turns, g,
-                                                        j / 2, before);
+          pingpong_math_loop<C, T, true, kBKFast, true, kMulticast>(acc, ring, j * slices, slices,
+                                                                    turns, g, j / 2, before);
         else
-          pingpong_math_loop<C, T, true, kBKFast, false>(acc, ring, j * slices, slices, turns, g,
-                                                         j / 2, before);
+          pingpong_math_loop<C, T, true, kBKFast, false, kMulticast>(acc, ring, j * slices, slices,
+                                                                     turns, g, j / 2, before);
         if constexpr (kSwiglu) {
           // The tile's 128 routing weights by cp.async, once every thread is done reading the
           // previous tile's (the barrier); the h pieces wait for them (store_piece).

@@ -104,7 +104,7 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
   auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kSched>;
-  constexpr bool kMulticast = kSched == Sched::multicast;
+  constexpr bool kMulticast = is_multicast(kSched);
   // kMulticast: the launch in clusters of two blocks, as many pairs as the device holds at once
   // (one block an SM; a GPC's odd SM holds none).
   cudaLaunchConfig_t config{};
@@ -128,9 +128,10 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
     }
   });
   if constexpr (kMulticast) {
-    if (max_pairs < 1) {  // no pair fits: the cooperative kernel
-      launch_rows<C, T, kBKFast, kSwiglu, kGather>(ctx, t, out, in, w, w2, offsets, experts, rows,
-                                                   n_total, k_total, expert_stride, rider);
+    if (max_pairs < 1) {  // no pair fits: the kernel of the same schedule without pairs
+      constexpr Sched kAlone = is_pingpong(kSched) ? Sched::pingpong : Sched::cooperative;
+      launch_rows<C, T, kBKFast, kSwiglu, kGather, kAlone>(
+          ctx, t, out, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride, rider);
       return;
     }
   }
@@ -243,11 +244,11 @@ bool compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
   // (the SwiGLU kernels: 256-column tiles, ping-pong 128)
-  using S = std::conditional_t<kS == Sched::pingpong, PingPong, Wide>;
+  using S = std::conditional_t<is_pingpong(kS), PingPong, Wide>;
   if (!is90(compiled_arch(grouped_tma_rows_kernel<S, T, true, true, false, kS>)) ||
       !is90(compiled_arch(grouped_tma_rows_kernel<S, T, true, true, true, kS>)))
     return false;
-  if constexpr (kS != Sched::multicast) {
+  if constexpr (!is_multicast(kS)) {
     if (!is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, false, kS>)) ||
         !is90(compiled_arch(grouped_tma_dw_kernel<C, T, true, false, kS>)) ||
         !is90(compiled_arch(grouped_tma_dw_kernel<C, T, false, true, kS>)))
@@ -273,19 +274,21 @@ bool device_is_sm90() {
 // "0" declines (the sm_80 kernels run), "128" takes 128-column block tiles, "pingpong" the
 // ping-pong kernels (pingpong_wait_turn) for the rows and dw products, "pingpong-rows" for the
 // rows products only, "multicast" the cluster-pair rows kernels (sched_row_tile; dw as by
-// default), anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward is a
-// rows product: ping-pong (64 features a tile) under both ping-pong settings.
-enum class Mode { off, narrow, wide, pingpong, pingpong_rows, multicast };
+// default), "pingpong-multicast" ping-pong rows kernels in cluster pairs and the ping-pong dw
+// kernel, anything else (or unset) 256-column cooperative tiles. The fused SwiGLU forward is a
+// rows product: ping-pong (64 features a tile) under every ping-pong setting.
+enum class Mode { off, narrow, wide, pingpong, pingpong_rows, multicast, pingpong_multicast };
 Mode mode() {
   const char* v = std::getenv("MOE_GROUPED_SM90");
   if (v == nullptr) return Mode::wide;
   const std::string s(v);
-  return s == "0"               ? Mode::off
-         : s == "128"           ? Mode::narrow
-         : s == "pingpong"      ? Mode::pingpong
-         : s == "pingpong-rows" ? Mode::pingpong_rows
-         : s == "multicast"     ? Mode::multicast
-                                : Mode::wide;
+  return s == "0"                    ? Mode::off
+         : s == "128"                ? Mode::narrow
+         : s == "pingpong"           ? Mode::pingpong
+         : s == "pingpong-rows"      ? Mode::pingpong_rows
+         : s == "multicast"          ? Mode::multicast
+         : s == "pingpong-multicast" ? Mode::pingpong_multicast
+                                     : Mode::wide;
 }
 
 bool sm90_available(DType t) {
@@ -298,7 +301,8 @@ bool sm90_available(DType t) {
       using T = decltype(zero);
       return compiled_for_sm90a<Wide, T>() && compiled_for_sm90a<Narrow, T>() &&
              compiled_for_sm90a<PingPong, T, Sched::pingpong>() &&
-             compiled_for_sm90a<Wide, T, Sched::multicast>();
+             compiled_for_sm90a<Wide, T, Sched::multicast>() &&
+             compiled_for_sm90a<PingPong, T, Sched::pingpong_multicast>();
     };
     half_ok = all(__half{});
     bf16_ok = all(__nv_bfloat16{});
@@ -313,10 +317,13 @@ using SchedTag = std::integral_constant<Sched, kS>;
 // this launch; kDw: a dw product's (no multicast form).
 template <bool kDw, class Fn>
 void with_config(DType t, Mode m, Fn&& fn) {
-  const bool pingpong = m == Mode::pingpong || (m == Mode::pingpong_rows && !kDw);
+  const bool pingpong = m == Mode::pingpong || (m == Mode::pingpong_rows && !kDw) ||
+                        (m == Mode::pingpong_multicast && kDw);
   auto typed = [&](auto zero) {
     if (pingpong) {
       fn(PingPong{}, zero, SchedTag<Sched::pingpong>{});
+    } else if (m == Mode::pingpong_multicast && !kDw) {
+      if constexpr (!kDw) fn(PingPong{}, zero, SchedTag<Sched::pingpong_multicast>{});
     } else if (m == Mode::multicast && !kDw) {
       if constexpr (!kDw) fn(Wide{}, zero, SchedTag<Sched::multicast>{});
     } else if (m == Mode::narrow)
@@ -442,7 +449,7 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   auto launch = [&](auto zero, auto sched) {
     using T = decltype(zero);
     constexpr Sched kS = decltype(sched)::value;
-    using C = std::conditional_t<kS == Sched::pingpong, PingPong, Wide>;
+    using C = std::conditional_t<is_pingpong(kS), PingPong, Wide>;
     if (row_token != nullptr)
       launch_rows<C, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
                                               features, in, stride);
@@ -453,6 +460,8 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   auto typed = [&](auto zero) {
     if (m == Mode::multicast)
       launch(zero, SchedTag<Sched::multicast>{});
+    else if (m == Mode::pingpong_multicast)
+      launch(zero, SchedTag<Sched::pingpong_multicast>{});
     else if (m == Mode::pingpong || m == Mode::pingpong_rows)
       launch(zero, SchedTag<Sched::pingpong>{});
     else

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""A model of the multicast grouped GEMM's barrier protocol (grouped_wgmma_sm90.cu, Sched::multicast).
+"""A model of the multicast grouped GEMM's barrier protocol (grouped_sm90_rows.cuh, Sched::multicast
+and Sched::pingpong_multicast).
 
 Two blocks of a cluster run the same k-slices in the same order. Each block's producer, for
 slice it in stage it % kStages: waits on its own empty barrier for the slice kStages before, arms
@@ -10,6 +11,9 @@ free it on both blocks' empty barriers (each counts the 8 math warps of both blo
 per warpgroup here, twice). The TMA unit lands every part in any order and at any time after
 its issue: a peer's part may complete bytes on a full barrier before its own producer armed it
 (mbarrier transaction counts may go below zero; the phase needs the producer's arrival too).
+With ping-pong (pingpong_multicast), each block's tiles alternate between its math warpgroups,
+which take turns (as scripts/models/pingpong_barriers.py models), and a stage is read by one
+warpgroup of each block: its empty barrier counts 4 + 4 warps.
 
 Checked under random interleavings: every slice a warpgroup computes holds all three parts of
 that slice (no stale or partial stage), no part lands in a stage a warpgroup still reads (no
@@ -24,9 +28,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib
 from mbarrier_model import Failure, MBar, check, run_processes  # noqa: E402
 
 
-def run(rng, stages, slices, peer_frees):
+def run(rng, stages, tiles, peer_frees, pingpong):
+    """tiles[j]: the k-slices of the pair's tile j."""
+    slices = sum(tiles)
+    readers = 4 if pingpong else 8  # warps of a block that read a stage
     full = [[MBar(1) for _ in range(stages)] for _ in range(2)]
-    empty = [[MBar(16 if peer_frees else 8) for _ in range(stages)] for _ in range(2)]
+    empty = [[MBar(2 * readers if peer_frees else readers) for _ in range(stages)]
+             for _ in range(2)]
+    turn = [[MBar(1), MBar(1)] for _ in range(2)]
     parts = [[set() for _ in range(stages)] for _ in range(2)]  # (slice, part) held
     reading = [[set() for _ in range(stages)] for _ in range(2)]
     inflight = []  # (block, stage, slice, part)
@@ -57,8 +66,25 @@ def run(rng, stages, slices, peer_frees):
             full[b][s].complete_tx(1)
 
     def math(b, g):
+        """Warpgroup g of block b: every slice (cooperative), or tile j's for j % 2 == g between
+        the turns (ping-pong)."""
+        base, k = 0, 0
+        for j, n in enumerate(tiles):
+            if pingpong and j % 2 != g:
+                base += n
+                continue
+            if pingpong and not (g == 0 and k == 0):
+                p = ((k - 1) if g == 0 else k) & 1
+                yield lambda p=p: turn[b][g].parity_done(p)
+            yield from tile_loop(b, g, base, n)
+            if pingpong:
+                turn[b][1 - g].arrive()
+            base += n
+            k += 1
+
+    def tile_loop(b, g, base, n):
         prev = None
-        for it in range(slices):
+        for it in range(base, base + n):
             s = it % stages
             yield lambda s=s, p=parity(it): full[b][s].parity_done(p)
             want = {(it, "A"), (it, "B0"), (it, "B1")}
@@ -76,7 +102,7 @@ def run(rng, stages, slices, peer_frees):
     def free(b, g, it):
         s = it % stages
         reading[b][s].discard((it, g))
-        empty[b][s].arrive(4)
+        empty[b][s].arrive(4)  # (the warpgroup's 4 warps)
         if peer_frees:
             empty[1 - b][s].arrive(4)
 
@@ -86,12 +112,15 @@ def run(rng, stages, slices, peer_frees):
 
 def random_case(peer_frees):
     def one_run(rng):
-        stages = rng.randint(2, 6)
-        slices = rng.randint(1, 40)
+        pingpong = rng.random() < 0.5
+        stages = rng.randint(4 if pingpong else 2, 6)
+        n = rng.randint(1, 20)
+        tiles = [n] * rng.randint(1, 6)  # (the rows kernel: as many slices every tile)
         try:
-            run(rng, stages, slices, peer_frees)
+            run(rng, stages, tiles, peer_frees, pingpong)
         except Failure as e:
-            raise Failure(f"{e} (stages {stages}, slices {slices})")
+            kind = "ping-pong" if pingpong else "cooperative"
+            raise Failure(f"{e} ({kind}, stages {stages}, tiles of {n} slices: {len(tiles)})")
     return one_run
 
 
