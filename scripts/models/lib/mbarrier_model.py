@@ -66,12 +66,12 @@ def explore(runs, seed, one_run):
     return failures, first
 
 
-def check(runs, protocol, broken, protocol_name, broken_name):
+def check(runs, protocol, broken, protocol_name, broken_name, what="interleavings"):
     """The exit status: 0 when the protocol never fails and the broken variant does."""
     bad, first = explore(runs, 1, protocol)
-    print(f"{protocol_name}: {bad} of {runs} interleavings failed" + (f": {first}" if first else ""))
+    print(f"{protocol_name}: {bad} of {runs} {what} failed" + (f": {first}" if first else ""))
     caught, example = explore(runs, 2, broken)
-    print(f"{broken_name}: {caught} of {runs} interleavings failed" +
+    print(f"{broken_name}: {caught} of {runs} {what} failed" +
           (f", e.g. {example}" if example else ""))
     if bad:
         return 1
