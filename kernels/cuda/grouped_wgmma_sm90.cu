@@ -291,23 +291,47 @@ Mode mode() {
                                      : Mode::wide;
 }
 
-bool sm90_available(DType t) {
-  // Decided once per process for the current device (the trainer uses one device per process).
-  static std::once_flag once;
-  static bool half_ok = false, bf16_ok = false;
-  std::call_once(once, [] {
-    if (!device_is_sm90()) return;
-    auto all = [](auto zero) {
-      using T = decltype(zero);
-      return compiled_for_sm90a<Wide, T>() && compiled_for_sm90a<Narrow, T>() &&
-             compiled_for_sm90a<PingPong, T, Sched::pingpong>() &&
-             compiled_for_sm90a<Wide, T, Sched::multicast>() &&
-             compiled_for_sm90a<PingPong, T, Sched::pingpong_multicast>();
-    };
-    half_ok = all(__half{});
-    bf16_ok = all(__nv_bfloat16{});
-  });
-  return t == DType::f16 ? half_ok : t == DType::bf16 ? bf16_ok : false;
+// Whether the kernels a launch under setting m takes are the sm_90a code on this device: the
+// cooperative ones always, a switch's own schedules only when it asks for them, so that the
+// default path never depends on the experimental kernels. Decided once per process and schedule
+// for the current device (the trainer uses one device per process).
+bool sm90_available(DType t, Mode m) {
+  if (t != DType::f16 && t != DType::bf16) return false;
+  static std::once_flag once[4];
+  static bool ok[4][2] = {};  // [cooperative, pingpong, multicast, pingpong_multicast][f16, bf16]
+  auto decided = [&](int i, auto probe) {
+    std::call_once(once[i], [&] {
+      if (!device_is_sm90()) return;
+      ok[i][0] = probe(__half{});
+      ok[i][1] = probe(__nv_bfloat16{});
+    });
+    return ok[i][t == DType::f16 ? 0 : 1];
+  };
+  auto cooperative = [](auto zero) {
+    using T = decltype(zero);
+    return compiled_for_sm90a<Wide, T>() && compiled_for_sm90a<Narrow, T>();
+  };
+  auto pingpong = [](auto zero) {
+    return compiled_for_sm90a<PingPong, decltype(zero), Sched::pingpong>();
+  };
+  auto multicast = [](auto zero) {
+    return compiled_for_sm90a<Wide, decltype(zero), Sched::multicast>();
+  };
+  auto both = [](auto zero) {
+    return compiled_for_sm90a<PingPong, decltype(zero), Sched::pingpong_multicast>();
+  };
+  if (!decided(0, cooperative)) return false;
+  switch (m) {
+    case Mode::pingpong:
+    case Mode::pingpong_rows:
+      return decided(1, pingpong);
+    case Mode::multicast:
+      return decided(2, multicast);
+    case Mode::pingpong_multicast:
+      return decided(1, pingpong) && decided(3, both);
+    default:
+      return true;
+  }
 }
 
 template <Sched kS>
@@ -346,7 +370,7 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
   const Mode m = mode();
   // (gathering: the dx = dy w[e] form only, the one the trainer gathers; a rider: not with it,
   // the producer warpgroup's threads all copy there)
-  if (m == Mode::off || !sm90_available(t) || (row_token != nullptr && b_k_fast) ||
+  if (m == Mode::off || !sm90_available(t, m) || (row_token != nullptr && b_k_fast) ||
       (rider != nullptr && row_token != nullptr) ||
       !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, b_k_fast, rows, experts, kBM))
     return false;
@@ -384,7 +408,7 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
   const Mode m = mode();
   // grouped_sm90_dw's operand conditions for each gradient; dy not gathered (the pair switches
   // its tensor map); no rows or experts: the caller's two calls
-  if (m == Mode::off || !sm90_available(t) || g.dy ||
+  if (m == Mode::off || !sm90_available(t, m) || g.dy ||
       !dw_operands_fit(dw, dy, x, out, in, experts) ||
       !dw_operands_fit(dw2, dy2, x, out, in, experts) || rows == 0 || experts == 0)
     return false;
@@ -404,7 +428,8 @@ bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* 
 
 bool grouped_sm90_rows_pair_runs(DType t, int64_t rows, int experts, int64_t n_total,
                                  int64_t k_total) {
-  return mode() != Mode::off && sm90_available(t) &&
+  const Mode m = mode();
+  return m != Mode::off && sm90_available(t, m) &&
          rows_sizes_fit(n_total, k_total, rows, experts, kBM);
 }
 
@@ -412,7 +437,7 @@ bool grouped_sm90_rows_pair(Ctx& ctx, DType t, void* c, const void* a, const voi
                             const void* w, const void* w2, const int32_t* offsets, int experts,
                             int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride) {
   const Mode m = mode();
-  if (m == Mode::off || !sm90_available(t) ||
+  if (m == Mode::off || !sm90_available(t, m) ||
       !rows_operands_fit(c, a, w, n_total, k_total, expert_stride, false, rows, experts, kBM) ||
       !rows_operands_fit(c, a2, w2, n_total, k_total, expert_stride, false, rows, experts, kBM))
     return false;
@@ -437,7 +462,7 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
   const char* fused = std::getenv("MOE_SWIGLU_FUSED");
   if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m == Mode::off ||
-      m == Mode::narrow || !sm90_available(t) ||
+      m == Mode::narrow || !sm90_available(t, m) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||
       !aligned16_rows(h, features))
@@ -480,7 +505,7 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
   const Mode m = mode();
   // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels. Both operands
   // gathered (no caller: the producer threads spilled there) declines too.
-  if (m == Mode::off || !sm90_available(t) || (g.dy && g.x) ||
+  if (m == Mode::off || !sm90_available(t, m) || (g.dy && g.x) ||
       !dw_operands_fit(dw, dy, x, out, in, experts))
     return false;
   if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0)
