@@ -101,31 +101,26 @@ struct DwUnits {
   }
 };
 
-// Who waits and publishes around a dw tile's reductions: the named barrier the tile's
-// warpgroup syncs on after its leader saw the earlier chunks' flag, the barrier (and its thread
-// count) that gathers every thread's reductions before the publish, and the publishing thread.
-struct DwTileSync {
-  int wait_bar, publish_bar, publish_threads;
-  unsigned publisher;
-};
-
-// Unit w's reductions into dw[w.e] ([out, in] each) at its tile, chunk w.c of w.chunks: after the
-// tile's earlier chunks (its flag, flags[w.e * tiles + w.tile], reads w.c; formed only when the
-// tile is split, where E x tiles fits the flags: launch_dw), then publishing w.c + 1 (the last
-// chunk puts 0 back). pairs(add) hands this thread's accumulator pairs to add(row, col, v0, v1)
-// (for_each_math_pair). overwrite: the tile's first chunk stores (dw is neither zeroed before
-// nor read), the later ones add behind it in chunk order as always.
+// Unit w's reductions into dw[w.e] ([out, in] each) at its tile, chunk w.c of w.chunks, by math
+// warpgroup g: after the tile's earlier chunks (its flag, dw_flags[w.e * tiles + w.tile], reads
+// w.c; formed only when the tile is split, where E x tiles fits the flags: launch_dw; the
+// warpgroup's first thread polls it), then publishing w.c + 1 (the last chunk puts 0 back) once
+// every thread that holds the tile has reduced: the warpgroup's (alone: the ping-pong kernel's
+// tile is one warpgroup's) or both warpgroups' (barrier 3). pairs(add) hands this thread's
+// accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). overwrite: the tile's first
+// chunk stores (dw is neither zeroed before nor read), the later ones add behind it in chunk
+// order as always.
 template <class C, class Pairs>
-__device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int* flags, int64_t tiles,
-                                               bool leader, DwTileSync sync, float* dw, int64_t out,
-                                               int64_t in, bool overwrite, Pairs&& pairs) {
+__device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, int g, bool alone,
+                                               float* dw, int64_t out, int64_t in, bool overwrite,
+                                               Pairs&& pairs) {
   const int c = w.c, chunks = w.chunks;
-  int* flag = chunks > 1 ? &flags[int64_t(w.e) * tiles + w.tile] : nullptr;
+  int* flag = chunks > 1 ? &dw_flags[int64_t(w.e) * tiles + w.tile] : nullptr;
   float* dw_e = dw + int64_t(w.e) * out * in;
   const int64_t m0 = w.m0, n0 = w.n0;
   const bool store = overwrite && c == 0;
   if (c > 0) {  // the tile's earlier chunks first
-    if (leader) {
+    if (threadIdx.x % 128 == 0) {
       int seen = -1;
       for (;;) {
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(flag) : "memory");
@@ -133,7 +128,7 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int* flags, int6
         __nanosleep(100);
       }
     }
-    named_barrier_sync(sync.wait_bar, 128);
+    named_barrier_sync(1 + g, 128);
   }
   pairs([&](int row, int col, float v0, float v1) {
     const int64_t o = m0 + row, i = n0 + col;
@@ -151,12 +146,31 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int* flags, int6
   });
   if (chunks > 1) {  // publish: every thread's reductions, then the flag
     __threadfence();
-    named_barrier_sync(sync.publish_bar, sync.publish_threads);
-    if (threadIdx.x == sync.publisher) {
+    if (alone)
+      named_barrier_sync(1 + g, 128);
+    else
+      named_barrier_sync(3, 256);
+    if (threadIdx.x == (alone ? 128u * (1 + g) : 128u)) {  // the first thread of the tile's
       const int next = c + 1 == chunks ? 0 : c + 1;
       asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
     }
   }
+}
+
+// Zeroes k-rows tail..63 (tail > 0) of `blocks` 64-wide blocks of A from block `first` in a
+// landed stage, so that a slice running past the chunk's last row adds nothing (the rows past it
+// hold the next rows of B): 16-byte chunks, whole rows (the swizzle only permutes chunks within a
+// row), by math warpgroup g's 128 threads, made visible to its wgmma (the async proxy).
+__device__ __forceinline__ void zero_k_tail(uint32_t stage, int first, int blocks, int tail,
+                                            int g) {
+  for (int b = first; b < first + blocks; ++b) {
+    const uint32_t block = stage + b * Sw128::kBlockBytes;
+    for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
+                   : "memory");
+  }
+  fence_proxy_async_smem();
+  named_barrier_sync(1 + g, 128);
 }
 
 // kGatherDy / kGatherX: dy's / x's rows are gathered, k-row r being row row_token[r] of dy_src
@@ -251,7 +265,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
       const uint32_t turns = shared_addr(turn);
       // The block's unit j is warpgroup j % 2's; units differ in k-slices, so each warpgroup
       // walks them all to count the ring's slices.
-      int64_t j = 0, k = 0;
+      int64_t j = 0;  // (this warpgroup's j / 2-th)
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x, ++j) {
         const DwUnit w = units.find<C::kBN>(offsets, u);
         const int slices = w.slices();
@@ -262,31 +276,21 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         const int tail = w.tail();
         const bool both = w.m0 + 64 < out;  // else dw's rows end in the tile's first half
         float acc[2][C::kAcc];
+        // (kGather: the copies into the stage are the generic proxy's, the wgmma read it
+        // through the async proxy)
         auto before = [&](int t, uint32_t stage) {
           if constexpr (kGather) fence_proxy_async_smem();
-          if (t != slices - 1 || tail == 0) return;
-          // k-rows tail..63 of each computed 64-wide block of A (the cooperative hook's
-          // rows, in both blocks)
-          const int per_block = (64 - tail) * 8;  // 16-byte chunks
-          for (int i = static_cast<int>(threadIdx.x) % 128; i < (both ? 2 : 1) * per_block;
-               i += 128) {
-            const uint32_t at =
-                stage + (i / per_block) * Sw128::kBlockBytes + 16 * (tail * 8 + i % per_block);
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
-          }
-          fence_proxy_async_smem();
-          named_barrier_sync(1 + g, 128);
+          if (t == slices - 1 && tail != 0) zero_k_tail(stage, 0, both ? 2 : 1, tail, g);
         };
         if (both)
-          pingpong_math_loop<C, T, false, false, true>(acc, ring, it, slices, turns, g, k, before);
+          pingpong_math_loop<C, T, false, false, true>(acc, ring, it, slices, turns, g, j / 2,
+                                                       before);
         else
-          pingpong_math_loop<C, T, false, false, false>(acc, ring, it, slices, turns, g, k, before);
+          pingpong_math_loop<C, T, false, false, false>(acc, ring, it, slices, turns, g, j / 2,
+                                                        before);
         it += slices;
-        ++k;
-        // (the tile is this warpgroup's alone: it publishes on its own barrier)
-        dw_tile_reduce<C>(w, dw_flags, tiles, threadIdx.x % 128 == 0,
-                          {1 + g, 1 + g, 128, 128u * (1 + g)}, w.second ? dw2 : dw, out, in,
-                          overwrite, [&](auto&& add) {
+        dw_tile_reduce<C>(w, tiles, g, true, w.second ? dw2 : dw, out, in, overwrite,
+                          [&](auto&& add) {
                             for_each_math_pair<C>(acc[0], 0, add);
                             if (both) for_each_math_pair<C>(acc[1], 1, add);
                           });
@@ -294,7 +298,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     } else {
       claim_registers<kGather ? kGatherMathRegs : 232>();
       const int g = wg - 1;
-      const bool leader = threadIdx.x % 128 == 0;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
         const DwUnit w = units.find<C::kBN>(offsets, u);
         const int slices = w.slices(), tail = w.tail();
@@ -313,20 +316,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           // kGather: the copies into the stage are the generic proxy's, the wgmma read it
           // through the async proxy
           if constexpr (kGather) fence_proxy_async_smem();
-          if (t != slices - 1 || tail == 0) return;
-          // Rows tail..63 of this warpgroup's A block: 16-byte chunks, whole rows (the swizzle
-          // only permutes chunks within a row).
-          const uint32_t block = stage + g * Sw128::kBlockBytes;
-          for (int i = tail * 8 + static_cast<int>(threadIdx.x) % 128; i < 64 * 8; i += 128)
-            asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(block + 16 * i), "r"(0)
-                         : "memory");
-          fence_proxy_async_smem();
-          named_barrier_sync(1 + g, 128);
+          if (t == slices - 1 && tail != 0) zero_k_tail(stage, g, 1, tail, g);  // its own block
         });
         it += slices;
-        // The publish counts both warpgroups (barrier 3), thread 128 stores the flag.
-        dw_tile_reduce<C>(w, dw_flags, tiles, leader, {1 + g, 3, 256, 128}, w.second ? dw2 : dw,
-                          out, in, overwrite,
+        dw_tile_reduce<C>(w, tiles, g, false, w.second ? dw2 : dw, out, in, overwrite,
                           [&](auto&& add) { for_each_math_pair<C>(acc, g, add); });
       }
     }

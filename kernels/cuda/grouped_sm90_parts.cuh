@@ -168,30 +168,32 @@ __device__ __forceinline__ TmaRing<C> make_ring(unsigned char* smem, uint64_t* f
 // turn0: the shared address of turn[0] (turn[1] = turn0 + 8). Before warpgroup g's k-th main
 // loop (k = 0, 1, ...): warpgroup 0's first goes at once; its k-th waits for warpgroup 1's
 // (k-1)-th to pass the turn, and warpgroup 1's k-th for warpgroup 0's k-th.
-[[maybe_unused]] __device__ __forceinline__ void pingpong_wait_turn(uint32_t turn0, int g,
-                                                                    int64_t k) {
+__device__ __forceinline__ void pingpong_wait_turn(uint32_t turn0, int g, int64_t k) {
   if (g == 0 && k == 0) return;
   mbar_wait(turn0 + 8 * g, static_cast<uint32_t>((g == 0 ? k - 1 : k) & 1));
 }
 // One thread of warpgroup g, after its last wait on a stage of the tile.
-[[maybe_unused]] __device__ __forceinline__ void pingpong_pass_turn(uint32_t turn0, int g) {
+__device__ __forceinline__ void pingpong_pass_turn(uint32_t turn0, int g) {
   mbar_arrive(turn0 + 8 * (1 - g));
+}
+
+// A math warp's arrival freeing slice it's stage; kPeer (multicast): in the cluster peer's ring
+// too (peer_empty0: the peer's empty[0], cluster_peer_address), whose TMA wrote half of it.
+template <bool kPeer, class C>
+__device__ __forceinline__ void free_stage(const TmaRing<C>& ring, int64_t it,
+                                           uint32_t peer_empty0) {
+  mbar_arrive(ring.empty(it));
+  if constexpr (kPeer) mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
 }
 
 // Math warpgroup `g` (0 or 1: rows 64g..64g+63 of the tile): acc = the sum over `slices`
 // k-slices of ring slices it0, it0 + 1, ... . `before(t, stage)` runs after slice t has landed
 // and before its wgmma (the dw kernel masks the rows past the expert there).
-// kPeer (multicast): each stage freed is also freed in the cluster peer's ring (peer_empty0: the
-// peer's empty[0], cluster_peer_address), whose TMA wrote half of it.
+// kPeer, peer_empty0: as free_stage's.
 template <class C, class T, bool kAKFast, bool kBKFast, bool kPeer = false, class Before>
 __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRing<C>& ring,
                                               int64_t it0, int slices, int g, Before&& before,
                                               uint32_t peer_empty0 = 0) {
-  auto free_stage = [&](int64_t it) {
-    mbar_arrive(ring.empty(it));
-    if constexpr (kPeer)
-      mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
-  };
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const bool signals = (threadIdx.x % 32) == 0;
@@ -208,11 +210,11 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
     wgmma_commit();
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc);
-    if (t > 0 && signals) free_stage(it - 1);
+    if (t > 0 && signals) free_stage<kPeer>(ring, it - 1, peer_empty0);
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (slices > 0 && signals) free_stage(it0 + slices - 1);
+  if (slices > 0 && signals) free_stage<kPeer>(ring, it0 + slices - 1, peer_empty0);
 }
 
 // The ping-pong main loop of math warpgroup g's k-th tile: acc[h] = rows 64h..64h+63 of the
@@ -221,17 +223,15 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
 // turns: the shared address of turn[0]). before(t, stage) as in tma_math_loop. kBoth is a
 // template argument, the caller branching once per tile: a test of a runtime flag between the
 // wgmma made ptxas serialize every wgmma of the kernel (C7520, "WG.AR in divergent path").
-// kPeer (pingpong_multicast): as tma_math_loop's, the peer's barrier found at each arrival (held
+// kPeer (pingpong_multicast): as free_stage's, the peer's empty[0] found at each arrival (held
 // in a register through the loop, it and the rank spilled).
 template <class C, class T, bool kAKFast, bool kBKFast, bool kBoth, bool kPeer = false,
           class Before>
 __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], const TmaRing<C>& ring,
                                                    int64_t it0, int slices, uint32_t turns, int g,
                                                    int64_t k, Before&& before) {
-  auto free_stage = [&](int64_t it) {
-    mbar_arrive(ring.empty(it));
-    if constexpr (kPeer)
-      mbar_arrive_remote(cluster_peer_address(ring.empty(it), cluster_rank() ^ 1u));
+  auto peer_empty0 = [&] {
+    return kPeer ? cluster_peer_address(ring.empty0, cluster_rank() ^ 1u) : 0u;
   };
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[0][i] = acc[1][i] = 0.0f;
@@ -256,7 +256,7 @@ __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], con
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc[0]);
     fence_accumulators(acc[1]);
-    if (t > 0 && signals) free_stage(it - 1);
+    if (t > 0 && signals) free_stage<kPeer>(ring, it - 1, peer_empty0());
   }
   // This warpgroup waits on no more stages of the tile: the other one's main loop may start, its
   // first wgmma queued behind this one's last.
@@ -264,14 +264,14 @@ __device__ __forceinline__ void pingpong_math_loop(float (&acc)[2][C::kAcc], con
   wgmma_wait<0>();
   fence_accumulators(acc[0]);
   fence_accumulators(acc[1]);
-  if (slices > 0 && signals) free_stage(it0 + slices - 1);
+  if (slices > 0 && signals) free_stage<kPeer>(ring, it0 + slices - 1, peer_empty0());
 }
 
 // A math warpgroup with nothing to compute in slices it0 .. it0 + slices - 1: it waits for each
 // to land and frees it, as tma_math_loop does, so the ring's barriers see every math warp's
 // arrival in every phase (an arrival before its stage is full could count toward the phase
 // before).
-// kPeer, peer_empty0: as tma_math_loop's.
+// kPeer, peer_empty0: as free_stage's.
 template <class C, bool kPeer = false>
 __device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0, int slices,
                                             uint32_t peer_empty0 = 0) {
@@ -279,11 +279,7 @@ __device__ __forceinline__ void skip_slices(const TmaRing<C>& ring, int64_t it0,
   for (int t = 0; t < slices; ++t) {
     const int64_t it = it0 + t;
     mbar_wait(ring.full(it), TmaRing<C>::parity(it));
-    if (signals) {
-      mbar_arrive(ring.empty(it));
-      if constexpr (kPeer)
-        mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
-    }
+    if (signals) free_stage<kPeer>(ring, it, peer_empty0);
   }
 }
 
@@ -428,6 +424,41 @@ __device__ __forceinline__ uint32_t swiglu_pair(float g0, float g1, float u0, fl
   return pack2<T>(silu(load(gv[0])) * load(uv[0]), silu(load(gv[1])) * load(uv[1]));
 }
 
+// store_piece's pairs of the accumulator columns 8 j0 + (0 .. 127): a plain output.
+template <class T, int kN>
+__device__ __forceinline__ auto acc_pairs(const float (&acc)[kN], int j0) {
+  return [&acc, j0](int jj, int hr) {
+    const int j = j0 + jj;
+    return pack2<T>(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
+  };
+}
+
+// store_piece's pairs of h = silu(gate) * up (swiglu_pair), gate at accumulator columns 8 jj and
+// up at 8 (up0 + jj).
+template <class T, int kN>
+__device__ __forceinline__ auto swiglu_pairs(const float (&acc)[kN], int up0) {
+  return [&acc, up0](int jj, int hr) {
+    const int ju = up0 + jj;
+    return swiglu_pair<T>(acc[4 * jj + 2 * hr], acc[4 * jj + 2 * hr + 1], acc[4 * ju + 2 * hr],
+                          acc[4 * ju + 2 * hr + 1]);
+  };
+}
+
+// The SwiGLU epilogue's routing weights: n (64 or 128) of rows r0 .. (zeros past r1) into the
+// warpgroup's shared scales at row_scales, once every thread of it is done reading the previous
+// tile's (the barrier), by cp.async, one a thread: no register waits for them, the scaled piece
+// does (store_piece). (Read in the rows pass, a global load per chunk waited behind the chunk's
+// shared-memory load, the asm volatile ordering memory accesses: 8 load latencies in a row per
+// piece, 0.71 ms of a moe-small step, measured. Fetched after the gate piece, with no barrier of
+// its own, the bf16 kernel spilled 8 bytes.)
+__device__ __forceinline__ void fetch_row_scales(int g, uint32_t row_scales, const float* row_w,
+                                                 int64_t r0, int64_t r1, int n) {
+  named_barrier_sync(1 + g, 128);
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const bool real = r0 + t < r1;
+  if (t < n) cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
+}
+
 // The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
 // columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
 // 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
@@ -440,40 +471,19 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
                                            const CUtensorMap* map_up, const CUtensorMap* map_h,
                                            const float* row_w, uint32_t row_scales, int64_t r0,
                                            int64_t r1, int64_t n0, int64_t n_total) {
-  auto columns = [&](int j0) {  // pairs of the 128 tile columns from 8 j0
-    return [&, j0](int jj, int hr) {
-      const int j = j0 + jj;
-      return pack2<T>(acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]);
-    };
-  };
   if constexpr (kSwiglu) {
-    // Fetch the tile's weights while gate and up are stored, once every thread of the
-    // warpgroup is done reading the previous tile's (the barrier), by cp.async, one per thread
-    // of the warpgroup's first 64: no register waits for them. (Read in the rows pass, a global
-    // load per chunk waited behind the chunk's shared-memory load, the asm volatile ordering
-    // memory accesses: 8 load latencies in a row per piece, 0.71 ms of a moe-small step,
-    // measured. Fetched after the gate piece, with no barrier of its own, the bf16 kernel
-    // spilled 8 bytes.)
-    named_barrier_sync(1 + g, 128);
-    const int t = static_cast<int>(threadIdx.x) % 128;
-    const bool real = r0 + t < r1;
-    if (t < 64) cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
-    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, columns(0));
-    store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, columns(16));
+    // (the weights fetched while gate and up are stored)
+    fetch_row_scales(g, row_scales, row_w, r0, r1, 64);
+    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, acc_pairs<T>(acc, 0));
+    store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, acc_pairs<T>(acc, 16));
     // The routing weights come from shared memory just before h's pairs pass: loaded from
     // global memory and held through the gate and up pieces, they spilled (bf16: 132 bytes).
-    store_piece<T, true>(
-        g, staging, c_h, map_h, r0, r1, n0, n_total,
-        [&](int jj, int hr) {
-          const int jg = jj, ju = 16 + jj;
-          return swiglu_pair<T>(acc[4 * jg + 2 * hr], acc[4 * jg + 2 * hr + 1],
-                                acc[4 * ju + 2 * hr], acc[4 * ju + 2 * hr + 1]);
-        },
-        row_scales);
+    store_piece<T, true>(g, staging, c_h, map_h, r0, r1, n0, n_total, swiglu_pairs<T>(acc, 16),
+                         row_scales);
   } else {
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
-      store_piece(g, staging, c, map_c, r0, r1, n0 + 128 * h, n_total, columns(16 * h));
+      store_piece(g, staging, c, map_c, r0, r1, n0 + 128 * h, n_total, acc_pairs<T>(acc, 16 * h));
   }
 }
 

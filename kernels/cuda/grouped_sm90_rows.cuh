@@ -77,11 +77,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const TmaRing<C> ring =
         make_ring<C, kSched>(smem, full, empty, kGather ? 1 + 128 : 1, kPingPong ? turn : nullptr);
     // kMulticast: the pair's barriers are set up before either block's TMA writes into the
-    // other's ring; the pair walks tiles first, first + step, ... (its blocks the same ones).
+    // other's ring; the pair walks tiles first(), first() + step(), ... (its blocks the same
+    // ones). (first and step are read where used: the ping-pong warpgroups spilled them.)
     if constexpr (kMulticast) cluster_sync();
     const uint32_t rank = kMulticast ? cluster_rank() : 0;
-    const unsigned first = kMulticast ? blockIdx.x / 2 : blockIdx.x;
-    const unsigned step = kMulticast ? gridDim.x / 2 : gridDim.x;
+    auto first = [] { return kMulticast ? blockIdx.x / 2 : blockIdx.x; };
+    auto step = [] { return kMulticast ? gridDim.x / 2 : gridDim.x; };
     const int wg = static_cast<int>(threadIdx.x) / 128;
     // pair (!kSwiglu, !kGather): the k-slices of (map_a, map_b), then as many of (map_a2, map_b2)
     const int half_slices = static_cast<int>((k_total + kBK - 1) / kBK);
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         if constexpr (!kMulticast) return;
       }
       const int p = static_cast<int>(threadIdx.x);
-      for (int64_t tile = first; loads && tile < tiles; tile += step) {
+      for (int64_t tile = first(); loads && tile < tiles; tile += step()) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))
@@ -176,18 +177,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
           ring.base + C::kStages * C::kStageBytes + kStagingBytes + g * kBM * 4;
       if (kSwiglu && ring.base != shared_addr(smem)) __trap();  // never
       // The block's tile j = g, g + 2, ... (this warpgroup's tile j / 2): every tile has
-      // `slices` k-slices, so tile j's are ring slices j * slices on. (The first tile and the
-      // step, and kMulticast's rank, are read again where used: held through the loop, they
-      // spilled.)
-      auto first_tile = [] { return kMulticast ? blockIdx.x / 2 : blockIdx.x; };
-      auto tile_step = [] { return kMulticast ? gridDim.x / 2 : gridDim.x; };
+      // `slices` k-slices, so tile j's are ring slices j * slices on. (kMulticast's rank is read
+      // again where used: held through the loop, it spilled.)
       // (kMulticast: 32-bit tile indices, a launch's tiles being far fewer than 2^31; 64-bit ones
       // spilled there, and 32-bit ones in the plain ping-pong kernel: register allocation)
       using Index = std::conditional_t<kMulticast, uint32_t, int64_t>;
-      for (Index tile = first_tile() + g * Index(tile_step()); tile < tiles;
-           tile += 2 * Index(tile_step())) {
+      for (Index tile = first() + g * Index(step()); tile < tiles; tile += 2 * Index(step())) {
         // (from the tile: a second loop counter spilled 4 bytes)
-        const Index j = (tile - first_tile()) / tile_step();
+        const Index j = (tile - first()) / step();
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles,
@@ -209,35 +206,20 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         else
           pingpong_math_loop<C, T, true, kBKFast, false, kMulticast>(acc, ring, j * slices, slices,
                                                                      turns, g, j / 2, before);
-        if constexpr (kSwiglu) {
-          // The tile's 128 routing weights by cp.async, once every thread is done reading the
-          // previous tile's (the barrier); the h pieces wait for them (store_piece).
-          named_barrier_sync(1 + g, 128);
-          const int t = static_cast<int>(threadIdx.x) % 128;
-          const bool real = r0 + t < r1;
-          cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
-        }
+        if constexpr (kSwiglu) fetch_row_scales(g, row_scales, row_w, r0, r1, 128);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (h == 1 && !both) break;
-          auto columns = [&](int jj, int hr) {
-            return pack2<T>(acc[h][4 * jj + 2 * hr], acc[h][4 * jj + 2 * hr + 1]);
-          };
           if constexpr (kSwiglu) {
             // The tile's 64 features: gate (columns 0-63) to c and up (64-127) to c_up at n0 in
             // one piece, then h = row_w * silu(gate) * up to c_h.
-            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, columns, 0,
-                           SecondBox<T>{c_up, &map_up, n0});
-            store_piece<T, true, 1>(
-                g, staging, c_h, &map_h, r0 + 64 * h, r1, n0, n_total,
-                [&](int jj, int hr) {
-                  const int ju = 8 + jj;
-                  return swiglu_pair<T>(acc[h][4 * jj + 2 * hr], acc[h][4 * jj + 2 * hr + 1],
-                                        acc[h][4 * ju + 2 * hr], acc[h][4 * ju + 2 * hr + 1]);
-                },
-                row_scales + 64 * 4 * h);
+            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total,
+                           acc_pairs<T>(acc[h], 0), 0, SecondBox<T>{c_up, &map_up, n0});
+            store_piece<T, true, 1>(g, staging, c_h, &map_h, r0 + 64 * h, r1, n0, n_total,
+                                    swiglu_pairs<T>(acc[h], 8), row_scales + 64 * 4 * h);
           } else {
-            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total, columns);
+            store_piece<T>(g, staging, c, &map_c, r0 + 64 * h, r1, n0, n_total,
+                           acc_pairs<T>(acc[h], 0));
           }
         }
       }
@@ -257,7 +239,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       if (kSwiglu && ring.base - shared_addr(smem) > 1024 - 2 * 64 * 4) __trap();  // never
       // (kMulticast: the peer's empty[0], on which this block's math warps free stages too)
       const uint32_t peer_empty0 = kMulticast ? cluster_peer_address(ring.empty0, rank ^ 1u) : 0;
-      for (int64_t tile = first; tile < tiles; tile += step, it += slices) {
+      for (int64_t tile = first(); tile < tiles; tile += step(), it += slices) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
         if (!sched_row_tile<kMulticast>(offsets, experts, rows, tile / n_tiles, rank, &e, &r0, &r1))

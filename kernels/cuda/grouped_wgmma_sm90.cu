@@ -96,6 +96,27 @@ struct RowsIn {
   const void* a2 = nullptr;
 };
 
+// A launch configuration in clusters of two blocks (the multicast schedules): `blocks` (even)
+// of kTmaThreads with `smem` bytes of dynamic shared memory each, on `stream`.
+struct PairLaunch {
+  cudaLaunchAttribute cluster{};
+  cudaLaunchConfig_t config{};
+  PairLaunch(unsigned blocks, size_t smem, cudaStream_t stream) {
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 2;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.gridDim = dim3(blocks);
+    config.blockDim = dim3(kTmaThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+  }
+  PairLaunch(const PairLaunch&) = delete;  // (config points into it)
+  PairLaunch& operator=(const PairLaunch&) = delete;
+};
+
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise. kSched: the kernel's schedule (pingpong: C =
 // PingPong).
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
@@ -107,24 +128,13 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   constexpr bool kMulticast = is_multicast(kSched);
   // kMulticast: the launch in clusters of two blocks, as many pairs as the device holds at once
   // (one block an SM; a GPC's odd SM holds none).
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 2;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.blockDim = dim3(kTmaThreads);
-  config.dynamicSmemBytes = kRowsSmemBytes<C>;
-  config.stream = stream_of(ctx);
-  config.attrs = &cluster;
-  config.numAttrs = 1;
   static int max_pairs = 0;
   static std::once_flag once;
   std::call_once(once, [&] {
     allow_dynamic_smem(kernel, kRowsSmemBytes<C>);
     if constexpr (kMulticast) {
-      config.gridDim = dim3(2);
-      MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_pairs, kernel, &config));
+      const PairLaunch probe(2, kRowsSmemBytes<C>, stream_of(ctx));
+      MOE_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&max_pairs, kernel, &probe.config));
     }
   });
   if constexpr (kMulticast) {
@@ -164,11 +174,13 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
   // (kMulticast: tiles of a pair, 256 rows each)
   const int64_t tiles = int64_t(n_tiles) * (blocks_for(rows, kMulticast ? 2 * kBM : kBM) + experts);
   if constexpr (kMulticast) {
-    config.gridDim = dim3(2 * static_cast<unsigned>(std::min<int64_t>(tiles, max_pairs)));
+    const PairLaunch pairs(2 * static_cast<unsigned>(std::min<int64_t>(tiles, max_pairs)),
+                           kRowsSmemBytes<C>, stream_of(ctx));
     MOE_CUDA_CHECK(cudaLaunchKernelEx(
-        &config, kernel, map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
-        static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
-        k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair));
+        &pairs.config, kernel, map_a, map_b, map_b2, map_a2, map_c, map_up, map_h,
+        static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets,
+        experts, rows, n_total, k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token,
+        in.tokens, rider, pair));
   } else {
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
     kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(

@@ -99,21 +99,10 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 #endif
 }
 
-// Thread-block clusters (the multicast grouped GEMM): tma_load_*_multicast writes the box into
-// the same shared-memory offset `dst` of every block of the cluster in `cta_mask` (bit r: the
-// block of rank r) and completes its bytes on the barrier at offset `bar` of each.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map,
-                                                      uint32_t bar, int32_t c0, int32_t c1,
-                                                      uint16_t cta_mask) {
-#if MOE_HAS_WGMMA
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(cta_mask)
-      : "memory");
-#endif
-}
-
+// Thread-block clusters (the multicast grouped GEMM): tma_load_3d as tma_load_3d_multicast, the
+// box written into the same shared-memory offset `dst` of every block of the cluster in
+// `cta_mask` (bit r: the block of rank r), its bytes completed on the barrier at offset `bar` of
+// each.
 __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map,
                                                       uint32_t bar, int32_t c0, int32_t c1,
                                                       int32_t c2, uint16_t cta_mask) {
