@@ -47,6 +47,18 @@ def sched_row_tile(offsets, tile, multicast, rank):
     return e, r0, min(s1, r0 + BM)
 
 
+def walk(offsets, tiles, n_tiles, start, stride, multicast, rank):
+    """The tiles a loop from `start` by `stride` visits until the first past the experts' rows:
+    (tile, (expert, r0, r1))."""
+    tile = start
+    while tile < tiles:
+        t = sched_row_tile(offsets, tile // n_tiles, multicast, rank)
+        if t is None:
+            return
+        yield tile, t
+        tile += stride
+
+
 def rows_schedule(offsets, n_tiles, grid, slices, sched, broken=False):
     """Who stores which (row, column tile): a dict (row, n) -> count, with slice checks."""
     rows = offsets[-1]
@@ -61,52 +73,26 @@ def rows_schedule(offsets, n_tiles, grid, slices, sched, broken=False):
         rank = b % 2 if multicast else 0
         first, step = (b // 2, grid // 2) if multicast else (b, grid)
         # the producer: ring slices of each tile of the block, in order
-        loaded = {}
-        it = 0
-        tile = first
-        while tile < tiles:
-            t = sched_row_tile(offsets, tile // n_tiles, multicast, rank)
-            if t is None:
-                break
-            loaded[tile] = it
-            it += slices
-            tile += step
-        # the math warpgroups
+        loaded = {tile: i * slices
+                  for i, (tile, _) in enumerate(walk(offsets, tiles, n_tiles, first, step,
+                                                     multicast, rank))}
+        # the math warpgroups: a ping-pong one every other tile (its k-th the block's 2k + g),
+        # all 128 rows of it; a cooperative one every tile, its 64 rows
         for g in (0, 1):
-            if pingpong:
-                k = 0
-                tile = first + g * step
-                while tile < tiles:
-                    j = (tile - first) // step
-                    if j % 2 != g or j // 2 != k:
-                        raise Failure(f"block {b} warpgroup {g}: tile {tile} is the block's "
-                                      f"tile {j}, its turn count {k}")
-                    t = sched_row_tile(offsets, tile // n_tiles, multicast, rank)
-                    if t is None:
-                        break
-                    it0 = k * slices if broken else j * slices
-                    if loaded.get(tile) != it0:
-                        raise Failure(f"block {b} warpgroup {g} reads tile {tile} at slice {it0},"
-                                      f" loaded at {loaded.get(tile)}")
-                    e, r0, r1 = t
-                    for r in range(r0, r1):  # both halves, as real
-                        stored[(r, tile % n_tiles)] = stored.get((r, tile % n_tiles), 0) + 1
-                    tile += 2 * step
-                    k += 1
-            else:
-                it = 0
-                tile = first
-                while tile < tiles:
-                    t = sched_row_tile(offsets, tile // n_tiles, multicast, rank)
-                    if t is None:
-                        break
-                    if loaded.get(tile) != it:
-                        raise Failure(f"block {b} warpgroup {g} reads tile {tile} at slice {it}")
-                    e, r0, r1 = t
-                    for r in range(r0 + 64 * g, min(r1, r0 + 64 * g + 64)):
-                        stored[(r, tile % n_tiles)] = stored.get((r, tile % n_tiles), 0) + 1
-                    it += slices
-                    tile += step
+            start, stride = (first + g * step, 2 * step) if pingpong else (first, step)
+            for k, (tile, (e, r0, r1)) in enumerate(walk(offsets, tiles, n_tiles, start, stride,
+                                                         multicast, rank)):
+                j = (tile - first) // step  # the block's tile j
+                if pingpong and (j % 2 != g or j // 2 != k):
+                    raise Failure(f"block {b} warpgroup {g}: tile {tile} is the block's tile {j}, "
+                                  f"its turn count {k}")
+                it0 = (k if broken else j) * slices if pingpong else k * slices
+                if loaded.get(tile) != it0:
+                    raise Failure(f"block {b} warpgroup {g} reads tile {tile} at slice {it0}, "
+                                  f"loaded at {loaded.get(tile)}")
+                lo, hi = (r0, r1) if pingpong else (r0 + 64 * g, min(r1, r0 + 64 * g + 64))
+                for r in range(lo, hi):
+                    stored[(r, tile % n_tiles)] = stored.get((r, tile % n_tiles), 0) + 1
     for r in range(rows):
         for n in range(n_tiles):
             if stored.get((r, n), 0) != 1:
@@ -136,7 +122,7 @@ def dw_pingpong(offsets, tiles, chunk, grid, broken=False):
             loaded[u] = it
             it += units[u][3]
         for g in (0, 1):
-            it, j, k = 0, 0, 0
+            it, j = 0, 0
             for u in range(b, len(units), grid):
                 slices = units[u][3]
                 if j % 2 != g:
@@ -151,7 +137,6 @@ def dw_pingpong(offsets, tiles, chunk, grid, broken=False):
                 done[u] = done.get(u, 0) + 1
                 it += slices
                 j += 1
-                k += 1
     if any(done.get(u, 0) != 1 for u in range(len(units))):
         raise Failure("dw: a unit computed other than once")
 
