@@ -134,13 +134,13 @@ __device__ __forceinline__ uint32_t cluster_peer_address(uint32_t bar, uint32_t 
   return remote;
 }
 
-// One arrival on another block's barrier (remote: from cluster_peer_address), released at
-// cluster scope: this thread's earlier reads of that block's data (the wgmma that read a stage
-// the peer's TMA multicast filled) are done before the peer sees it.
+// One arrival on another block's barrier (remote: from cluster_peer_address). The reads it
+// answers for (the wgmma that read a stage the peer's TMA multicast filled) retired at the
+// caller's wgmma wait, so the default semantics (release at CTA scope) suffice: a release at
+// cluster scope made every arrival a cluster-wide fence, in each math warp once a slice.
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote) {
 #if MOE_HAS_WGMMA
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
 #endif
 }
 
