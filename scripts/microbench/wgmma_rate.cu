@@ -7,9 +7,9 @@
 // time against the cooperative kernel's 77% (two warpgroups, one m64n256k16 each), with L2 at the
 // same 58%; whether one warpgroup, or the m64n128 shape (B read from shared memory once per 64
 // rows: 96 bytes a cycle against m64n256's 80), caps the rate.
-//   shape pp128: per k16 step two m64n128k16 (rows 0-63 and 64-127, one B)    [ping-pong, 128 x
-//   128] shape w256:  per k16 step one m64n256k16                                   [cooperative,
-//   64 x 256 a warpgroup] shape n128:  per k16 step one m64n128k16 [64 x 128 a warpgroup]
+//   pp128: two m64n128k16 a k16 step (rows 0-63 and 64-127, one B): ping-pong's 128 x 128
+//   w256: one m64n256k16 a k16 step: the cooperative kernel's 64 x 256 a warpgroup
+//   n128: one m64n128k16 a k16 step: 64 x 128 a warpgroup
 // each with 1 or 2 math warpgroups in the block. Not part of the build; on an sm_90 machine:
 //   nvcc -std=c++17 -O3 -arch=sm_90a -Ikernels scripts/microbench/wgmma_rate.cu -o /tmp/wgmma_rate
 //   /tmp/wgmma_rate [slices = 20000]
