@@ -9,8 +9,9 @@ are the ones its block's producer loaded for that tile (the producer walks the b
 order, `slices` a tile); a ping-pong warpgroup's k-th tile is the block's tile 2k + g; the two
 blocks of a multicast pair walk the same pair tiles. For the dw kernel's ping-pong order: every
 (expert, chunk, tile) unit is computed once, by the warpgroup of its parity in the block, at the
-ring slices the producer gave it. A broken variant (the ping-pong slice index taken from the
-warpgroup's own count, k * slices) must fail. Exit status 0 when all hold.
+ring slices the producer gave it. Two broken variants must fail: the ping-pong slice index taken
+from the warpgroup's own count (k * slices), and a cooperative warpgroup's ring index advanced only
+over the tiles where it has rows (skip_slices' advance left out). Exit status 0 when all hold.
 """
 import os
 import random
@@ -59,8 +60,9 @@ def walk(offsets, tiles, n_tiles, start, stride, multicast, rank):
         tile += stride
 
 
-def rows_schedule(offsets, n_tiles, grid, slices, sched, broken=False):
-    """Who stores which (row, column tile): a dict (row, n) -> count, with slice checks."""
+def rows_schedule(offsets, n_tiles, grid, slices, sched, broken=None):
+    """Who stores which (row, column tile): a dict (row, n) -> count, with slice checks.
+    broken: None, "pingpong" or "cooperative" (the module's broken variants)."""
     rows = offsets[-1]
     experts = len(offsets) - 1
     pingpong = sched in ("pingpong", "pingpong_multicast")
@@ -77,16 +79,25 @@ def rows_schedule(offsets, n_tiles, grid, slices, sched, broken=False):
                   for i, (tile, _) in enumerate(walk(offsets, tiles, n_tiles, first, step,
                                                      multicast, rank))}
         # the math warpgroups: a ping-pong one every other tile (its k-th the block's 2k + g),
-        # all 128 rows of it; a cooperative one every tile, its 64 rows
+        # all 128 rows of it; a cooperative one every tile, its 64 rows, its ring index `it`
+        # advanced by each tile's slices as the kernel's loop does (a tile without rows of its
+        # half skipped by skip_slices, which waits for and frees the slices)
         for g in (0, 1):
             start, stride = (first + g * step, 2 * step) if pingpong else (first, step)
+            it = 0
             for k, (tile, (e, r0, r1)) in enumerate(walk(offsets, tiles, n_tiles, start, stride,
                                                          multicast, rank)):
+                real = r0 + 64 * g < r1
+                if not pingpong and not real:
+                    if broken != "cooperative":
+                        it += slices
+                    continue
                 j = (tile - first) // step  # the block's tile j
                 if pingpong and (j % 2 != g or j // 2 != k):
                     raise Failure(f"block {b} warpgroup {g}: tile {tile} is the block's tile {j}, "
                                   f"its turn count {k}")
-                it0 = (k if broken else j) * slices if pingpong else k * slices
+                it0 = (k if broken == "pingpong" else j) * slices if pingpong else it
+                it += slices
                 if loaded.get(tile) != it0:
                     raise Failure(f"block {b} warpgroup {g} reads tile {tile} at slice {it0}, "
                                   f"loaded at {loaded.get(tile)}")
@@ -151,7 +162,7 @@ def random_offsets(rng):
     return offsets
 
 
-def one_run(rng, broken):
+def one_run(rng, broken=None):
     offsets = random_offsets(rng)
     if offsets[-1] == 0:
         offsets[-1] = 1
@@ -160,15 +171,18 @@ def one_run(rng, broken):
     grid = 2 * rng.randint(1, 8)  # (multicast: pairs)
     for sched in ("cooperative", "pingpong", "multicast", "pingpong_multicast"):
         rows_schedule(offsets, n_tiles, grid, slices, sched, broken)
-    dw_pingpong(offsets, rng.randint(1, 6), 64 * rng.randint(1, 4), rng.randint(1, 9), broken)
+    dw_pingpong(offsets, rng.randint(1, 6), 64 * rng.randint(1, 4), rng.randint(1, 9),
+                broken == "pingpong")
 
 
 def main():
     # (each case runs every schedule: a tenth of the protocol models' count, the same time)
     runs = max(1, (int(sys.argv[1]) if len(sys.argv) > 1 else 3000) // 10)
-    return check(runs, lambda rng: one_run(rng, False), lambda rng: one_run(rng, True),
-                 "the kernels' schedules", "ping-pong slices from the warpgroup's own count",
-                 "random cases")
+    status = check(runs, one_run, lambda rng: one_run(rng, "pingpong"), "the kernels' schedules",
+                   "ping-pong slices from the warpgroup's own count", "random cases")
+    return status or check(runs, one_run, lambda rng: one_run(rng, "cooperative"),
+                           "the kernels' schedules",
+                           "cooperative slices advanced only over tiles with rows", "random cases")
 
 
 if __name__ == "__main__":
