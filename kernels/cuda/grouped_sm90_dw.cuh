@@ -52,7 +52,6 @@ static_assert(kGatherProducerRegs + 2 * kGatherMathRegs <= 3 * 168, "setmaxnreg 
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
 __device__ int dw_flags[kDwMaxFlags];
 
-// The work units of the dw kernel, from the offsets (every thread of a block computes the same).
 // A work unit of the dw kernel: expert e, chunk c (of `chunks`) of its rows, [k0, k1), and tile
 // `tile` of the expert's, at output row m0 and column n0 of dw[e] (second: a pair's dw2 tile).
 struct DwUnit {
@@ -66,6 +65,7 @@ struct DwUnit {
   __device__ __forceinline__ int tail() const { return static_cast<int>((k1 - k0) % kBK); }
 };
 
+// The work units of the dw kernel, from the offsets (every thread of a block computes the same).
 struct DwUnits {
   const int64_t* start;  // [E + 1], shared memory: first unit of expert e (empty experts: none)
   int experts;

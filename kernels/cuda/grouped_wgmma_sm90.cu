@@ -482,32 +482,21 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   if (rows == 0) return true;  // nothing to write
   const RowsOut out{gate, up, h, row_w};
   const RowsIn a{x, row_token, tokens};
-  // (a tile of 128 features, gate and up 256 columns; ping-pong: 64 features, 128 columns)
-  auto launch = [&](auto zero, auto sched) {
+  // (a tile of 128 features, gate and up 256 columns; ping-pong: 64 features, 128 columns:
+  // with_config's configuration for each schedule, the narrow one declined above)
+  with_config<false>(t, m, [&](auto cfg, auto zero, auto sched) {
+    using C = decltype(cfg);
     using T = decltype(zero);
     constexpr Sched kS = decltype(sched)::value;
-    using C = std::conditional_t<is_pingpong(kS), PingPong, Wide>;
-    if (row_token != nullptr)
-      launch_rows<C, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
-                                              features, in, stride);
-    else
-      launch_rows<C, T, true, true, false, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
-                                               features, in, stride);
-  };
-  auto typed = [&](auto zero) {
-    if (m == Mode::multicast)
-      launch(zero, SchedTag<Sched::multicast>{});
-    else if (m == Mode::pingpong_multicast)
-      launch(zero, SchedTag<Sched::pingpong_multicast>{});
-    else if (m == Mode::pingpong || m == Mode::pingpong_rows)
-      launch(zero, SchedTag<Sched::pingpong>{});
-    else
-      launch(zero, SchedTag<Sched::cooperative>{});
-  };
-  if (t == DType::f16)
-    typed(__half{});
-  else
-    typed(__nv_bfloat16{});
+    if constexpr (!std::is_same_v<C, Narrow>) {  // (narrow: declined above)
+      if (row_token != nullptr)
+        launch_rows<C, T, true, true, true, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                                features, in, stride);
+      else
+        launch_rows<C, T, true, true, false, kS>(ctx, t, out, a, w1, w3, offsets, experts, rows,
+                                                 features, in, stride);
+    }
+  });
   return true;
 }
 
