@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -25,6 +26,22 @@ inline Device gpu0() {
 }
 inline Ctx gpu_ctx() {
   return make_ctx(gpu0());
+}
+
+// The sm_90 grouped GEMM's setting for a test: MOE_GROUPED_SM90 (grouped_wgmma_sm90.cu's mode()),
+// and "<mode>-deferred" the same with the cooperative rows kernels' deferred epilogue
+// (MOE_GROUPED_DEFER=1). clear_grouped_sm90 puts both back to their defaults.
+inline void set_grouped_sm90(const std::string& setting) {
+  const std::string suffix = "-deferred";
+  const bool deferred = setting.size() > suffix.size() &&
+                        setting.compare(setting.size() - suffix.size(), suffix.size(), suffix) == 0;
+  const std::string mode = deferred ? setting.substr(0, setting.size() - suffix.size()) : setting;
+  setenv("MOE_GROUPED_SM90", mode.c_str(), 1);
+  setenv("MOE_GROUPED_DEFER", deferred ? "1" : "0", 1);
+}
+inline void clear_grouped_sm90() {
+  unsetenv("MOE_GROUPED_SM90");
+  unsetenv("MOE_GROUPED_DEFER");
 }
 
 // Host-side conversions for the 16-bit storage types (round to nearest even).

@@ -912,18 +912,19 @@ struct GroupedCase {
 // with 256- / 128-column tiles; where they decline, the sm_80+ ones), "sm90-pingpong" (the
 // ping-pong kernels: 128 x 128 tiles alternating between the math warpgroups), "sm90-multicast"
 // (the rows kernels in clusters of two blocks sharing B by TMA multicast), "sm90-pp-multicast"
-// (ping-pong rows kernels in such pairs) or "sm80-k32" / "sm80-k64" (the sm_80+ kernels with
-// 32- / 64-wide k-slices).
+// (ping-pong rows kernels in such pairs), "sm90-deferred" / "sm90-n128-deferred" (the
+// cooperative kernels with the rows kernels' deferred epilogue) or "sm80-k32" / "sm80-k64" (the
+// sm_80+ kernels with 32- / 64-wide k-slices).
 void select_grouped_kernel(const std::string& kernel) {
   const bool sm90 = kernel.rfind("sm90", 0) == 0;
-  setenv("MOE_GROUPED_SM90",
-         !sm90                           ? "0"
-         : kernel == "sm90-n128"         ? "128"
-         : kernel == "sm90-pingpong"     ? "pingpong"
-         : kernel == "sm90-multicast"    ? "multicast"
-         : kernel == "sm90-pp-multicast" ? "pingpong-multicast"
-                                         : "256",
-         1);
+  set_grouped_sm90(!sm90                            ? "0"
+                   : kernel == "sm90-n128"          ? "128"
+                   : kernel == "sm90-pingpong"      ? "pingpong"
+                   : kernel == "sm90-multicast"     ? "multicast"
+                   : kernel == "sm90-pp-multicast"  ? "pingpong-multicast"
+                   : kernel == "sm90-deferred"      ? "256-deferred"
+                   : kernel == "sm90-n128-deferred" ? "128-deferred"
+                                                    : "256");
   setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
 }
 // An empty expert in the middle and one taking most rows; empty first and last experts with a
@@ -984,7 +985,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
   // off, both of the sm_80+ kernels (grouped_mma_sm80.cu: 32- and 64-wide k-slices).
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong", "sm90-multicast",
-               "sm90-pp-multicast", "sm80-k32", "sm80-k64");
+               "sm90-pp-multicast", "sm90-deferred", "sm90-n128-deferred", "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1046,7 +1047,7 @@ TEST_CASE("gpu grouped_linear: forward and backward per expert, offsets on the d
     }
   }
   unsetenv("MOE_GROUPED_TILE_K");
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // The gate and up projections' backward together: dx = dy1 w1 + dy3 w3 (on sm_90 one product
@@ -1059,7 +1060,7 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
   const std::vector<GroupedCase> cases = grouped_cases(false);
   const std::string kernel =
       GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong", "sm90-multicast",
-               "sm90-pp-multicast", "sm80-k32", "sm80-k64");
+               "sm90-pp-multicast", "sm90-deferred", "sm90-n128-deferred", "sm80-k32", "sm80-k64");
   select_grouped_kernel(kernel);
   int case_index = 0;
   for (const GroupedCase& gc : cases) {
@@ -1145,7 +1146,7 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
     }
   }
   unsetenv("MOE_GROUPED_TILE_K");
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // A hot expert: the sm_90 dw kernel cuts an expert's rows into chunks of twice the mean rows per
@@ -1156,9 +1157,9 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
 // one warpgroup's 64 rows; elsewhere the sm_80 kernels run the same checks).
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred");
+  set_grouped_sm90(kernel);
   INFO("tiles " << kernel);
   const DType dt = DType::bf16, acc = DType::f32;
   // out: two whole 128-row tiles of dw and a half one (its second warpgroup skips)
@@ -1200,7 +1201,7 @@ TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed ord
     INFO("overwrite run " << run);
     CHECK(download(gdw_o) == from_zero);
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // The MoE layer's row -> token map for the gathered ops: r rows over n tokens, at random (tokens
@@ -1230,9 +1231,9 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   // The fused sm_90 kernel (256-column tiles; "pingpong": 64 features a tile, the gate and up
   // columns of a piece going to two tensors; "multicast": in block pairs; with 128-column tiles
   // the op runs the three ops itself) against the three ops.
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred");
+  set_grouped_sm90(kernel);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, f = gc.out;
@@ -1273,7 +1274,7 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
       check_close("grouped_swiglu_forward h" + tag, dt, download(h), hh_gpu.v, pointwise_tol(dt));
     }
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // The gather of A's rows fused into the sm_90 kernel (its producer's cp.async copies; 256-column
@@ -1283,9 +1284,9 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
           "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred", "0");
+  set_grouped_sm90(kernel);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
     const int64_t r = gc.rows, in = gc.in, f = gc.out, n = r / 3 + 1;
@@ -1322,7 +1323,7 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
                   sum_tol(dt, in));
     }
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // The gather of x's rows fused into the sm_90 dw kernel (256- and 128-column tiles, ping-pong) and
@@ -1330,9 +1331,9 @@ TEST_CASE("gpu grouped_swiglu_forward_gathered: the permute and the fused forwar
 // grouped_linear_backward, dw added to and overwritten, chunked hot experts included.
 TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's bits", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred", "0");
+  set_grouped_sm90(kernel);
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
@@ -1370,7 +1371,7 @@ TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's 
       }
     }
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // dh lives in dgate and the SwiGLU backward runs in place: the same bits as the two ops into
@@ -1378,9 +1379,9 @@ TEST_CASE("gpu grouped_linear_backward_gathered: the permute and the backward's 
 TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::vector<GroupedCase> cases = swiglu_cases();  // (d: the down projection's output)
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred", "0");
+  set_grouped_sm90(kernel);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();
     const int64_t r = gc.rows, d = gc.in, f = gc.out;
@@ -1431,7 +1432,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
                      row_abs_dots(dh_host, hgate, hup, r, f), dt == DType::f64 ? 1e-13 : 1e-5);
     }
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 // dy's rows gathered into the sm_90 dh and dw kernels' loads (256- and 128-column tiles,
@@ -1441,9 +1442,9 @@ TEST_CASE("gpu grouped_swiglu_down_backward: the two ops' bits, dh in place", "[
 TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backward's bits",
           "[gpu]") {
   Ctx gpu = gpu_ctx();
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred", "0");
+  set_grouped_sm90(kernel);
   // (in: d, the down projection's output)
   const std::vector<GroupedCase> cases = swiglu_cases(true);
   for (const GroupedCase& gc : cases) {
@@ -1482,7 +1483,7 @@ TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backwa
       }
     }
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {

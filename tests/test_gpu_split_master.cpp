@@ -166,9 +166,9 @@ TEST_CASE("gpu adamw_step_split: a non-finite norm leaves everything; decode is 
 // CPU update.
 TEST_CASE("gpu grouped_linear_forward_adamw: the bits of the product and the update in turn",
           "[gpu][optim]") {
-  const std::string kernel =
-      GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast", "pingpong-multicast", "0");
-  setenv("MOE_GROUPED_SM90", kernel.c_str(), 1);
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
+                                      "pingpong-multicast", "256-deferred", "0");
+  set_grouped_sm90(kernel);
   const int64_t e = 5, in = 192, out = 320;
   const std::vector<int32_t> offsets = {0, 300, 300, 517, 900, 1031};
   const int64_t r = offsets.back();
@@ -228,7 +228,7 @@ TEST_CASE("gpu grouped_linear_forward_adamw: the bits of the product and the upd
     // worst element 1.2e-6 off by rtol 1e-6 alone)
     CHECK(worst_ratio(std::vector<double>(gpu_p.begin(), gpu_p.end()), cpu_p, 1e-6, 1e-6) <= 1);
   }
-  unsetenv("MOE_GROUPED_SM90");
+  clear_grouped_sm90();
 }
 
 TEST_CASE("gpu grouped_linear_forward_adamw: a slab overlapping the product throws",

@@ -186,14 +186,30 @@ __device__ __forceinline__ void free_stage(const TmaRing<C>& ring, int64_t it,
   if constexpr (kPeer) mbar_arrive_remote(peer_empty0 + 8 * static_cast<uint32_t>(it % C::kStages));
 }
 
+// The deferred epilogue's held stage (ring slice it; none if it < 0): the warpgroup's thread 0,
+// which issued the TMA stores that read it, waits until they have and frees it (its warp's
+// arrival, the one the math loop held back).
+template <class C>
+__device__ __forceinline__ void release_held(const TmaRing<C>& ring, int64_t it) {
+  if (it >= 0 && threadIdx.x % 128 == 0) {
+    tma_store_wait_read();
+    mbar_arrive(ring.empty(it));
+  }
+}
+
 // Math warpgroup `g` (0 or 1: rows 64g..64g+63 of the tile): acc = the sum over `slices`
 // k-slices of ring slices it0, it0 + 1, ... . `before(t, stage)` runs after slice t has landed
 // and before its wgmma (the dw kernel masks the rows past the expert there).
 // kPeer, peer_empty0: as free_stage's.
+// Deferred epilogues (store_tile_deferred): with hold_last, the warpgroup's thread 0 does not
+// free the last slice's stage (the epilogue stages the tile there); release_it >= 0: the stage
+// of ring slice release_it, held by the previous tile's epilogue, which thread 0 frees once its
+// TMA stores have read it, right after this tile's first wgmma are issued (release_held).
 template <class C, class T, bool kAKFast, bool kBKFast, bool kPeer = false, class Before>
 __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRing<C>& ring,
                                               int64_t it0, int slices, int g, Before&& before,
-                                              uint32_t peer_empty0 = 0) {
+                                              uint32_t peer_empty0 = 0, bool hold_last = false,
+                                              int64_t release_it = -1) {
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const bool signals = (threadIdx.x % 32) == 0;
@@ -208,13 +224,15 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
       wgmma_step<T, C::kBN, kAKFast ? 0 : 1, kBKFast ? 0 : 1>(
           acc, step_desc<kAKFast>(stage, g * 64, s), step_desc<kBKFast>(stage + C::kABytes, 0, s));
     wgmma_commit();
+    if (t == 0) release_held(ring, release_it);
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc);
     if (t > 0 && signals) free_stage<kPeer>(ring, it - 1, peer_empty0);
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
-  if (slices > 0 && signals) free_stage<kPeer>(ring, it0 + slices - 1, peer_empty0);
+  const bool holds = hold_last && threadIdx.x % 128 == 0;
+  if (slices > 0 && signals && !holds) free_stage<kPeer>(ring, it0 + slices - 1, peer_empty0);
 }
 
 // The ping-pong main loop of math warpgroup g's k-th tile: acc[h] = rows 64h..64h+63 of the
@@ -341,11 +359,13 @@ struct SecondBox {
   int64_t n0 = 0;
 };
 
+// wait (the deferred epilogue): the thread's TMA store groups that may still be reading, at
+// most, before the piece is written (-1: none waited for; the staging is known free).
 template <class T, bool kScaled = false, int kBoxes = 2, class Pair>
 __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, const CUtensorMap* map,
                                             int64_t r0, int64_t r1, int64_t n0, int64_t n_total,
-                                            Pair&& pair, uint32_t scale = 0,
-                                            SecondBox<T> box1 = {}) {
+                                            Pair&& pair, uint32_t scale = 0, SecondBox<T> box1 = {},
+                                            int wait = 0) {
   static_assert(kBoxes == 1 || kBoxes == 2, "a piece is one or two 64-column boxes");
   constexpr int kChunks = 8 * kBoxes;  // 8-column chunks of a row
   const bool apart = box1.dst != nullptr;
@@ -358,7 +378,8 @@ __device__ __forceinline__ void store_piece(int g, uint32_t staging, T* dst, con
   auto slot = [&](int r, int c) {
     return staging + (c / 8) * kStagingBoxBytes + r * 128 + (((c % 8) ^ (r & 7)) << 4);
   };
-  if (t == 0) tma_store_wait_read();           // the previous piece's stores read the staging
+  if (t == 0 && wait == 0) tma_store_wait_read();  // the previous piece's stores read the staging
+  if (t == 0 && wait == 1) tma_store_wait_read<1>();
   if constexpr (kScaled) cp_async_wait_all();  // this thread's scales; the barrier: everyone's
   named_barrier_sync(1 + g, 128);              // every thread is done reading the previous piece
   float w[2] = {1.0f, 1.0f};                   // the scales of the thread's two rows
@@ -484,6 +505,38 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
       store_piece(g, staging, c, map_c, r0, r1, n0 + 128 * h, n_total, acc_pairs<T>(acc, 16 * h));
+  }
+}
+
+// store_tile's deferred form: the pieces go to distinct 16 KiB parts of the staging, so the math
+// warpgroup goes on to its next tile as soon as it has written them and handed them to TMA
+// stores, which read them while the next tile's main loop runs. Warpgroup 0 stages the tile in
+// the stage of its last slice (48 KiB: room for the SwiGLU tile's three pieces; the math loop
+// held it, hold_last, and the next tile's first wgmma free it, release_held), warpgroup 1 in the
+// kernel's 32 KiB staging (`staging`, both warpgroups' halves under store_tile), waiting for its
+// previous tile's stores before the first piece and, for the SwiGLU tile's third piece (h, into
+// the first part again), for the first piece's. Measured against store_tile in docs/perf.md
+// (31st session).
+template <class C, class T, bool kSwiglu>
+__device__ __forceinline__ void store_tile_deferred(
+    const float (&acc)[C::kAcc], int g, uint32_t staging, T* c, T* c_up, T* c_h,
+    const CUtensorMap* map_c, const CUtensorMap* map_up, const CUtensorMap* map_h,
+    const float* row_w, uint32_t row_scales, int64_t r0, int64_t r1, int64_t n0, int64_t n_total) {
+  constexpr uint32_t kPart = 2 * kStagingBoxBytes;
+  const bool own = g == 0;  // warpgroup 0: a stage of its own, nothing to wait for
+  if constexpr (kSwiglu) {
+    fetch_row_scales(g, row_scales, row_w, r0, r1, 64);
+    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, acc_pairs<T>(acc, 0), 0, {},
+                own ? -1 : 0);
+    store_piece(g, staging + kPart, c_up, map_up, r0, r1, n0, n_total, acc_pairs<T>(acc, 16), 0, {},
+                -1);
+    store_piece<T, true>(g, staging + (own ? 2 * kPart : 0), c_h, map_h, r0, r1, n0, n_total,
+                         swiglu_pairs<T>(acc, 16), row_scales, {}, own ? -1 : 1);
+  } else {
+#pragma unroll
+    for (int h = 0; h < C::kBN / 128; ++h)
+      store_piece(g, staging + h * kPart, c, map_c, r0, r1, n0 + 128 * h, n_total,
+                  acc_pairs<T>(acc, 16 * h), 0, {}, own || h > 0 ? -1 : 0);
   }
 }
 

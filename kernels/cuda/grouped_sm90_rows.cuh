@@ -22,6 +22,10 @@ constexpr int kRowsProducerRegs = kSwiglu      ? (kMulticast ? 56 : 40)
                                                : 64;
 template <bool kSwiglu, bool kMulticast = false>
 constexpr int kRowsMathRegs = kSwiglu ? (kMulticast ? 224 : 232) : 216;
+// The deferred epilogue's meeting of the two math warpgroups after each tile's main loop (ids 1
+// and 2: each warpgroup's own).
+constexpr int kDeferBarrier = 3;
+
 template <bool kSwiglu, bool kMulticast>
 constexpr bool kRowsRegsFit =
     kRowsProducerRegs<kSwiglu, kMulticast> + 2 * kRowsMathRegs<kSwiglu, kMulticast> <= 3 * 168;
@@ -43,9 +47,10 @@ static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
 // them by cp.async (gathered_row, copy_warp_lines).
 // kSched: pingpong (C = PingPong): the tile's 128 rows on one math warpgroup, the warpgroups
 // alternating (pingpong_wait_turn); multicast: launched in clusters of two
-// blocks, which share each B slice (sched_row_tile, load_b).
+// blocks, which share each B slice (sched_row_tile, load_b). kDefer (cooperative only): the
+// deferred epilogue (store_tile_deferred; MOE_GROUPED_DEFER).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
-          Sched kSched = Sched::cooperative>
+          Sched kSched = Sched::cooperative, bool kDefer = false>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const __grid_constant__ CUtensorMap map_a, const __grid_constant__ CUtensorMap map_b,
     const __grid_constant__ CUtensorMap map_b2, const __grid_constant__ CUtensorMap map_a2,
@@ -230,7 +235,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     } else {
       claim_registers<kRowsMathRegs<kSwiglu, kMulticast>>();
       const int g = wg - 1;
-      const uint32_t staging = ring.base + C::kStages * C::kStageBytes + g * kStagingBytes / 2;
+      const uint32_t staging_all = ring.base + C::kStages * C::kStageBytes;
+      const uint32_t staging = staging_all + g * kStagingBytes / 2;
       // kSwiglu: each math warpgroup's 64 routing weights, after the staging, in the 1 KiB kept
       // for aligning the ring (unused: the dynamic shared memory starts 1024-aligned, as its
       // declaration asks; the block is at the 227 KiB limit, and static shared memory for them
@@ -239,6 +245,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       if (kSwiglu && ring.base - shared_addr(smem) > 1024 - 2 * 64 * 4) __trap();  // never
       // (kMulticast: the peer's empty[0], on which this block's math warps free stages too)
       const uint32_t peer_empty0 = kMulticast ? cluster_peer_address(ring.empty0, rank ^ 1u) : 0;
+      // kDefer: store_tile_deferred (cooperative kernels only: a multicast stage is the peer's
+      // too); warpgroup 0's held stage, if any (held: its ring slice).
+      static_assert(!kDefer || kSched == Sched::cooperative, "the deferred epilogue's schedule");
+      const bool hold = kDefer && g == 0 && slices > 0;
+      int64_t held = -1;
       for (int64_t tile = first(); tile < tiles; tile += step(), it += slices) {
         int e = 0;
         int64_t r0 = 0, r1 = 0;
@@ -250,7 +261,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
         // then has the SM's tensor cores to itself: the stages are still waited for and freed.
         const bool real = r0 + 64 * g < r1;
         if (!real) {
+          release_held(ring, held);
+          held = -1;
           skip_slices<C, kMulticast>(ring, it, slices, peer_empty0);
+          if constexpr (kDefer) named_barrier_sync(kDeferBarrier, 256);
           continue;
         }
         float acc[C::kAcc];
@@ -261,10 +275,30 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
             [](int, uint32_t) {
               if constexpr (kGather) fence_proxy_async_smem();
             },
-            peer_empty0);
-        store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
-                                  row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
+            peer_empty0, hold, held);
+        if constexpr (kDefer) {
+          // Warpgroup 1's wgmma may still read the last stage, where warpgroup 0 stages: both
+          // meet first (every tile: warpgroup 1 skips none of them without meeting).
+          named_barrier_sync(kDeferBarrier, 256);
+          const int64_t last = it + slices - 1;
+          store_tile_deferred<C, T, kSwiglu>(acc, g, hold ? ring.stage(last) : staging_all, c, c_up,
+                                             c_h, &map_c, &map_up, &map_h, row_w,
+                                             row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
+          held = hold ? last : -1;
+          // A tile cut at its expert's end in this half was stored from the staging by the
+          // warps themselves (store_piece): the stage is free once all of them have read it.
+          if (hold && r0 + 64 * g + 64 > r1) {
+            fence_proxy_async_smem();  // (the reads before the TMA loads that refill it)
+            named_barrier_sync(1 + g, 128);
+            release_held(ring, held);
+            held = -1;
+          }
+        } else {
+          store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
+                                    row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
+        }
       }
+      release_held(ring, held);
       if (threadIdx.x % 128 == 0) {
         tma_store_wait_all();  // its TMA stores have landed
         atomicAdd(&math_done, 1);

@@ -117,14 +117,31 @@ struct PairLaunch {
   PairLaunch& operator=(const PairLaunch&) = delete;
 };
 
+// The cooperative rows kernels' deferred epilogue (store_tile_deferred) with MOE_GROUPED_DEFER=1
+// (read at every launch, as MOE_GROUPED_SM90, so one process can time and test both). Off by
+// default until measured on a GPU (docs/perf.md, 31st session).
+bool deferred_epilogue() {
+  const char* v = std::getenv("MOE_GROUPED_DEFER");
+  return v != nullptr && std::string(v) == "1";
+}
+
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise. kSched: the kernel's schedule (pingpong: C =
 // PingPong).
+// kDefer: the deferred epilogue's kernel (MOE_GROUPED_DEFER=1 takes it where it exists: the
+// cooperative kernels but the gathering SwiGLU one, whose math warpgroups spilled 112 bytes).
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
-          Sched kSched = Sched::cooperative>
+          Sched kSched = Sched::cooperative, bool kDefer = false>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
-  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kSched>;
+  if constexpr (kSched == Sched::cooperative && !kDefer && !(kSwiglu && kGather)) {
+    if (deferred_epilogue()) {
+      launch_rows<C, T, kBKFast, kSwiglu, kGather, kSched, true>(
+          ctx, t, out, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride, rider);
+      return;
+    }
+  }
+  auto kernel = grouped_tma_rows_kernel<C, T, kBKFast, kSwiglu, kGather, kSched, kDefer>;
   constexpr bool kMulticast = is_multicast(kSched);
   // kMulticast: the launch in clusters of two blocks, as many pairs as the device holds at once
   // (one block an SM; a GPC's odd SM holds none).

@@ -194,9 +194,11 @@ __device__ __forceinline__ void tma_store_commit() {
 }
 // Waits until this thread's committed TMA stores have read their shared memory (it may be
 // written again) / have written global memory.
+// kPending: all but this thread's kPending most recent groups.
+template <int kPending = 0>
 __device__ __forceinline__ void tma_store_wait_read() {
 #if MOE_HAS_WGMMA
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 #endif
 }
 __device__ __forceinline__ void tma_store_wait_all() {

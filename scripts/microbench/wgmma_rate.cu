@@ -10,14 +10,25 @@
 //   pp128: two m64n128k16 a k16 step (rows 0-63 and 64-127, one B): ping-pong's 128 x 128
 //   w256: one m64n256k16 a k16 step: the cooperative kernel's 64 x 256 a warpgroup
 //   n128: one m64n128k16 a k16 step: 64 x 128 a warpgroup
-// each with 1 or 2 math warpgroups in the block. Not part of the build; on an sm_90 machine:
+// each with 1 or 2 math warpgroups in the block. Then the same shapes fed as the rows kernels feed
+// them ("fed" rows): a producer warp bulk-copies each slice's stage (L2-resident) into a ring of
+// shared stages under full / empty barriers while the math warpgroups read from the ring, so the
+// shared-memory writes compete with wgmma's operand reads (the 30th session's second hypothesis:
+// 128 x 128 ping-pong slices write 64 bytes a tensor cycle beside 96 read, past 128 a cycle).
+//   coop256: 2 warpgroups, 128 x 256 a slice (A 16 KiB + B 32 KiB), 4 stages: the default kernel
+//   pp128: 1 warpgroup, 128 x 128 a slice (16 + 16 KiB), 6 stages: ping-pong's main loop, the
+//          epilogue perfectly hidden
+//   pp64x256: 1 warpgroup, 64 x 256 a slice (8 + 32 KiB), 4 stages: the proposed ping-pong form
+// Not part of the build; on an sm_90 machine:
 //   nvcc -std=c++17 -O3 -arch=sm_90a -Ikernels scripts/microbench/wgmma_rate.cu -o /tmp/wgmma_rate
 //   /tmp/wgmma_rate [slices = 20000]
 #include <cuda_bf16.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <vector>
 
+#include "cuda/tma_sm90.cuh"
 #include "cuda/wgmma_sm90.cuh"
 
 using namespace moe::cuda_detail;
@@ -82,6 +93,106 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(int slices, float* sink) {
   if (sum == 12345.678f) sink[threadIdx.x] = sum;  // (keeps the products)
 }
 
+// One bulk copy of `bytes` (a multiple of 16) from global `src` into shared `dst`, completing its
+// bytes on barrier `bar`.
+__device__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// The fed form: warps 0 .. 4 kWg - 1 compute, warp 4 kWg (one thread) loads. A stage holds A's
+// kRows rows then B's kCols rows of 64 bf16 (128-byte swizzle; the data's layout does not matter
+// to the rate). Each math warp's lane 0 releases a stage once its slice's group has retired.
+template <int kWg, int kRows, int kCols, int kStages>
+__global__ void __launch_bounds__(128 * kWg + 32, 1)
+    fed_kernel(int slices, const unsigned char* src, int src_stages, float* sink) {
+  constexpr uint32_t kA = kRows * 128, kStage = kA + kCols * 128;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = (static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + 1023) & ~1023u;
+  const uint32_t bars = base + kStages * kStage;  // full[s] then empty[s]
+  auto full = [&](int s) { return bars + 8 * s; };
+  auto empty = [&](int s) { return bars + 8 * (kStages + s); };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), 4 * kWg);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  if (warp == 4 * kWg) {
+    if (threadIdx.x % 32 == 0) {
+      for (int t = 0; t < slices; ++t) {
+        const int s = t % kStages;
+        mbar_wait(empty(s), ((t / kStages) & 1) ^ 1);
+        mbar_arrive_expect_tx(full(s), kStage);
+        bulk_load(base + s * kStage, src + size_t((t + blockIdx.x) % src_stages) * kStage, kStage,
+                  full(s));
+      }
+    }
+    return;
+  }
+  const int g = threadIdx.x / 128;  // rows 64 g on when two warpgroups share a slice
+  float acc[kRows / 64 / kWg][kCols / 2] = {};
+  for (int t = 0; t < slices; ++t) {
+    const int s = t % kStages;
+    mbar_wait(full(s), (t / kStages) & 1);
+    const uint32_t a = base + s * kStage, b = a + kA;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+#pragma unroll
+      for (int m = 0; m < kRows / 64 / kWg; ++m) {
+        const int row0 = 64 * (m + g * (kRows / 64 / kWg));
+        if constexpr (kCols == 256)
+          wgmma_m64n256<__nv_bfloat16, 0, 0>(acc[m], desc(a, row0, k), desc(b, 0, k));
+        else
+          wgmma_m64n128<__nv_bfloat16, 0, 0>(acc[m], desc(a, row0, k), desc(b, 0, k));
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+#pragma unroll
+    for (int m = 0; m < kRows / 64 / kWg; ++m) fence_accumulators(acc[m]);
+    if (t > 0 && threadIdx.x % 32 == 0) mbar_arrive(empty((t - 1) % kStages));
+  }
+  wgmma_wait<0>();
+  float sum = 0.0f;
+#pragma unroll
+  for (int m = 0; m < kRows / 64 / kWg; ++m) {
+    fence_accumulators(acc[m]);
+    for (int i = 0; i < kCols / 2; ++i) sum += acc[m][i];
+  }
+  if (sum == 12345.678f) sink[threadIdx.x] = sum;  // (keeps the products)
+}
+
+template <int kWg, int kRows, int kCols, int kStages>
+void run_fed(const char* name, int slices, int sms, const unsigned char* src, int src_stages,
+             float* sink) {
+  auto kernel = fed_kernel<kWg, kRows, kCols, kStages>;
+  const int smem = kStages * (kRows + kCols) * 128 + 2 * kStages * 8 + 1024;
+  CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<sms, 128 * kWg + 32, smem>>>(slices / 10, src, src_stages, sink);  // warm-up
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  kernel<<<sms, 128 * kWg + 32, smem>>>(slices, src, src_stages, sink);
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  const double flops = 2.0 * kRows * kCols * 64.0 * slices * sms;
+  printf("fed %-9s %d warpgroup(s) %d stages  %8.3f ms  %7.1f TFLOP/s  %6.0f GB/s loaded\n", name,
+         kWg, kStages, ms, flops / (ms * 1e-3) / 1e12,
+         double(kRows + kCols) * 128 * slices * sms / (ms * 1e-3) / 1e9);
+}
+
 // Multiply-adds a k16 step of one warpgroup.
 constexpr double step_macs(Shape s) {
   return s == pp128 ? 2.0 * 64 * 128 * 16 : s == w256 ? 64.0 * 256 * 16 : 64.0 * 128 * 16;
@@ -118,6 +229,22 @@ int main(int argc, char** argv) {
     run<pp128>("pp128", w, slices, sms, sink);
     run<w256>("w256", w, slices, sms, sink);
     run<n128>("n128", w, slices, sms, sink);
+  }
+  // The stages' source: 16 stages of small bf16 values (~768 KiB, L2-resident), block b starting
+  // at stage b so that the blocks do not read one line at once.
+  constexpr int kSrcStages = 16, kSrcBytes = kSrcStages * 48 * 1024;
+  unsigned char* src = nullptr;
+  CK(cudaMalloc(&src, kSrcBytes));
+  {
+    std::vector<__nv_bfloat16> h(kSrcBytes / 2);
+    for (size_t i = 0; i < h.size(); ++i) h[i] = __float2bfloat16(((i * 37) % 17 - 8) * 0.01f);
+    CK(cudaMemcpy(src, h.data(), kSrcBytes, cudaMemcpyHostToDevice));
+  }
+  for (int rep = 0; rep < 2; ++rep) {
+    run_fed<2, 128, 256, 4>("coop256", slices, sms, src, kSrcStages, sink);
+    run_fed<1, 128, 128, 6>("pp128", slices, sms, src, kSrcStages * 48 / 32, sink);
+    run_fed<1, 64, 256, 4>("pp64x256", slices, sms, src, kSrcStages * 48 / 40, sink);
+    run_fed<2, 128, 128, 6>("coop128", slices, sms, src, kSrcStages * 48 / 32, sink);
   }
   return 0;
 }
