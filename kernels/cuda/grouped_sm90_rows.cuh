@@ -246,9 +246,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       // (kMulticast: the peer's empty[0], on which this block's math warps free stages too)
       const uint32_t peer_empty0 = kMulticast ? cluster_peer_address(ring.empty0, rank ^ 1u) : 0;
       // kDefer: store_tile_deferred (cooperative kernels only: a multicast stage is the peer's
-      // too); warpgroup 0's held stage, if any (held: its ring slice).
+      // too; launched with k_total > 0, so a tile has a last slice whose stage warpgroup 0
+      // holds); warpgroup 0's held stage, if any (held: its ring slice).
       static_assert(!kDefer || kSched == Sched::cooperative, "the deferred epilogue's schedule");
-      const bool hold = kDefer && g == 0 && slices > 0;
+      const bool hold = kDefer && g == 0;
       int64_t held = -1;
       for (int64_t tile = first(); tile < tiles; tile += step(), it += slices) {
         int e = 0;

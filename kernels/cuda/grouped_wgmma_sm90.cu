@@ -135,7 +135,7 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
   if constexpr (kSched == Sched::cooperative && !kDefer && !(kSwiglu && kGather)) {
-    if (deferred_epilogue()) {
+    if (deferred_epilogue() && k_total > 0) {  // (warpgroup 0 stages in its last slice's stage)
       launch_rows<C, T, kBKFast, kSwiglu, kGather, kSched, true>(
           ctx, t, out, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride, rider);
       return;

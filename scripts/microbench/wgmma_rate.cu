@@ -20,7 +20,8 @@
 //          epilogue perfectly hidden
 //   pp64x256: 1 warpgroup, 64 x 256 a slice (8 + 32 KiB), 4 stages: the proposed ping-pong form
 // Not part of the build; on an sm_90 machine:
-//   nvcc -std=c++17 -O3 -arch=sm_90a -Ikernels scripts/microbench/wgmma_rate.cu -o /tmp/wgmma_rate
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Ikernels -Iinclude -Isrc scripts/microbench/wgmma_rate.cu
+//     -o /tmp/wgmma_rate
 //   /tmp/wgmma_rate [slices = 20000]
 #include <cuda_bf16.h>
 

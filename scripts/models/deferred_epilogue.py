@@ -31,7 +31,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
-from mbarrier_model import Failure, MBar, check, run_processes  # noqa: E402
+from mbarrier_model import (Failure, MBar, check, run_processes,  # noqa: E402
+                            wait_for_slice)
 
 
 def run(rng, stages, slices, tile_rows, swiglu, wait_held):
@@ -125,10 +126,7 @@ def run(rng, stages, slices, tile_rows, swiglu, wait_held):
             for t in range(slices):
                 it = base + t
                 s = it % stages
-                yield lambda s=s, p=parity(it): full[s].parity_done(p)
-                if content[s] != it:
-                    raise Failure(f"warpgroup {g} waited for slice {it} in stage {s} and read "
-                                  f"slice {content[s]}")
+                yield from wait_for_slice(full, content, stages, it, f"warpgroup {g}")
                 reading[s].add((g, it))  # its wgmma issued
                 if t == 0:
                     yield from release()

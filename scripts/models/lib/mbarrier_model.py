@@ -36,6 +36,16 @@ class Failure(Exception):
     pass
 
 
+def wait_for_slice(full, content, stages, it, who):
+    """A math warpgroup's wait for ring slice `it` (a generator step: yield from it): the parity
+    wait on its stage's full barrier, then the check that the stage holds that slice and not one
+    a parity wait confused with it (content: the slice each stage holds)."""
+    s = it % stages
+    yield lambda: full[s].parity_done((it // stages) & 1)
+    if content[s] != it:
+        raise Failure(f"{who} waited for slice {it} in stage {s} and read slice {content[s]}")
+
+
 def run_processes(rng, procs):
     """Runs the generators to the end, one step of a random ready one at a time. A process
     yields None (it can go on) or a predicate (it waits until it holds). Raises Failure on a
