@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A model of the cooperative rows kernel's deferred epilogue (grouped_sm90_rows.cuh with
-`defer`; store_tile_deferred, release_held and tma_math_loop's hold_last in
+`kDefer`; store_tile_deferred, release_held and tma_math_loop's hold_last in
 grouped_sm90_parts.cuh).
 
 The ring: kStages stages, each with a "full" mbarrier (the producer's arrive_expect_tx plus the
@@ -8,13 +8,15 @@ TMA bytes) and an "empty" one (8 arrivals: the 4 warps of each math warpgroup). 
 warpgroups compute every tile of the block (rows 0-63 and 64-127), slice by slice. Warpgroup 0
 stages its finished 64 x 256 piece of the tile in the stage of the tile's last slice: its warp 0
 holds back that stage's arrival (hold_last) and its thread 0 hands the staged pieces to TMA stores;
-at the next tile's first wgmma issue (or before a skipped tile, or at the end) the same thread
+after the next tile's first wgmma issue (or after the block's last tile) the same thread
 waits until its stores have read the stage and then arrives (release_held). A tile cut in
 warpgroup 0's half is stored by the warps themselves from the stage (no TMA stores), which is
 then released at once. Warpgroup 1 stages in the kernel's own 32 KiB (two 16 KiB parts): it waits
 for all its earlier stores before the first piece, and for all but the latest before the SwiGLU
 tile's third piece, which reuses the first part. A tile whose real rows end in warpgroup 0's half
-is skipped by warpgroup 1 (it waits for and frees the stages).
+is skipped by warpgroup 1 (it waits for and frees the stages); warpgroup 0 computes every tile
+(a tile has at least one real row, in its half first). Both warpgroups meet after each tile's
+main loop (a named barrier): warpgroup 1's wgmma may still read the last stage until then.
 
 The model runs the producer, the TMA loads (landing in any order), the TMA stores' reads of the
 staging (finishing in any order) and both math warpgroups under random interleavings and checks:
