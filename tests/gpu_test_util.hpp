@@ -29,15 +29,16 @@ inline Ctx gpu_ctx() {
 }
 
 // The sm_90 grouped GEMM's setting for a test: MOE_GROUPED_SM90 (grouped_wgmma_sm90.cu's mode()),
-// and "<mode>-deferred" the same with the cooperative rows kernels' deferred epilogue
-// (MOE_GROUPED_DEFER=1). clear_grouped_sm90 puts both back to their defaults.
+// and "<mode>-deferred" / "<mode>-deferredN" the same with the cooperative rows kernels' deferred
+// epilogue (MOE_GROUPED_DEFER=1 / N: its held stage freed after slice 0 / N - 1 of the next tile).
+// clear_grouped_sm90 puts both back to their defaults.
 inline void set_grouped_sm90(const std::string& setting) {
-  const std::string suffix = "-deferred";
-  const bool deferred = setting.size() > suffix.size() &&
-                        setting.compare(setting.size() - suffix.size(), suffix.size(), suffix) == 0;
-  const std::string mode = deferred ? setting.substr(0, setting.size() - suffix.size()) : setting;
+  const std::string tag = "-deferred";
+  const size_t at = setting.find(tag);
+  const std::string mode = setting.substr(0, at);
+  const std::string n = at == std::string::npos ? "0" : setting.substr(at + tag.size());
   setenv("MOE_GROUPED_SM90", mode.c_str(), 1);
-  setenv("MOE_GROUPED_DEFER", deferred ? "1" : "0", 1);
+  setenv("MOE_GROUPED_DEFER", n.empty() ? "1" : n.c_str(), 1);
 }
 inline void clear_grouped_sm90() {
   unsetenv("MOE_GROUPED_SM90");

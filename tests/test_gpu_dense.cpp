@@ -913,8 +913,9 @@ struct GroupedCase {
 // ping-pong kernels: 128 x 128 tiles alternating between the math warpgroups), "sm90-multicast"
 // (the rows kernels in clusters of two blocks sharing B by TMA multicast), "sm90-pp-multicast"
 // (ping-pong rows kernels in such pairs), "sm90-deferred" / "sm90-n128-deferred" (the
-// cooperative kernels with the rows kernels' deferred epilogue) or "sm80-k32" / "sm80-k64" (the
-// sm_80+ kernels with 32- / 64-wide k-slices).
+// cooperative kernels with the rows kernels' deferred epilogue, the held stage freed after the
+// next tile's first / third slice) or "sm80-k32" / "sm80-k64" (the sm_80+ kernels with 32- /
+// 64-wide k-slices).
 void select_grouped_kernel(const std::string& kernel) {
   const bool sm90 = kernel.rfind("sm90", 0) == 0;
   set_grouped_sm90(!sm90                            ? "0"
@@ -923,7 +924,7 @@ void select_grouped_kernel(const std::string& kernel) {
                    : kernel == "sm90-multicast"     ? "multicast"
                    : kernel == "sm90-pp-multicast"  ? "pingpong-multicast"
                    : kernel == "sm90-deferred"      ? "256-deferred"
-                   : kernel == "sm90-n128-deferred" ? "128-deferred"
+                   : kernel == "sm90-n128-deferred" ? "128-deferred3"
                                                     : "256");
   setenv("MOE_GROUPED_TILE_K", kernel == "sm80-k64" ? "64" : "32", 1);
 }
@@ -1158,7 +1159,7 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
-                                      "pingpong-multicast", "256-deferred");
+                                      "pingpong-multicast", "256-deferred", "256-deferred3");
   set_grouped_sm90(kernel);
   INFO("tiles " << kernel);
   const DType dt = DType::bf16, acc = DType::f32;
@@ -1232,7 +1233,7 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   // columns of a piece going to two tensors; "multicast": in block pairs; with 128-column tiles
   // the op runs the three ops itself) against the three ops.
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
-                                      "pingpong-multicast", "256-deferred");
+                                      "pingpong-multicast", "256-deferred", "256-deferred3");
   set_grouped_sm90(kernel);
   for (const GroupedCase& gc : cases) {
     const int64_t e = gc.experts();

@@ -204,12 +204,14 @@ __device__ __forceinline__ void release_held(const TmaRing<C>& ring, int64_t it)
 // Deferred epilogues (store_tile_deferred): with hold_last, the warpgroup's thread 0 does not
 // free the last slice's stage (the epilogue stages the tile there); release_it >= 0: the stage
 // of ring slice release_it, held by the previous tile's epilogue, which thread 0 frees once its
-// TMA stores have read it, right after this tile's first wgmma are issued (release_held).
+// TMA stores have read it (release_held), right after this tile's slice release_at is issued
+// (or after the loop, for a tile of fewer slices): later gives the stores longer to read it
+// before thread 0 waits for them, and the producer less time to refill it.
 template <class C, class T, bool kAKFast, bool kBKFast, bool kPeer = false, class Before>
 __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRing<C>& ring,
                                               int64_t it0, int slices, int g, Before&& before,
                                               uint32_t peer_empty0 = 0, bool hold_last = false,
-                                              int64_t release_it = -1) {
+                                              int64_t release_it = -1, int release_at = 0) {
 #pragma unroll
   for (int i = 0; i < C::kAcc; ++i) acc[i] = 0.0f;
   const bool signals = (threadIdx.x % 32) == 0;
@@ -224,13 +226,14 @@ __device__ __forceinline__ void tma_math_loop(float (&acc)[C::kAcc], const TmaRi
       wgmma_step<T, C::kBN, kAKFast ? 0 : 1, kBKFast ? 0 : 1>(
           acc, step_desc<kAKFast>(stage, g * 64, s), step_desc<kBKFast>(stage + C::kABytes, 0, s));
     wgmma_commit();
-    if (t == 0) release_held(ring, release_it);
+    if (t == release_at) release_held(ring, release_it);
     wgmma_wait<1>();  // slice t - 1's wgmma have retired: its stage is free
     fence_accumulators(acc);
     if (t > 0 && signals) free_stage<kPeer>(ring, it - 1, peer_empty0);
   }
   wgmma_wait<0>();
   fence_accumulators(acc);
+  if (slices <= release_at) release_held(ring, release_it);
   const bool holds = hold_last && threadIdx.x % 128 == 0;
   if (slices > 0 && signals && !holds) free_stage<kPeer>(ring, it0 + slices - 1, peer_empty0);
 }
@@ -512,7 +515,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
 // warpgroup goes on to its next tile as soon as it has written them and handed them to TMA
 // stores, which read them while the next tile's main loop runs. Warpgroup 0 stages the tile in
 // the stage of its last slice (48 KiB: room for the SwiGLU tile's three pieces; the math loop
-// held it, hold_last, and the next tile's first wgmma free it, release_held), warpgroup 1 in the
+// held it, hold_last, and the next tile's main loop frees it, release_held), warpgroup 1 in the
 // kernel's 32 KiB staging (`staging`, both warpgroups' halves under store_tile), waiting for its
 // previous tile's stores before the first piece and, for the SwiGLU tile's third piece (h, into
 // the first part again), for the first piece's. Measured against store_tile in docs/perf.md

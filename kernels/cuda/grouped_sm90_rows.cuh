@@ -48,7 +48,8 @@ static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
 // kSched: pingpong (C = PingPong): the tile's 128 rows on one math warpgroup, the warpgroups
 // alternating (pingpong_wait_turn); multicast: launched in clusters of two
 // blocks, which share each B slice (sched_row_tile, load_b). kDefer (cooperative only): the
-// deferred epilogue (store_tile_deferred; MOE_GROUPED_DEFER).
+// deferred epilogue (store_tile_deferred; MOE_GROUPED_DEFER), warpgroup 0's held stage freed
+// after the next tile's slice release_at is issued (tma_math_loop; unused without kDefer).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
           Sched kSched = Sched::cooperative, bool kDefer = false>
 __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
@@ -58,7 +59,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
     const __grid_constant__ CUtensorMap map_h, T* c, T* c_up, T* c_h, const float* row_w,
     const int32_t* offsets, int experts, int64_t rows, int64_t n_total, int64_t k_total,
     int n_tiles, int64_t tiles, const T* a_src, const int32_t* row_token, int64_t a_tokens,
-    const AdamRider rider, bool pair) {
+    const AdamRider rider, bool pair, int release_at) {
   constexpr bool kPingPong = is_pingpong(kSched), kMulticast = is_multicast(kSched);
   static_assert(!kSwiglu || (kBKFast && C::kBN == (kPingPong ? 128 : 256)),
                 "SwiGLU follows the forward product, gate and up 128 columns each (ping-pong: 64)");
@@ -249,6 +250,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       // too; launched with k_total > 0, so a tile has a last slice whose stage warpgroup 0
       // holds); warpgroup 0's held stage, if any (held: its ring slice).
       static_assert(!kDefer || kSched == Sched::cooperative, "the deferred epilogue's schedule");
+      // (release_at <= 2, the host's: the next tile's slices up to release_at must not need the
+      // held stage, whose slice + kStages comes after them)
+      static_assert(!kDefer || C::kStages >= 4, "the held stage's release");
       const bool hold = kDefer && g == 0;
       int64_t held = -1;
       for (int64_t tile = first(); tile < tiles; tile += step(), it += slices) {
@@ -276,7 +280,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
             [](int, uint32_t) {
               if constexpr (kGather) fence_proxy_async_smem();
             },
-            peer_empty0, hold, held);
+            peer_empty0, hold, held, release_at);
         if constexpr (kDefer) {
           // Warpgroup 1's wgmma may still read the last stage, where warpgroup 0 stages: both
           // meet first (every tile: warpgroup 1 skips none of them without meeting).

@@ -117,25 +117,29 @@ struct PairLaunch {
   PairLaunch& operator=(const PairLaunch&) = delete;
 };
 
-// The cooperative rows kernels' deferred epilogue (store_tile_deferred) with MOE_GROUPED_DEFER=1
-// (read at every launch, as MOE_GROUPED_SM90, so one process can time and test both). Off by
-// default until measured on a GPU (docs/perf.md, 31st session).
-bool deferred_epilogue() {
+// The cooperative rows kernels' deferred epilogue (store_tile_deferred) with MOE_GROUPED_DEFER=N,
+// N = 1, 2 or 3: warpgroup 0's held stage is freed after the next tile's slice N - 1 is issued
+// (tma_math_loop's release_at); 0 (none): off. Read at every launch, as MOE_GROUPED_SM90, so one
+// process can time and test every setting. Off by default until measured on a GPU
+// (docs/perf.md, 31st session).
+int deferred_release_at() {
   const char* v = std::getenv("MOE_GROUPED_DEFER");
-  return v != nullptr && std::string(v) == "1";
+  const std::string s = v != nullptr ? v : "";
+  return s == "1" ? 0 : s == "2" ? 1 : s == "3" ? 2 : -1;
 }
 
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise. kSched: the kernel's schedule (pingpong: C =
 // PingPong).
-// kDefer: the deferred epilogue's kernel (MOE_GROUPED_DEFER=1 takes it where it exists: the
+// kDefer: the deferred epilogue's kernel (MOE_GROUPED_DEFER takes it where it exists: the
 // cooperative kernels but the gathering SwiGLU one, whose math warpgroups spilled 112 bytes).
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
           Sched kSched = Sched::cooperative, bool kDefer = false>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
                  int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
+  const int release_at = deferred_release_at();
   if constexpr (kSched == Sched::cooperative && !kDefer && !(kSwiglu && kGather)) {
-    if (deferred_epilogue() && k_total > 0) {  // (warpgroup 0 stages in its last slice's stage)
+    if (release_at >= 0 && k_total > 0) {  // (warpgroup 0 stages in its last slice's stage)
       launch_rows<C, T, kBKFast, kSwiglu, kGather, kSched, true>(
           ctx, t, out, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride, rider);
       return;
@@ -197,13 +201,14 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
         &pairs.config, kernel, map_a, map_b, map_b2, map_a2, map_c, map_up, map_h,
         static_cast<T*>(out.c), static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets,
         experts, rows, n_total, k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token,
-        in.tokens, rider, pair));
+        in.tokens, rider, pair, release_at));
   } else {
     const unsigned grid = static_cast<unsigned>(std::min<int64_t>(tiles, device_sm_count()));
     kernel<<<grid, kTmaThreads, kRowsSmemBytes<C>, stream_of(ctx)>>>(
         map_a, map_b, map_b2, map_a2, map_c, map_up, map_h, static_cast<T*>(out.c),
         static_cast<T*>(out.up), static_cast<T*>(out.h), out.row_w, offsets, experts, rows, n_total,
-        k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair);
+        k_total, n_tiles, tiles, static_cast<const T*>(a), in.row_token, in.tokens, rider, pair,
+        release_at);
   }
   MOE_CUDA_LAUNCH_CHECK();
 }

@@ -8,8 +8,9 @@ TMA bytes) and an "empty" one (8 arrivals: the 4 warps of each math warpgroup). 
 warpgroups compute every tile of the block (rows 0-63 and 64-127), slice by slice. Warpgroup 0
 stages its finished 64 x 256 piece of the tile in the stage of the tile's last slice: its warp 0
 holds back that stage's arrival (hold_last) and its thread 0 hands the staged pieces to TMA stores;
-after the next tile's first wgmma issue (or after the block's last tile) the same thread
-waits until its stores have read the stage and then arrives (release_held). A tile cut in
+after it issues the next tile's slice release_at (0 up to kStages - 2; or after the block's last
+tile) the same thread waits until its stores have read the stage and then arrives
+(release_held). A tile cut in
 warpgroup 0's half is stored by the warps themselves from the stage (no TMA stores), which is
 then released at once. Warpgroup 1 stages in the kernel's own 32 KiB (two 16 KiB parts): it waits
 for all its earlier stores before the first piece, and for all but the latest before the SwiGLU
@@ -37,7 +38,7 @@ from mbarrier_model import (Failure, MBar, check, run_processes,  # noqa: E402
                             wait_for_slice)
 
 
-def run(rng, stages, slices, tile_rows, swiglu, wait_held):
+def run(rng, stages, slices, tile_rows, swiglu, wait_held, release_at=0):
     """One interleaving: the block's tiles have `slices` k-slices each and tile_rows[j] real rows
     (1..128). Raises Failure."""
     full = [MBar(1) for _ in range(stages)]
@@ -130,7 +131,7 @@ def run(rng, stages, slices, tile_rows, swiglu, wait_held):
                 s = it % stages
                 yield from wait_for_slice(full, content, stages, it, f"warpgroup {g}")
                 reading[s].add((g, it))  # its wgmma issued
-                if t == 0:
+                if t == release_at:
                     yield from release()
                 if prev is not None:  # wgmma_wait<1>: the previous slice's retired
                     reading[prev % stages].discard((g, prev))
@@ -139,6 +140,8 @@ def run(rng, stages, slices, tile_rows, swiglu, wait_held):
                 yield None
             last = base + slices - 1
             reading[last % stages].discard((g, last))  # wgmma_wait<0>
+            if slices <= release_at:
+                yield from release()
             hold = g == 0
             empty[last % stages].arrive(3 if hold else 4)
             yield from rendezvous(j)
@@ -185,11 +188,12 @@ def random_case(wait_held):
         # mostly whole tiles, some cut at an expert's end in either half
         tile_rows = [128 if rng.random() < 0.6 else rng.randint(1, 128) for _ in range(tiles)]
         swiglu = rng.random() < 0.5
+        release_at = rng.randint(0, stages - 2)  # the kernel's: 0-2 of 4 stages
         try:
-            run(rng, stages, slices, tile_rows, swiglu, wait_held)
+            run(rng, stages, slices, tile_rows, swiglu, wait_held, release_at)
         except Failure as e:
             raise Failure(f"{e} (stages {stages}, slices {slices}, rows {tile_rows}, "
-                          f"swiglu {swiglu})")
+                          f"swiglu {swiglu}, released at slice {release_at})")
     return one_run
 
 
