@@ -1155,7 +1155,10 @@ TEST_CASE("gpu grouped_linear_backward_pair: dx of both projections, each one's 
 // chunks, with a ragged last one), an empty one beside it, its tiles more than once over the SMs
 // with the other experts' units: dw must match the CPU and give the same bits on every run, over
 // a non-zero dw, with 256- and 128-column tiles and the ping-pong kernel (there the half tile is
-// one warpgroup's 64 rows; elsewhere the sm_80 kernels run the same checks).
+// one warpgroup's 64 rows; elsewhere the sm_80 kernels run the same checks). The deferred
+// settings run dx's rows kernel with the deferred epilogue over more tiles than an H200 has SMs
+// (the hot expert's alone: 118 row tiles x 2 column tiles), so blocks pass a held stage from one
+// tile to the next.
 TEST_CASE("gpu grouped_linear_backward: a hot expert's chunks add in a fixed order", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
@@ -1231,7 +1234,8 @@ TEST_CASE("gpu grouped_swiglu_forward: the fused epilogue gives the three ops' b
   const std::vector<GroupedCase> cases = swiglu_cases();
   // The fused sm_90 kernel (256-column tiles; "pingpong": 64 features a tile, the gate and up
   // columns of a piece going to two tensors; "multicast": in block pairs; with 128-column tiles
-  // the op runs the three ops itself) against the three ops.
+  // the op runs the three ops itself; "256-deferred(3)": the deferred epilogue, warpgroup 0's
+  // three pieces in its last slice's stage) against the three ops.
   const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "multicast",
                                       "pingpong-multicast", "256-deferred", "256-deferred3");
   set_grouped_sm90(kernel);
