@@ -13,14 +13,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <vector>
-#define CK(x)                                       \
-  do {                                              \
-    auto e = (x);                                   \
-    if (e != 0) {                                   \
-      printf("err %d line %d\n", int(e), __LINE__); \
-      exit(1);                                      \
-    }                                               \
-  } while (0)
+#include "check.cuh"
 
 struct C {
   float lr, b1, b2, ob1, ob2, eps, wd, bc1, bc2;

@@ -12,14 +12,7 @@
 #include <vector>
 #include <algorithm>
 
-#define CK(x)                                        \
-  do {                                               \
-    auto e_ = (x);                                   \
-    if ((int)e_) {                                   \
-      printf("err %d line %d\n", (int)e_, __LINE__); \
-      exit(1);                                       \
-    }                                                \
-  } while (0)
+#include "check.cuh"
 
 __global__ void fill(__nv_bfloat16* p, size_t n, unsigned s) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;

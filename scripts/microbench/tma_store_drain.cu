@@ -19,14 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CK(x)                                                     \
-  do {                                                            \
-    auto e_ = (x);                                                \
-    if (e_ != cudaSuccess) {                                      \
-      printf("%s (line %d)\n", cudaGetErrorString(e_), __LINE__); \
-      exit(1);                                                    \
-    }                                                             \
-  } while (0)
+#include "check.cuh"
 
 constexpr size_t kRingBytes = size_t(1) << 30;
 

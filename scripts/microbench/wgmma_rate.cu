@@ -34,14 +34,7 @@
 
 using namespace moe::cuda_detail;
 
-#define CK(x)                                                     \
-  do {                                                            \
-    auto e_ = (x);                                                \
-    if (e_ != cudaSuccess) {                                      \
-      printf("%s (line %d)\n", cudaGetErrorString(e_), __LINE__); \
-      exit(1);                                                    \
-    }                                                             \
-  } while (0)
+#include "check.cuh"
 
 enum Shape { pp128, w256, n128 };
 constexpr int kABytes = 128 * 128, kBBytes = 256 * 128;  // 128 / 256 rows of 64 bf16
