@@ -505,9 +505,17 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
   // The selection as the model runs it (mod_route): from the block's input x, the router's
   // product included (one launch where it is fused); the row above is its second half alone.
   Tensor mod_w = pool.random(acc, {1, d}, -0.05f, 0.05f);
+  const double mod_select_bytes = double(n * d * es + d * as + b * t * as * 2 + b * keep * 4);
   add("mod_select", shape({n, d}) + " x " + shape({1, d}) + "^T keep " + std::to_string(keep),
-      double(n * d * es + d * as + b * t * as * 2 + b * keep * 4), false, bw, 0.6,
-      [&] { mod_route(ctx, scores, sel, mask, tokens, mod_w); });
+      mod_select_bytes, false, bw, 0.6, [&] { mod_route(ctx, scores, sel, mask, tokens, mod_w); });
+  // The same as its two ops (the product, then the selection by a block per sequence of its own):
+  // whether one launch, whose selections by the blocks that finish each sequence's scores are its
+  // tail, beats the second launch's wider selection. Same bits (test_gpu_router_fused).
+  add("mod_select_2op", shape({n, d}) + " x " + shape({1, d}) + "^T, then select", mod_select_bytes,
+      false, bw, 0, [&] {
+        router_logits_forward(ctx, scores.view({b * t, 1}), tokens, mod_w);
+        mod_select(ctx, sel, mask, scores);
+      });
   Tensor xs = pool.zeros(dt, {b * keep, d}), ys = pool.random(dt, {b * keep, d});
   Tensor scattered = pool.zeros(dt, {n, d});
   add("mod_gather", shape({b * keep, d}), double(2 * b * keep * d * es), false, bw, 0.6,

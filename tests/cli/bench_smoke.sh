@@ -15,7 +15,7 @@ if [ "$code" -ne 0 ]; then
   exit 1
 fi
 for family in copy dense_gemm dense_gemm_bwd router router_topk permute combine grouped_gemm grouped_gemm_bwd \
-  grouped_swiglu grouped_swiglu_gathered grouped_swiglu_bwd swiglu rmsnorm attention_fwd attention_bwd mod_select mod_select_scores mod_gather mod_scatter cross_entropy_fwd \
+  grouped_swiglu grouped_swiglu_gathered grouped_swiglu_bwd swiglu rmsnorm attention_fwd attention_bwd mod_select mod_select_2op mod_select_scores mod_gather mod_scatter cross_entropy_fwd \
   cross_entropy_bwd adamw linear_qkv linear_qkv_bwd embedding_bwd; do
   if ! grep -Eq "^$family +.+ [0-9.]+%" <<<"$out"; then
     echo "FAIL no row for $family"
