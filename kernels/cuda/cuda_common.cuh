@@ -145,6 +145,22 @@ inline unsigned grid_stride_blocks(int64_t items, int threads) {
   return static_cast<unsigned>(std::min(blocks, kGridStrideMaxBlocks));
 }
 
+// Programmatic dependent launch (sm_90; elsewhere they compile to nothing): a kernel launched with
+// cudaLaunchAttributeProgrammaticStreamSerialization may start before the kernel queued ahead of
+// it ends; it calls wait_primary_grid() before reading what that kernel writes (the whole grid
+// done, its writes visible). The kernel ahead may call allow_dependent_launch() to let its
+// dependent launch before its own blocks end (only its dependent's early start changes).
+__device__ __forceinline__ void wait_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Streaming multiprocessors of the current device, read once per process (the trainer uses one
 // device per process): the size of persistent grids.
 inline int device_sm_count() {

@@ -28,6 +28,7 @@
 // (scatter_all_forward_kernel: skipped rows copied, selected ones updated), where it was a copy of
 // x and then the selected rows' kernel: at moe-t4's 8192 x 512 the two took 9.9 us, 6.6 in one.
 #include <cstdint>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -35,6 +36,7 @@
 #include "common/mod_checks.hpp"
 #include "cuda/cuda_common.cuh"
 #include "cuda/mod_select.cuh"
+#include "cuda/router_paths.hpp"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
 #include "moe/ops/mod.hpp"
@@ -56,12 +58,16 @@ __device__ __forceinline__ A sigmoid(A x) {
 // ---- selection ----------------------------------------------------------------------------------
 
 // sel[b, :] = the C best positions of sequence b, ascending; mask[b, :] = 1 there, else 0.
-template <class T>
+// kSkipCommon: select_sequence's. kAfterPrimary: launched as the programmatic dependent of the
+// kernel that writes the scores (mod_select_after_scores), it waits for that grid here.
+template <class T, bool kSkipCommon = false, bool kAfterPrimary = false>
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(int32_t* __restrict__ sel, T* __restrict__ mask, const T* __restrict__ scores,
                   int t, int c) {
+  if constexpr (kAfterPrimary) wait_primary_grid();
   const int64_t b = blockIdx.x;
-  select_sequence<T, kSelectThreads, false>(sel + b * c, mask + b * t, scores + b * t, t, c);
+  select_sequence<T, kSelectThreads, false, kSkipCommon>(sel + b * c, mask + b * t, scores + b * t,
+                                                         t, c);
 }
 
 // ---- gather / scatter rows ----------------------------------------------------------------------
@@ -348,14 +354,22 @@ unsigned row_blocks(int64_t rows) {
   return blocks_for(rows, kRowWarps);
 }
 
+// MOE_MOD_SELECT_SKIP=1: the selection with select_sequence's kSkipCommon (not yet measured).
+bool select_skips_common() {
+  const char* v = std::getenv("MOE_MOD_SELECT_SKIP");
+  return v != nullptr && std::string(v) == "1";
+}
+
 void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
   check_mod_select_args(sel, mask, scores);
   const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
   if (b == 0 || t == 0) return;
   MOE_CHECK(t <= INT32_MAX && b <= INT32_MAX, "mod_select: [B, T] too large");
+  const bool skip = select_skips_common();
   dispatch_storage(scores.dtype, "mod_select", [&](auto zero) {
     using T = decltype(zero);
-    select_kernel<T><<<static_cast<unsigned>(b), kSelectThreads, 0, stream_of(ctx)>>>(
+    auto kernel = skip ? select_kernel<T, true> : select_kernel<T>;
+    kernel<<<static_cast<unsigned>(b), kSelectThreads, 0, stream_of(ctx)>>>(
         static_cast<int32_t*>(sel.data), static_cast<T*>(mask.data),
         static_cast<const T*>(scores.data), static_cast<int>(t), static_cast<int>(c));
     MOE_CUDA_LAUNCH_CHECK();
@@ -461,6 +475,27 @@ void mod_scatter_backward(Ctx& ctx, Tensor dx, Tensor dys, Tensor dscores, Tenso
 }
 
 }  // namespace
+
+void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
+  check_mod_select_args(sel, mask, scores);
+  const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
+  MOE_CHECK(scores.dtype == DType::f32 && b > 0 && t > 0 && t <= INT32_MAX && b <= INT32_MAX,
+            "mod_select_after_scores: f32 scores of a non-empty [B, T] expected");
+  cudaLaunchAttribute after{};
+  after.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  after.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(b));
+  config.blockDim = dim3(kSelectThreads);
+  config.stream = stream_of(ctx);
+  config.attrs = &after;
+  config.numAttrs = 1;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, select_kernel<float, true, true>,
+                                    static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
+                                    static_cast<const float*>(scores.data), static_cast<int>(t),
+                                    static_cast<int>(c)));
+}
+
 }  // namespace moe::cuda_detail
 
 MOE_REGISTER_CUDA_OP(mod_select, &::moe::cuda_detail::mod_select);

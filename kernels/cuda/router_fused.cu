@@ -46,6 +46,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -258,11 +259,13 @@ __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
 // ---- router_logits_forward (E <= 8) -------------------------------------------------------------
 
 // The product alone (router_logits_forward's path for the gate's shape): the logits router_forward
-// writes, bitwise.
-template <class T>
+// writes, bitwise. kLetDependent: its blocks let a programmatic dependent launch at once
+// (mod_route's PDL path: the selection's blocks wait resident for this grid's end).
+template <class T, bool kLetDependent = false>
 __global__ void __launch_bounds__(kGateThreads, kBlocksPerSm)
     gate_logits_kernel(float* __restrict__ logits, const T* __restrict__ x,
                        const float* __restrict__ w, int64_t n_tok, int64_t d, int n_exp, bool vec) {
+  if constexpr (kLetDependent) allow_dependent_launch();
   if constexpr (kHasSm80) {
     const int64_t row0 = int64_t(blockIdx.x) * kBlockRows;
     float lg[kMaxExperts];
@@ -342,6 +345,21 @@ bool fused_path(Kernel kernel, const Tensor& x, const Tensor& w, int64_t n_exp) 
          n_exp <= kMaxExperts && d > 0 && d % 8 == 0 && aligned16({x.data, w.data});
 }
 
+// MOE_MOD_ROUTE_PDL=1 on an sm_90 device: mod_route as the product and a selection kernel launched
+// as its programmatic dependent (mod_select_after_scores), for comparison with the one launch
+// (not yet measured: docs/perf.md, 31st session).
+bool route_by_dependent_launch() {
+  const char* v = std::getenv("MOE_MOD_ROUTE_PDL");
+  if (v == nullptr || std::string(v) != "1") return false;
+  static const bool sm90 = [] {
+    int dev = 0, major = 0;
+    MOE_CUDA_CHECK(cudaGetDevice(&dev));
+    MOE_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    return major >= 9;
+  }();
+  return sm90;
+}
+
 unsigned gate_grid(int64_t n_tok) {
   return static_cast<unsigned>((n_tok + kBlockRows - 1) / kBlockRows);
 }
@@ -396,6 +414,22 @@ void mod_route(Ctx& ctx, Tensor scores, Tensor sel, Tensor mask, Tensor x, Tenso
   if (!fused) {
     ::moe::cuda::router_logits_forward(ctx, flat, x, w);
     ::moe::cuda::mod_select(ctx, sel, mask, scores);
+    return;
+  }
+  if (route_by_dependent_launch()) {
+    // The product, then the selection with a 1,024-thread block per sequence launched as its
+    // programmatic dependent: the same scores and selection bits as the one-launch kernel.
+    auto product = [&](auto kernel, auto zero) {
+      using T = decltype(zero);
+      kernel<<<gate_grid(s.n), kGateThreads, 0, stream_of(ctx)>>>(
+          data_of<float>(scores), data_of<const T>(x), data_of<const float>(w), s.n, s.d, 1, false);
+      MOE_CUDA_LAUNCH_CHECK();
+    };
+    if (x.dtype == DType::bf16)
+      product(gate_logits_kernel<__nv_bfloat16, true>, __nv_bfloat16{});
+    else
+      product(gate_logits_kernel<__half, true>, __half{});
+    mod_select_after_scores(ctx, sel, mask, scores);
     return;
   }
   auto launch = [&](auto kernel, auto zero) {
