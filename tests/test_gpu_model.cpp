@@ -275,34 +275,45 @@ TEST_CASE("gpu model: the bf16-split router matmuls track the fp32-copy path",
   }
 }
 
+namespace {
+
+// A kernel switch that must not change a bit: one forward and backward of a fresh model (weights
+// from `seed`, b x t random tokens) with the environment variable `name` at "0" and at "1", in
+// bf16 and in f16; their losses and gradients must be equal.
+void check_switch_keeps_bits(const char* name, int b, int t, uint64_t seed,
+                             const MemoryPlan& plan = {}) {
+  ModelConfig m = model_config();
+  const auto ids = tokens(b * t, m.vocab_size, seed), tg = tokens(b * t, m.vocab_size, seed + 1);
+  Ctx gpu = gpu_ctx();
+  for (DType dt : {DType::bf16, DType::f16}) {
+    auto run = [&](const char* value) {
+      setenv(name, value, 1);
+      Model model(m, dt, gpu0(), b, t, true, plan);
+      model.init_weights(seed + 2);
+      model.zero_grads(gpu);
+      const Losses l = model.forward_backward(gpu, ids.data(), tg.data(), 1.0);
+      auto g = host_copy(model.grads());
+      unsetenv(name);
+      return std::make_pair(l, g);
+    };
+    const auto [l_off, g_off] = run("0");
+    const auto [l_on, g_on] = run("1");
+    INFO(name << " " << dtype_name(dt));
+    CHECK(l_on.lm == l_off.lm);
+    CHECK(l_on.aux == l_off.aux);
+    CHECK(g_on == g_off);
+  }
+}
+
+}  // namespace
+
 // MOE_PERMUTE_FUSED=1 with the expert rows recomputed: the forward's gate and up products read
 // x's rows in expert order themselves (on sm_90 inside the kernel's loads) and give bitwise the
 // losses and gradients of the permuted copy.
 TEST_CASE("gpu model: the gathered expert rows give the permuted copy's bits", "[gpu][model]") {
-  ModelConfig m = model_config();
-  const int b = 3, t = 32;
-  const auto ids = tokens(b * t, m.vocab_size, 3), tg = tokens(b * t, m.vocab_size, 4);
-  Ctx gpu = gpu_ctx();
   MemoryPlan plan;
   plan.recompute_expert_rows = true;
-  for (DType dt : {DType::bf16, DType::f16}) {
-    auto run = [&](bool gather) {
-      setenv("MOE_PERMUTE_FUSED", gather ? "1" : "0", 1);
-      Model model(m, dt, gpu0(), b, t, true, plan);
-      model.init_weights(12);
-      model.zero_grads(gpu);
-      const Losses l = model.forward_backward(gpu, ids.data(), tg.data(), 1.0);
-      auto g = host_copy(model.grads());
-      unsetenv("MOE_PERMUTE_FUSED");
-      return std::make_pair(l, g);
-    };
-    const auto [l_copy, g_copy] = run(false);
-    const auto [l_gather, g_gather] = run(true);
-    INFO(dtype_name(dt));
-    CHECK(l_gather.lm == l_copy.lm);
-    CHECK(l_gather.aux == l_copy.aux);
-    CHECK(g_gather == g_copy);
-  }
+  check_switch_keeps_bits("MOE_PERMUTE_FUSED", 3, 32, 3, plan);
 }
 
 // MOE_GROUPED_DEFER=1: the sm_90 rows kernels stage their tiles for later stores (the deferred
@@ -311,28 +322,7 @@ TEST_CASE("gpu model: the gathered expert rows give the permuted copy's bits", "
 // kernels.
 TEST_CASE("gpu model: the grouped GEMMs' deferred epilogue gives the default's bits",
           "[gpu][model]") {
-  ModelConfig m = model_config();
-  const int b = 4, t = 64;
-  const auto ids = tokens(b * t, m.vocab_size, 5), tg = tokens(b * t, m.vocab_size, 6);
-  Ctx gpu = gpu_ctx();
-  for (DType dt : {DType::bf16, DType::f16}) {
-    auto run = [&](bool deferred) {
-      setenv("MOE_GROUPED_DEFER", deferred ? "1" : "0", 1);
-      Model model(m, dt, gpu0(), b, t, true);
-      model.init_weights(13);
-      model.zero_grads(gpu);
-      const Losses l = model.forward_backward(gpu, ids.data(), tg.data(), 1.0);
-      auto g = host_copy(model.grads());
-      unsetenv("MOE_GROUPED_DEFER");
-      return std::make_pair(l, g);
-    };
-    const auto [l_default, g_default] = run(false);
-    const auto [l_deferred, g_deferred] = run(true);
-    INFO(dtype_name(dt));
-    CHECK(l_deferred.lm == l_default.lm);
-    CHECK(l_deferred.aux == l_default.aux);
-    CHECK(g_deferred == g_default);
-  }
+  check_switch_keeps_bits("MOE_GROUPED_DEFER", 4, 64, 5);
 }
 
 TEST_CASE("gpu model: bf16 and fp16 training runs track the fp32 run", "[gpu][train][mixed]") {

@@ -201,7 +201,7 @@ __device__ __forceinline__ void release_held(const TmaRing<C>& ring, int64_t it)
 // k-slices of ring slices it0, it0 + 1, ... . `before(t, stage)` runs after slice t has landed
 // and before its wgmma (the dw kernel masks the rows past the expert there).
 // kPeer, peer_empty0: as free_stage's.
-// Deferred epilogues (store_tile_deferred): with hold_last, the warpgroup's thread 0 does not
+// Deferred epilogues (deferred_staging): with hold_last, the warpgroup's thread 0 does not
 // free the last slice's stage (the epilogue stages the tile there); release_it >= 0: the stage
 // of ring slice release_it, held by the previous tile's epilogue, which thread 0 frees once its
 // TMA stores have read it (release_held), right after this tile's slice release_at is issued
@@ -483,14 +483,40 @@ __device__ __forceinline__ void fetch_row_scales(int g, uint32_t row_scales, con
   if (t < n) cp_async_shared<4>(row_scales + 4 * t, real ? row_w + r0 + t : row_w, real);
 }
 
-// The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real). Plain: the kBN
-// columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of the tile are gate (x w1^T) and
-// 128-255 up (x w3^T) for the same 128 features at n0; gate, up and h = row_w * silu(gate) * up
-// go to c, c_up and c_h. map_c, map_up, map_h: tensor maps over c, c_up and c_h for store_piece's
-// TMA stores.
+// Where a rows tile's epilogue stages piece p (p = 0, 1: the first and second 128 columns, or
+// SwiGLU's gate and up; p = 2: h) and the store groups of the thread that may still be reading
+// there before it is written (store_piece's `wait`; -1: none).
+struct Staging {
+  uint32_t part[3];
+  int wait[3];
+};
+// store_tile's default: every piece through the warpgroup's one 16 KiB staging, each behind the
+// reads of the piece before.
+__device__ __forceinline__ Staging one_staging(uint32_t staging) {
+  return {{staging, staging, staging}, {0, 0, 0}};
+}
+// The deferred epilogue's (the rows kernel's kDefer): each piece in a 16 KiB part of its own, so
+// the math warpgroup goes on to its next tile as soon as it has written them and handed them to
+// TMA stores, which read them while the next tile's main loop runs. Warpgroup 0 stages the tile
+// in the stage of its last slice (`at`, 48 KiB: room for the SwiGLU tile's three pieces; the
+// math loop held it, hold_last, and the next tile's main loop frees it, release_held) and waits
+// for nothing; warpgroup 1 in the kernel's 32 KiB staging (`at`, both warpgroups' halves under
+// one_staging), waiting for its previous tile's stores before the first piece and, for the
+// SwiGLU tile's h (into the first part again), for the first piece's.
+__device__ __forceinline__ Staging deferred_staging(int g, uint32_t at) {
+  constexpr uint32_t kPart = 2 * kStagingBoxBytes;
+  if (g == 0) return {{at, at + kPart, at + 2 * kPart}, {-1, -1, -1}};
+  return {{at, at + kPart, at}, {0, -1, 1}};
+}
+
+// The epilogue of a rows tile (rows [r0, r1) of warpgroup g's 64 are real), its pieces staged
+// as `st` says. Plain: the kBN columns go to c at n0, 128 at a time. kSwiglu: columns 0-127 of
+// the tile are gate (x w1^T) and 128-255 up (x w3^T) for the same 128 features at n0; gate, up
+// and h = row_w * silu(gate) * up go to c, c_up and c_h. map_c, map_up, map_h: tensor maps over
+// c, c_up and c_h for store_piece's TMA stores.
 // row_scales: the shared address of the warpgroup's 64 floats for row_w.
 template <class C, class T, bool kSwiglu>
-__device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, uint32_t staging,
+__device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, const Staging& st,
                                            T* c, T* c_up, T* c_h, const CUtensorMap* map_c,
                                            const CUtensorMap* map_up, const CUtensorMap* map_h,
                                            const float* row_w, uint32_t row_scales, int64_t r0,
@@ -498,48 +524,19 @@ __device__ __forceinline__ void store_tile(const float (&acc)[C::kAcc], int g, u
   if constexpr (kSwiglu) {
     // (the weights fetched while gate and up are stored)
     fetch_row_scales(g, row_scales, row_w, r0, r1, 64);
-    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, acc_pairs<T>(acc, 0));
-    store_piece(g, staging, c_up, map_up, r0, r1, n0, n_total, acc_pairs<T>(acc, 16));
+    store_piece(g, st.part[0], c, map_c, r0, r1, n0, n_total, acc_pairs<T>(acc, 0), 0, {},
+                st.wait[0]);
+    store_piece(g, st.part[1], c_up, map_up, r0, r1, n0, n_total, acc_pairs<T>(acc, 16), 0, {},
+                st.wait[1]);
     // The routing weights come from shared memory just before h's pairs pass: loaded from
     // global memory and held through the gate and up pieces, they spilled (bf16: 132 bytes).
-    store_piece<T, true>(g, staging, c_h, map_h, r0, r1, n0, n_total, swiglu_pairs<T>(acc, 16),
-                         row_scales);
+    store_piece<T, true>(g, st.part[2], c_h, map_h, r0, r1, n0, n_total, swiglu_pairs<T>(acc, 16),
+                         row_scales, {}, st.wait[2]);
   } else {
 #pragma unroll
     for (int h = 0; h < C::kBN / 128; ++h)
-      store_piece(g, staging, c, map_c, r0, r1, n0 + 128 * h, n_total, acc_pairs<T>(acc, 16 * h));
-  }
-}
-
-// store_tile's deferred form: the pieces go to distinct 16 KiB parts of the staging, so the math
-// warpgroup goes on to its next tile as soon as it has written them and handed them to TMA
-// stores, which read them while the next tile's main loop runs. Warpgroup 0 stages the tile in
-// the stage of its last slice (48 KiB: room for the SwiGLU tile's three pieces; the math loop
-// held it, hold_last, and the next tile's main loop frees it, release_held), warpgroup 1 in the
-// kernel's 32 KiB staging (`staging`, both warpgroups' halves under store_tile), waiting for its
-// previous tile's stores before the first piece and, for the SwiGLU tile's third piece (h, into
-// the first part again), for the first piece's. Measured against store_tile in docs/perf.md
-// (31st session).
-template <class C, class T, bool kSwiglu>
-__device__ __forceinline__ void store_tile_deferred(
-    const float (&acc)[C::kAcc], int g, uint32_t staging, T* c, T* c_up, T* c_h,
-    const CUtensorMap* map_c, const CUtensorMap* map_up, const CUtensorMap* map_h,
-    const float* row_w, uint32_t row_scales, int64_t r0, int64_t r1, int64_t n0, int64_t n_total) {
-  constexpr uint32_t kPart = 2 * kStagingBoxBytes;
-  const bool own = g == 0;  // warpgroup 0: a stage of its own, nothing to wait for
-  if constexpr (kSwiglu) {
-    fetch_row_scales(g, row_scales, row_w, r0, r1, 64);
-    store_piece(g, staging, c, map_c, r0, r1, n0, n_total, acc_pairs<T>(acc, 0), 0, {},
-                own ? -1 : 0);
-    store_piece(g, staging + kPart, c_up, map_up, r0, r1, n0, n_total, acc_pairs<T>(acc, 16), 0, {},
-                -1);
-    store_piece<T, true>(g, staging + (own ? 2 * kPart : 0), c_h, map_h, r0, r1, n0, n_total,
-                         swiglu_pairs<T>(acc, 16), row_scales, {}, own ? -1 : 1);
-  } else {
-#pragma unroll
-    for (int h = 0; h < C::kBN / 128; ++h)
-      store_piece(g, staging + h * kPart, c, map_c, r0, r1, n0 + 128 * h, n_total,
-                  acc_pairs<T>(acc, 16 * h), 0, {}, own || h > 0 ? -1 : 0);
+      store_piece(g, st.part[h], c, map_c, r0, r1, n0 + 128 * h, n_total, acc_pairs<T>(acc, 16 * h),
+                  0, {}, st.wait[h]);
   }
 }
 

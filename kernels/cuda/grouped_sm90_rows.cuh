@@ -48,7 +48,7 @@ static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
 // kSched: pingpong (C = PingPong): the tile's 128 rows on one math warpgroup, the warpgroups
 // alternating (pingpong_wait_turn); multicast: launched in clusters of two
 // blocks, which share each B slice (sched_row_tile, load_b). kDefer (cooperative only): the
-// deferred epilogue (store_tile_deferred; MOE_GROUPED_DEFER), warpgroup 0's held stage freed
+// deferred epilogue (deferred_staging; MOE_GROUPED_DEFER), warpgroup 0's held stage freed
 // after the next tile's slice release_at is issued (tma_math_loop; unused without kDefer).
 template <class C, class T, bool kBKFast, bool kSwiglu, bool kGather = false,
           Sched kSched = Sched::cooperative, bool kDefer = false>
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
       if (kSwiglu && ring.base - shared_addr(smem) > 1024 - 2 * 64 * 4) __trap();  // never
       // (kMulticast: the peer's empty[0], on which this block's math warps free stages too)
       const uint32_t peer_empty0 = kMulticast ? cluster_peer_address(ring.empty0, rank ^ 1u) : 0;
-      // kDefer: store_tile_deferred (cooperative kernels only: a multicast stage is the peer's
+      // kDefer: deferred_staging (cooperative kernels only: a multicast stage is the peer's
       // too; launched with k_total > 0, so a tile has a last slice whose stage warpgroup 0
       // holds); warpgroup 0's held stage, if any (held: its ring slice).
       static_assert(!kDefer || kSched == Sched::cooperative, "the deferred epilogue's schedule");
@@ -286,9 +286,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
           // meet first (every tile: warpgroup 1 skips none of them without meeting).
           named_barrier_sync(kDeferBarrier, 256);
           const int64_t last = it + slices - 1;
-          store_tile_deferred<C, T, kSwiglu>(acc, g, hold ? ring.stage(last) : staging_all, c, c_up,
-                                             c_h, &map_c, &map_up, &map_h, row_w,
-                                             row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
+          store_tile<C, T, kSwiglu>(
+              acc, g, deferred_staging(g, hold ? ring.stage(last) : staging_all), c, c_up, c_h,
+              &map_c, &map_up, &map_h, row_w, row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
           held = hold ? last : -1;
           // A tile cut at its expert's end in this half was stored from the staging by the
           // warps themselves (store_piece): the stage is free once all of them have read it.
@@ -299,8 +299,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) grouped_tma_rows_kernel(
             held = -1;
           }
         } else {
-          store_tile<C, T, kSwiglu>(acc, g, staging, c, c_up, c_h, &map_c, &map_up, &map_h, row_w,
-                                    row_scales + 256 * g, r0 + 64 * g, r1, n0, n_total);
+          store_tile<C, T, kSwiglu>(acc, g, one_staging(staging), c, c_up, c_h, &map_c, &map_up,
+                                    &map_h, row_w, row_scales + 256 * g, r0 + 64 * g, r1, n0,
+                                    n_total);
         }
       }
       release_held(ring, held);

@@ -117,7 +117,7 @@ struct PairLaunch {
   PairLaunch& operator=(const PairLaunch&) = delete;
 };
 
-// The cooperative rows kernels' deferred epilogue (store_tile_deferred) with MOE_GROUPED_DEFER=N,
+// The cooperative rows kernels' deferred epilogue (deferred_staging) with MOE_GROUPED_DEFER=N,
 // N = 1, 2 or 3: warpgroup 0's held stage is freed after the next tile's slice N - 1 is issued
 // (tma_math_loop's release_at); 0 (none): off. Read at every launch, as MOE_GROUPED_SM90, so one
 // process can time and test every setting. Off by default until measured on a GPU
@@ -131,17 +131,20 @@ int deferred_release_at() {
 // w2: w3 for SwiGLU (kSwiglu), unused otherwise. kSched: the kernel's schedule (pingpong: C =
 // PingPong).
 // kDefer: the deferred epilogue's kernel (MOE_GROUPED_DEFER takes it where it exists: the
-// cooperative kernels but the gathering SwiGLU one, whose math warpgroups spilled 112 bytes).
+// cooperative kernels but the gathering SwiGLU one, whose math warpgroups spilled 112 bytes),
+// release_at its tma_math_loop's (unused by the other kernels).
 template <class C, class T, bool kBKFast, bool kSwiglu = false, bool kGather = false,
           Sched kSched = Sched::cooperative, bool kDefer = false>
 void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const void* w2,
                  const int32_t* offsets, int experts, int64_t rows, int64_t n_total,
-                 int64_t k_total, int64_t expert_stride, const AdamRider& rider = {}) {
-  const int release_at = deferred_release_at();
+                 int64_t k_total, int64_t expert_stride, const AdamRider& rider = {},
+                 int release_at = 0) {
   if constexpr (kSched == Sched::cooperative && !kDefer && !(kSwiglu && kGather)) {
-    if (release_at >= 0 && k_total > 0) {  // (warpgroup 0 stages in its last slice's stage)
-      launch_rows<C, T, kBKFast, kSwiglu, kGather, kSched, true>(
-          ctx, t, out, in, w, w2, offsets, experts, rows, n_total, k_total, expert_stride, rider);
+    const int at = deferred_release_at();
+    if (at >= 0 && k_total > 0) {  // (warpgroup 0 stages in its last slice's stage)
+      launch_rows<C, T, kBKFast, kSwiglu, kGather, kSched, true>(ctx, t, out, in, w, w2, offsets,
+                                                                 experts, rows, n_total, k_total,
+                                                                 expert_stride, rider, at);
       return;
     }
   }

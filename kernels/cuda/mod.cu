@@ -476,8 +476,8 @@ void mod_scatter_backward(Ctx& ctx, Tensor dx, Tensor dys, Tensor dscores, Tenso
 
 }  // namespace
 
+// (the arguments checked by mod_route, its caller: router_paths.hpp)
 void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
-  check_mod_select_args(sel, mask, scores);
   const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
   MOE_CHECK(scores.dtype == DType::f32 && b > 0 && t > 0 && t <= INT32_MAX && b <= INT32_MAX,
             "mod_select_after_scores: f32 scores of a non-empty [B, T] expected");

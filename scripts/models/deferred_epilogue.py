@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A model of the cooperative rows kernel's deferred epilogue (grouped_sm90_rows.cuh with
-`kDefer`; store_tile_deferred, release_held and tma_math_loop's hold_last in
+`kDefer`; deferred_staging, release_held and tma_math_loop's hold_last in
 grouped_sm90_parts.cuh).
 
 The ring: kStages stages, each with a "full" mbarrier (the producer's arrive_expect_tx plus the
