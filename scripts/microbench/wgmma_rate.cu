@@ -164,23 +164,33 @@ __global__ void __launch_bounds__(128 * kWg + 32, 1)
   if (sum == 12345.678f) sink[threadIdx.x] = sum;  // (keeps the products)
 }
 
+// The milliseconds of launch(slices), after a warm-up launch(slices / 10).
+template <class Launch>
+float timed_ms(int slices, Launch&& launch) {
+  launch(slices / 10);
+  CK(cudaDeviceSynchronize());
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaEventRecord(e0));
+  launch(slices);
+  CK(cudaEventRecord(e1));
+  CK(cudaEventSynchronize(e1));
+  float ms = 0;
+  CK(cudaEventElapsedTime(&ms, e0, e1));
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return ms;
+}
+
 template <int kWg, int kRows, int kCols, int kStages>
 void run_fed(const char* name, int slices, int sms, const unsigned char* src, int src_stages,
              float* sink) {
   auto kernel = fed_kernel<kWg, kRows, kCols, kStages>;
   const int smem = kStages * (kRows + kCols) * 128 + 2 * kStages * 8 + 1024;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<sms, 128 * kWg + 32, smem>>>(slices / 10, src, src_stages, sink);  // warm-up
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0));
-  kernel<<<sms, 128 * kWg + 32, smem>>>(slices, src, src_stages, sink);
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms = timed_ms(
+      slices, [&](int n) { kernel<<<sms, 128 * kWg + 32, smem>>>(n, src, src_stages, sink); });
   const double flops = 2.0 * kRows * kCols * 64.0 * slices * sms;
   printf("fed %-9s %d warpgroup(s) %d stages  %8.3f ms  %7.1f TFLOP/s  %6.0f GB/s loaded\n", name,
          kWg, kStages, ms, flops / (ms * 1e-3) / 1e12,
@@ -197,17 +207,8 @@ void run(const char* name, int warpgroups, int slices, int sms, float* sink) {
   auto kernel = rate_kernel<kShape>;
   const int smem = kABytes + kBBytes + 1024;
   CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<sms, 128 * warpgroups, smem>>>(slices / 10, sink);  // warm-up
-  CK(cudaDeviceSynchronize());
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  CK(cudaEventRecord(e0));
-  kernel<<<sms, 128 * warpgroups, smem>>>(slices, sink);
-  CK(cudaEventRecord(e1));
-  CK(cudaEventSynchronize(e1));
-  float ms = 0;
-  CK(cudaEventElapsedTime(&ms, e0, e1));
+  const float ms =
+      timed_ms(slices, [&](int n) { kernel<<<sms, 128 * warpgroups, smem>>>(n, sink); });
   const double flops = 2.0 * step_macs(kShape) * 4 * slices * warpgroups * sms;
   printf("%-6s %d warpgroup(s)  %8.3f ms  %7.1f TFLOP/s\n", name, warpgroups, ms,
          flops / (ms * 1e-3) / 1e12);
