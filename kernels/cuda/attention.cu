@@ -131,6 +131,32 @@ __device__ __forceinline__ void online_softmax_key(const A (&qr)[NPER], const T*
   m = m_new;
 }
 
+// The query row of warp `row` (< batch * heads * seq) in the forward and dq kernels, and where
+// its data lives: position i of head h in sequence b, rows issued longest first (i descending
+// within a head) so the causal imbalance does not leave a long tail.
+template <class T>
+struct QueryRow {
+  int64_t i, bh;      // position; b * heads + h (lse's row)
+  int64_t q_off;      // (b, i, h, 0) in q, out, dout, dq
+  int64_t kv_stride;  // between positions of k and v
+  const T* kb;        // (b, 0, g, 0) in k: g the kv head of h
+  const T* vb;        // the same in v
+};
+template <class T>
+__device__ __forceinline__ QueryRow<T> query_row(int64_t row, const Dims& s, const T* k,
+                                                 const T* v) {
+  const int64_t i = s.seq - 1 - row % s.seq;
+  const int64_t bh = row / s.seq;
+  const int h = static_cast<int>(bh % s.heads);
+  const int64_t b = bh / s.heads;
+  const int g = h / s.group();
+  const int64_t kv_stride = static_cast<int64_t>(s.kv_heads) * s.hd;
+  const int64_t q_off = ((b * s.seq + i) * s.heads + h) * s.hd;
+  const T* kb = k + (b * s.seq * s.kv_heads + g) * s.hd;
+  const T* vb = v + (b * s.seq * s.kv_heads + g) * s.hd;
+  return {i, bh, q_off, kv_stride, kb, vb};
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 
 template <class T, int NPER>
@@ -142,15 +168,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   if (row >= s.batch * s.heads * s.seq) return;
-  const int64_t i = s.seq - 1 - row % s.seq;  // longest rows first
-  const int64_t bh = row / s.seq;
-  const int h = static_cast<int>(bh % s.heads);
-  const int64_t b = bh / s.heads;
-  const int g = h / s.group();
-  const int64_t kv_stride = static_cast<int64_t>(s.kv_heads) * s.hd;  // between positions
-  const int64_t q_off = ((b * s.seq + i) * s.heads + h) * s.hd;
-  const T* kb = k + (b * s.seq * s.kv_heads + g) * s.hd;
-  const T* vb = v + (b * s.seq * s.kv_heads + g) * s.hd;
+  const auto [i, bh, q_off, kv_stride, kb, vb] = query_row(row, s, k, v);
 
   A qr[NPER], acc[NPER];
   load_row<NPER>(qr, q + q_off, s.hd, lane);
@@ -182,15 +200,7 @@ __global__ void __launch_bounds__(kRowsPerBlock* kWarp)
   const int lane = threadIdx.x % kWarp;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarp;
   if (row >= s.batch * s.heads * s.seq) return;
-  const int64_t i = s.seq - 1 - row % s.seq;  // longest rows first
-  const int64_t bh = row / s.seq;
-  const int h = static_cast<int>(bh % s.heads);
-  const int64_t b = bh / s.heads;
-  const int g = h / s.group();
-  const int64_t kv_stride = static_cast<int64_t>(s.kv_heads) * s.hd;
-  const int64_t q_off = ((b * s.seq + i) * s.heads + h) * s.hd;
-  const T* kb = k + (b * s.seq * s.kv_heads + g) * s.hd;
-  const T* vb = v + (b * s.seq * s.kv_heads + g) * s.hd;
+  const auto [i, bh, q_off, kv_stride, kb, vb] = query_row(row, s, k, v);
 
   A qr[NPER], dor[NPER], dqr[NPER];
   load_row<NPER>(qr, q + q_off, s.hd, lane);

@@ -82,6 +82,22 @@ __device__ __forceinline__ float pair_dot(const T* a, const T* b, int half) {
   return s + __shfl_xor_sync(0xffffffffu, s, 1);
 }
 
+// Stages the block's kBM rows of a [T, *, 64] tensor and loads this warp's 16 of them as A
+// fragments: the operand a block keeps for its whole walk (Q and dO rows, or K and V rows). `buf`
+// is free again on return.
+template <class T>
+__device__ __forceinline__ void load_block_rows(FragARow<T> (&frags)[kDFrags], T* buf, const T* src,
+                                                int64_t stride, int64_t row0, int64_t seq,
+                                                bool vec) {
+  const int warp = threadIdx.x / 32;
+  stage_rows<T, kBM>(buf, src, stride, row0, seq, vec);
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < kDFrags; ++d)
+    wmma::load_matrix_sync(frags[d], buf + warp * 16 * kLd + d * 16, kLd);
+  __syncthreads();
+}
+
 // Stores a warp's 16 x 64 accumulator (kDFrags fragments) through a 16 x 16 fp32 staging tile:
 // out(row, col, value) for row < 16, col < 64.
 template <class Out>
@@ -118,13 +134,8 @@ __global__ void __launch_bounds__(kThreads)
     const T* kb = k + (int64_t(b) * seq * kv_heads + g) * kD;
     const T* vb = v + (int64_t(b) * seq * kv_heads + g) * kD;
 
-    stage_rows<T, kBM>(kv, qb, q_stride, q0, seq, vec);
-    __syncthreads();
     FragARow<T> qf[kDFrags];
-#pragma unroll
-    for (int d = 0; d < kDFrags; ++d)
-      wmma::load_matrix_sync(qf[d], kv + warp * 16 * kLd + d * 16, kLd);
-    __syncthreads();
+    load_block_rows(qf, kv, qb, q_stride, q0, seq, vec);
 
     float* S = s_buf[warp];
     T* P = p_buf[warp];
@@ -227,18 +238,8 @@ __global__ void __launch_bounds__(kThreads)
     const T* vb = v + (int64_t(b) * seq * kv_heads + g) * kD;
 
     FragARow<T> qf[kDFrags], dof[kDFrags];
-    stage_rows<T, kBM>(kv, q + q_off, q_stride, q0, seq, vec);
-    __syncthreads();
-#pragma unroll
-    for (int d = 0; d < kDFrags; ++d)
-      wmma::load_matrix_sync(qf[d], kv + warp * 16 * kLd + d * 16, kLd);
-    __syncthreads();
-    stage_rows<T, kBM>(kv, dout + q_off, q_stride, q0, seq, vec);
-    __syncthreads();
-#pragma unroll
-    for (int d = 0; d < kDFrags; ++d)
-      wmma::load_matrix_sync(dof[d], kv + warp * 16 * kLd + d * 16, kLd);
-    __syncthreads();
+    load_block_rows(qf, kv, q + q_off, q_stride, q0, seq, vec);
+    load_block_rows(dof, kv, dout + q_off, q_stride, q0, seq, vec);
 
     const int r = lane >> 1, half = lane & 1;
     const int64_t i = q0 + warp * 16 + r;
@@ -327,18 +328,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t kv_off = (int64_t(b) * seq * kv_heads + g) * kD;
 
     FragARow<T> kf[kDFrags], vf[kDFrags];
-    stage_rows<T, kBM>(qd, k + kv_off, kv_stride, k0, seq, vec);
-    __syncthreads();
-#pragma unroll
-    for (int d = 0; d < kDFrags; ++d)
-      wmma::load_matrix_sync(kf[d], qd + warp * 16 * kLd + d * 16, kLd);
-    __syncthreads();
-    stage_rows<T, kBM>(qd, v + kv_off, kv_stride, k0, seq, vec);
-    __syncthreads();
-#pragma unroll
-    for (int d = 0; d < kDFrags; ++d)
-      wmma::load_matrix_sync(vf[d], qd + warp * 16 * kLd + d * 16, kLd);
-    __syncthreads();
+    load_block_rows(kf, qd, k + kv_off, kv_stride, k0, seq, vec);
+    load_block_rows(vf, qd, v + kv_off, kv_stride, k0, seq, vec);
 
     const int r = lane >> 1, half = lane & 1;
     const int64_t w0 = k0 + warp * 16;  // the warp's first key

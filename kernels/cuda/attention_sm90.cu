@@ -70,6 +70,26 @@ namespace moe::cuda_detail {
 namespace {
 using namespace flash90;
 
+// The query tile of this block in the forward and dq kernels (C: Fwd or Dq). Longest first over
+// the whole grid: the query tile is the slowest index of blockIdx.x, largest first.
+struct QueryTile {
+  int b, h, kvh;  // sequence, query head, its kv head
+  int64_t q0;     // the tile's first query row
+  int n_tiles;    // key tiles of C::kBN up to its last row (causal) or T
+};
+template <class C>
+__device__ __forceinline__ QueryTile query_tile(int64_t seq, int batch, int heads, int kv_heads,
+                                                int q_tiles) {
+  const int bh_count = batch * heads;
+  const int tile_rank = static_cast<int>(blockIdx.x / bh_count);
+  const int bh = static_cast<int>(blockIdx.x % bh_count);
+  const int b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
+  const int64_t q0 = int64_t(q_tiles - 1 - tile_rank) * C::kBM;
+  const int64_t kv_end = seq < q0 + C::kBM ? seq : q0 + C::kBM;
+  const int n_tiles = static_cast<int>((kv_end + C::kBN - 1) / C::kBN);
+  return {b, h, kvh, q0, n_tiles};
+}
+
 // ---- forward -----------------------------------------------------------------------------------
 
 struct Fwd {
@@ -111,14 +131,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init_fence();
     }
     __syncthreads();
-    // Longest first over the whole grid: the query tile is the slowest index, largest first.
-    const int bh_count = batch * heads;
-    const int tile_rank = static_cast<int>(blockIdx.x / bh_count);
-    const int bh = static_cast<int>(blockIdx.x % bh_count);
-    const int b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
-    const int64_t q0 = int64_t(q_tiles - 1 - tile_rank) * C::kBM;
-    const int64_t kv_end = seq < q0 + C::kBM ? seq : q0 + C::kBM;
-    const int n_tiles = static_cast<int>((kv_end + C::kBN - 1) / C::kBN);
+    const auto [b, h, kvh, q0, n_tiles] = query_tile<C>(seq, batch, heads, kv_heads, q_tiles);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
       release_registers<40>();
@@ -302,13 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init_fence();
     }
     __syncthreads();
-    const int bh_count = batch * heads;
-    const int tile_rank = static_cast<int>(blockIdx.x / bh_count);
-    const int bh = static_cast<int>(blockIdx.x % bh_count);
-    const int b = bh / heads, h = bh % heads, kvh = h / (heads / kv_heads);
-    const int64_t q0 = int64_t(q_tiles - 1 - tile_rank) * C::kBM;  // longest first
-    const int64_t kv_end = seq < q0 + C::kBM ? seq : q0 + C::kBM;
-    const int n_tiles = static_cast<int>((kv_end + C::kBN - 1) / C::kBN);
+    const auto [b, h, kvh, q0, n_tiles] = query_tile<C>(seq, batch, heads, kv_heads, q_tiles);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
       release_registers<40>();

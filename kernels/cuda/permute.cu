@@ -66,6 +66,22 @@ __device__ __forceinline__ int warp_exclusive_scan(int v, int lane, int* total) 
   return incl - v;
 }
 
+// Lane `lane`'s contiguous run [e0, e1) of the n_exp experts (lane order is expert order), and
+// `run`: the sum of totals over the experts before e0, i.e. the warp's exclusive prefix of totals
+// at e0. The place and finish kernels both turn the per-expert totals into first rows this way.
+struct ExpertRun {
+  int e0, e1, run;
+};
+__device__ __forceinline__ ExpertRun lane_expert_run(const int32_t* totals, int n_exp, int lane) {
+  const int per = (n_exp + kWarp - 1) / kWarp, e0 = lane * per;
+  const int e1 = e0 + per < n_exp ? e0 + per : n_exp;
+  int sum = 0;
+  for (int e = e0; e < e1; ++e) sum += totals[e];
+  int total;
+  const int run = warp_exclusive_scan(sum, lane, &total);
+  return {e0, e1, run};
+}
+
 // Slots [begin, end) of warp `tile`.
 struct TileRange {
   int64_t begin, end;
@@ -88,6 +104,28 @@ __device__ __forceinline__ void load_chunk_batch(int (&ex)[kChunkBatch],
   }
 }
 
+// The count and place kernels' walk over the slots of range t, in chunks of 32 with kChunkBatch
+// chunks' expert ids loaded at a time: every lane calls fn(s, e, valid, same) for its slot s of
+// every chunk (so fn may __syncwarp), with e = expert[s] (-1 past t.end), valid = e in [0, n_exp),
+// and `same` the chunk's lanes with the same e (all invalid lanes match each other).
+template <class Fn>
+__device__ __forceinline__ void for_each_slot(const TileRange& t,
+                                              const int32_t* __restrict__ expert, int n_exp,
+                                              int lane, Fn&& fn) {
+  for (int64_t b0 = t.begin; b0 < t.end; b0 += kWarp * kChunkBatch) {
+    int ex[kChunkBatch];
+    load_chunk_batch(ex, expert, b0, t.end, lane);
+#pragma unroll
+    for (int c = 0; c < kChunkBatch; ++c) {
+      const int64_t s = b0 + c * kWarp + lane;
+      const int e = ex[c];
+      const bool valid = 0 <= e && e < n_exp;
+      const unsigned same = __match_any_sync(kFullMask, valid ? e : -1);
+      fn(s, e, valid, same);
+    }
+  }
+}
+
 // counts[tile * E + e] = slots of expert e in the tile (with one tile: counts = offsets + 1).
 __global__ void plan_count_kernel(int32_t* __restrict__ counts, const int32_t* __restrict__ expert,
                                   int64_t slots, int64_t tile_slots, int64_t tiles, int n_exp) {
@@ -98,20 +136,13 @@ __global__ void plan_count_kernel(int32_t* __restrict__ counts, const int32_t* _
   int* count = smem + warp * n_exp;
   for (int e = lane; e < n_exp; e += kWarp) count[e] = 0;
   __syncwarp();
-  const TileRange t = tile_range(tile, tile_slots, slots);
-  for (int64_t b0 = t.begin; b0 < t.end; b0 += kWarp * kChunkBatch) {
-    int ex[kChunkBatch];
-    load_chunk_batch(ex, expert, b0, t.end, lane);
-#pragma unroll
-    for (int c = 0; c < kChunkBatch; ++c) {
-      const int e = ex[c];
-      const bool valid = 0 <= e && e < n_exp;
-      const unsigned same = __match_any_sync(kFullMask, valid ? e : -1);
-      // One writer per expert and chunk; the next chunk's may be another lane, hence the sync.
-      if (valid && lane == __ffs(same) - 1) count[e] += __popc(same);
-      __syncwarp();
-    }
-  }
+  for_each_slot(tile_range(tile, tile_slots, slots), expert, n_exp, lane,
+                [&](int64_t, int e, bool valid, unsigned same) {
+                  // One writer per expert and chunk; the next chunk's may be another lane, hence
+                  // the sync.
+                  if (valid && lane == __ffs(same) - 1) count[e] += __popc(same);
+                  __syncwarp();
+                });
   for (int e = lane; e < n_exp; e += kWarp) counts[tile * n_exp + e] = count[e];
 }
 
@@ -154,34 +185,20 @@ __global__ void plan_place_kernel(int32_t* __restrict__ slot_row, const int32_t*
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp;
   if (tile >= tiles) return;
   int* cursor = smem + warp * n_exp;
-  // First row of each expert: exclusive prefix of the totals (lane l owns a contiguous run).
-  const int per = (n_exp + kWarp - 1) / kWarp, e0 = lane * per;
-  const int e1 = e0 + per < n_exp ? e0 + per : n_exp;
-  int sum = 0;
-  for (int e = e0; e < e1; ++e) sum += totals[e];
-  int total;
-  int run = warp_exclusive_scan(sum, lane, &total);
+  // First row of each expert: exclusive prefix of the totals.
+  auto [e0, e1, run] = lane_expert_run(totals, n_exp, lane);
   for (int e = e0; e < e1; ++e) {
     cursor[e] = run + (table ? table[tile * n_exp + e] : 0);
     run += totals[e];
   }
   __syncwarp();
   const TileRange t = tile_range(tile, tile_slots, slots);
-  for (int64_t b0 = t.begin; b0 < t.end; b0 += kWarp * kChunkBatch) {
-    int ex[kChunkBatch];
-    load_chunk_batch(ex, expert, b0, t.end, lane);
-#pragma unroll
-    for (int c = 0; c < kChunkBatch; ++c) {
-      const int64_t s = b0 + c * kWarp + lane;
-      const int e = ex[c];
-      const bool valid = 0 <= e && e < n_exp;
-      const unsigned same = __match_any_sync(kFullMask, valid ? e : -1);
-      if (s < t.end) slot_row[s] = valid ? cursor[e] + __popc(same & ((1u << lane) - 1u)) : -1;
-      __syncwarp();  // every lane has read its cursor before the group's first lane advances it
-      if (valid && lane == __ffs(same) - 1) cursor[e] += __popc(same);
-      __syncwarp();
-    }
-  }
+  for_each_slot(t, expert, n_exp, lane, [&](int64_t s, int e, bool valid, unsigned same) {
+    if (s < t.end) slot_row[s] = valid ? cursor[e] + __popc(same & ((1u << lane) - 1u)) : -1;
+    __syncwarp();  // every lane has read its cursor before the group's first lane advances it
+    if (valid && lane == __ffs(same) - 1) cursor[e] += __popc(same);
+    __syncwarp();
+  });
 }
 
 // row_token[slot_row[s]] = s / K; block 0's first warp turns offsets[1..E] (the totals) into the
@@ -197,12 +214,7 @@ __global__ void plan_finish_kernel(int32_t* __restrict__ row_token, int32_t* __r
   if (blockIdx.x != 0 || threadIdx.x >= kWarp) return;
   const int lane = threadIdx.x;
   int32_t* totals = offsets + 1;
-  const int per = (n_exp + kWarp - 1) / kWarp, e0 = lane * per;
-  const int e1 = e0 + per < n_exp ? e0 + per : n_exp;
-  int sum = 0;
-  for (int e = e0; e < e1; ++e) sum += totals[e];
-  int total;
-  int run = warp_exclusive_scan(sum, lane, &total);
+  auto [e0, e1, run] = lane_expert_run(totals, n_exp, lane);
   for (int e = e0; e < e1; ++e) {
     run += totals[e];
     totals[e] = run;

@@ -57,6 +57,11 @@ constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kColLanes = 8;  // lanes of a warp along a row (8 x 16 bytes)
 constexpr int kRowLanes = 4;  // lanes of a warp across rows
+// The forward and dx kernels' rows: an item's row group has kGroupRows<kR> rows, warp w takes
+// kRowLanes * kR consecutive ones of them, and the lanes of row lane r4 = lane / kColLanes every
+// kRowLanes-th of those from r4.
+template <int kR>
+constexpr int kGroupRows = (kWarps * kRowLanes) * kR;
 // Blocks per SM the launch bounds keep registers for (128 a thread).
 constexpr int kBlocksPerSm = 2;
 // The W tile of the forward and dx kernels (its columns: a multiple of 8 chunks).
@@ -234,6 +239,12 @@ __device__ __forceinline__ void forward_chunk(acc_t<T> (&acc)[kR][kTE], const Ve
   }
 }
 
+// The first of this lane's kR rows (first_row + kRowLanes * i) in row group `group`.
+template <int kR>
+__device__ __forceinline__ int64_t lane_first_row(int64_t group, int r4) {
+  return group * kGroupRows<kR> + (threadIdx.x / 32) * (kRowLanes * kR) + r4;
+}
+
 // logits[n, e0 + e] for the rows of the block's items. Items are (row group, E tile), tile
 // fastest; gridDim.x is a multiple of `tiles`, so a block keeps one tile. cols: the W tile's
 // columns (a multiple of 8 chunks); when it covers d the tile is staged once. kAhead: chunks of
@@ -245,7 +256,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                           int tiles, int64_t items, int cols, bool x_vec, bool w_vec) {
   using A = acc_t<T>;
   constexpr int V = kVec<T>;
-  constexpr int kGroupRows = kWarps * kRowLanes * kR;
   extern __shared__ __align__(16) unsigned char smem[];
   A* ws = reinterpret_cast<A*>(smem);
   const int lane = threadIdx.x & 31, c8 = lane & (kColLanes - 1), r4 = lane / kColLanes;
@@ -255,8 +265,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   bool staged = false;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     // x[rows[i], :]: this lane's rows (null past N)
-    const int64_t first_row =
-        (item / tiles) * kGroupRows + (threadIdx.x / 32) * (kRowLanes * kR) + r4;
+    const int64_t first_row = lane_first_row<kR>(item / tiles, r4);
     const T* rows[kR];
 #pragma unroll
     for (int i = 0; i < kR; ++i) {
@@ -384,7 +393,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
                      bool w_vec, bool dl_vec) {
   using A = acc_t<T>;
   constexpr int V = kVec<T>;
-  constexpr int kGroupRows = kWarps * kRowLanes * kR;
   extern __shared__ __align__(16) unsigned char smem[];
   A* ws = reinterpret_cast<A*>(smem);
   const int lane = threadIdx.x & 31, c8 = lane & (kColLanes - 1), r4 = lane / kColLanes;
@@ -393,8 +401,7 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   int64_t staged_kc = -1;
   for (int64_t item = blockIdx.x; item < items; item += gridDim.x) {
     const int64_t kc = (item / groups) * cols;
-    const int64_t first_row =
-        (item % groups) * kGroupRows + (threadIdx.x / 32) * (kRowLanes * kR) + r4;
+    const int64_t first_row = lane_first_row<kR>(item % groups, r4);
     int64_t n[kR];  // -1 past N
     const T* rows[kR];
 #pragma unroll
@@ -558,7 +565,7 @@ void launch_forward(cudaStream_t stream, Tensor logits, Tensor x, Tensor w, int6
   static std::once_flag once;
   allow_tile_smem(kernel, once);
   const int64_t tiles = (n_exp + kTE - 1) / kTE;
-  const int64_t group_rows = kWarps * kRowLanes * kR;
+  const int64_t group_rows = kGroupRows<kR>;
   const int64_t items = (n_tok + group_rows - 1) / group_rows * tiles;
   constexpr int64_t kLaneCols = kColLanes * V;  // the columns of one chunk per lane
   const int64_t max_cols =
@@ -593,7 +600,7 @@ void launch_dx(cudaStream_t stream, Tensor dx, Tensor dlogits, Tensor w, int64_t
     tile_rows = static_cast<int64_t>(kMaxTileBytes / (kLaneCols * sizeof(A))) / 4 * 4;
   }
   const size_t smem = size_t(tile_rows) * cols * sizeof(A);
-  const int64_t group_rows = kWarps * kRowLanes * kR;
+  const int64_t group_rows = kGroupRows<kR>;
   const int64_t groups = (n_tok + group_rows - 1) / group_rows;
   const int64_t items = (d + cols - 1) / cols * groups;
   const bool dx_vec = d % kVec<T> == 0 && aligned16({dx.data});
