@@ -131,12 +131,14 @@ TEST_CASE("gpu router_forward: the logits and routing of router_logits + router_
 }
 
 // MOE_MOD_ROUTE_PDL=1 (sm_90): the product, then the selection launched as its programmatic
-// dependent (with the common-digit skip): the same bits.
+// dependent (with the common-digit skip under MOE_MOD_SELECT_SKIP=1): the same bits.
 TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select",
           "[gpu][router_fused]") {
   const std::string pdl = GENERATE(as<std::string>{}, "0", "1");
+  const std::string skip = GENERATE(as<std::string>{}, "0", "1");
   setenv("MOE_MOD_ROUTE_PDL", pdl.c_str(), 1);
-  INFO("MOE_MOD_ROUTE_PDL=" << pdl);
+  setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
+  INFO("MOE_MOD_ROUTE_PDL=" << pdl << " MOE_MOD_SELECT_SKIP=" << skip);
   for (DType dt : {DType::bf16, DType::f16}) {
     check_mod(dt, 16, 1024, 128, 1024, 11);  // moe-small's MoD shape
     check_mod(dt, 5, 777, 97, 256, 12);      // T not a multiple of a block's 32 rows
@@ -148,4 +150,5 @@ TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select
   check_mod(DType::f32, 4, 100, 13, 64, 16);   // the two ops in turn
   check_mod(DType::bf16, 4, 100, 13, 60, 17);  // d not a multiple of 8
   unsetenv("MOE_MOD_ROUTE_PDL");
+  unsetenv("MOE_MOD_SELECT_SKIP");
 }

@@ -490,10 +490,13 @@ void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
   config.stream = stream_of(ctx);
   config.attrs = &after;
   config.numAttrs = 1;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, select_kernel<float, true, true>,
-                                    static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
-                                    static_cast<const float*>(scores.data), static_cast<int>(t),
-                                    static_cast<int>(c)));
+  // The skip only where asked for: MoD scores of both signs differ in their first digit (the sign
+  // bit), so there it saves no pass and costs its AND / OR pass.
+  auto kernel =
+      select_skips_common() ? select_kernel<float, true, true> : select_kernel<float, false, true>;
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(
+      &config, kernel, static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
+      static_cast<const float*>(scores.data), static_cast<int>(t), static_cast<int>(c)));
 }
 
 }  // namespace moe::cuda_detail

@@ -14,7 +14,7 @@ bool router_logits_forward_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w);
 bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
                                  Tensor w);
 
-// mod_select's selection of f32 scores (mod.cu, with MOE_MOD_SELECT_SKIP's common-digit skip),
+// mod_select's selection of f32 scores (mod.cu; the common-digit skip under MOE_MOD_SELECT_SKIP),
 // launched as the programmatic dependent of the kernel just queued that writes the scores
 // (mod_route with MOE_MOD_ROUTE_PDL=1, sm_90 devices): its blocks can be resident before that
 // kernel ends and wait for its grid (griddepcontrol.wait), with no launch gap between the two.
