@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -241,6 +242,71 @@ TEST_CASE("gpu decode attention matches the CPU reference and reads only lengths
           "[gpu][decode]") {
   for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16})
     for (int64_t hd : {32, 64}) check_decode(dt, hd);
+}
+
+// The SIMT kernels (every dtype's path where the tensor-core kernels do not run: head_dim != 64,
+// or f32 / f64) hold a row as NPER values per lane, NPER = 1, 2, 4 or 8 for head_dim up to 32, 64,
+// 128 and 256 (attention.cu's dispatch_nper). The cases above reach NPER 1 and 2 only; here
+// head_dim 16 (half the lanes idle), 100 and 128 (NPER 4, partial and full), 200 and 256 (NPER 8,
+// partial and full), training forward / backward and decode, every dtype.
+TEST_CASE("gpu attention and decode at head dims of 4 and 8 values per lane", "[gpu][attention]") {
+  for (DType dt : {DType::f32, DType::f64, DType::f16, DType::bf16})
+    for (int64_t hd : {16, 100, 128, 200, 256}) {
+      check_attention(dt, hd);
+      check_decode(dt, hd);
+    }
+}
+
+// A length outside [1, S] is a caller bug the CPU op throws for; the CUDA kernel never reads the
+// host's copy, so it writes NaN to every head of that sequence instead of reading past its cache
+// (a length of S + 1 would read the next sequence's first entry), and leaves the other sequences
+// bitwise as a run with valid lengths gives them.
+TEST_CASE("gpu decode: a length outside [1, S] gives NaN rows and leaves the others alone",
+          "[gpu][decode]") {
+  const int64_t B = 4, S = 40, nh = 4, nkv = 2, hd = 64;
+  for (DType dt : {DType::f32, DType::bf16}) {
+    INFO("dtype " << name_of(dt));
+    const std::vector<double> q =
+        round_to(dt, random_values(static_cast<size_t>(B * nh * hd), 41, -2, 2));
+    const std::vector<double> k =
+        round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 42));
+    const std::vector<double> v =
+        round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 43));
+    Ctx ctx = gpu_ctx();
+    DeviceTensor gq = on_device(dt, {B, nh, hd}, q);
+    DeviceTensor gk = on_device(dt, {B, S, nkv, hd}, k);
+    DeviceTensor gv = on_device(dt, {B, S, nkv, hd}, v);
+    auto run = [&](const std::vector<int32_t>& lengths) {
+      DeviceTensor glen(DType::i32, {B});
+      upload_i32(glen, lengths);
+      DeviceTensor gout = poisoned(dt, {B, nh, hd});
+      gpu::synchronize();
+      attention_decode_forward(ctx, gout, gq, gk, gv, glen);
+      gpu::synchronize();
+      return download(gout);
+    };
+    const std::vector<double> bad = run({37, 0, static_cast<int32_t>(S + 1), 5});
+    const std::vector<double> good = run({37, 1, static_cast<int32_t>(S), 5});
+    const int64_t row = nh * hd;  // one sequence's heads
+    for (int64_t b = 0; b < B; ++b) {
+      const bool invalid = b == 1 || b == 2;
+      bool ok = true;
+      for (int64_t i = b * row; i < (b + 1) * row; ++i)
+        ok = ok && (invalid ? std::isnan(bad[static_cast<size_t>(i)])
+                            : std::memcmp(&bad[static_cast<size_t>(i)],
+                                          &good[static_cast<size_t>(i)], sizeof(double)) == 0);
+      INFO("sequence " << b << (invalid ? " (invalid length: NaN expected)" : " (valid length)"));
+      CHECK(ok);
+    }
+    // The valid rows of the good run against the CPU op (so the comparison above is not of two
+    // wrong runs).
+    Ctx cpu{};
+    Host cq({B, nh, hd}, q), ck({B, S, nkv, hd}, k), cv({B, S, nkv, hd}, v), c_out({B, nh, hd});
+    std::vector<int32_t> len_host = {37, 1, static_cast<int32_t>(S), 5};
+    attention_decode_forward(cpu, c_out, cq, ck, cv,
+                             Tensor(len_host.data(), DType::i32, Device{}, {B}));
+    expect_close(good, c_out.v, rtol_for(dt), "decode with valid lengths");
+  }
 }
 
 TEST_CASE("gpu decode equals the last row of the training forward", "[gpu][decode]") {

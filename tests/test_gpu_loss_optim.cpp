@@ -282,6 +282,66 @@ TEST_CASE("gpu AdamW two steps match the CPU (weight decay, grad_scale)", "[gpu]
   }
 }
 
+// 16-bit storage (p, g, m, v all bf16 or all f16: the op's contract allows any float dtype, the
+// kernel computes each element in fp32 and rounds p, m and v once into the dtype; the trainer keeps
+// fp32 state, so no model test reaches it). Against the CPU op in f64 on the same rounded values:
+// |gpu - cpu| <= 1e-6 + rtol_for(dt) |cpu| (one rounding to dt, fp32 math; 1e-6 for a moment
+// that lands in f16's subnormals). Moments start random, not zero; with and without the device
+// clip; a non-finite norm_sq leaves the 16-bit state bitwise unchanged.
+TEST_CASE("gpu AdamW in bf16 and f16 storage matches the CPU on the rounded values",
+          "[gpu][optim]") {
+  const int64_t n = 1003;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.eps = 1e-8, a.weight_decay = 0.1, a.step = 3;
+  a.grad_scale = 0.25;
+  for (DType dt : {DType::bf16, DType::f16}) {
+    for (double max_norm : {0.0, 1.0}) {  // no clipping, clipping
+      INFO("dtype " << dtype_name(dt) << " max_norm " << max_norm);
+      const std::vector<double> p0 = round_to(dt, random_values(n, 101, -2.0, 2.0));
+      const std::vector<double> g = round_to(dt, random_values(n, 102, -3.0, 3.0));
+      const std::vector<double> m0 = round_to(dt, random_values(n, 103, -0.1, 0.1));
+      const std::vector<double> v0 = round_to(dt, random_values(n, 104, 1e-3, 0.1));
+      Ctx cpu{}, ctx = gpu_ctx();
+      DeviceTensor gp = on_device(dt, {n}, p0), gg = on_device(dt, {n}, g);
+      DeviceTensor gm = on_device(dt, {n}, m0), gv = on_device(dt, {n}, v0);
+      DeviceTensor gns = on_device(DType::f64, {1}, {0.0});
+      sum_squares(ctx, gns, gg);
+      gpu::synchronize();
+      const double norm_sq = download(gns)[0];
+      REQUIRE(a.grad_scale * std::sqrt(norm_sq) > 1.0);  // max_norm 1 really clips
+      AdamWArgs da = a;
+      if (max_norm > 0) da.max_norm = max_norm, da.norm_sq = gns;
+      adamw_step(ctx, gp, gg, gm, gv, da);
+      gpu::synchronize();
+
+      Host cp({n}, p0), cg({n}, g), cm({n}, m0), cv({n}, v0), cns({1}, {norm_sq});
+      AdamWArgs ca = da;
+      if (max_norm > 0) ca.norm_sq = cns;
+      adamw_step(cpu, cp, cg, cm, cv, ca);
+      const std::vector<double> p1 = download(gp), m1 = download(gm), v1 = download(gv);
+      check_close(p1, cp.v, dt, 1e-6, "adamw_step p");
+      check_close(m1, cm.v, dt, 1e-6, "adamw_step m");
+      check_close(v1, cv.v, dt, 1e-6, "adamw_step v");
+      // The step moved p (an update of ~lr: many elements cross a 16-bit rounding boundary).
+      size_t moved = 0;
+      for (int64_t i = 0; i < n; ++i)
+        if (p1[i] != p0[i]) ++moved;
+      CHECK(moved > static_cast<size_t>(n) / 4);
+
+      // A non-finite norm: p, m and v keep their bits.
+      const std::vector<unsigned char> pb = bytes_of(gp), mb = bytes_of(gm), vb = bytes_of(gv);
+      upload(gns, {std::numeric_limits<double>::infinity()});
+      AdamWArgs skip = a;
+      skip.step = 4, skip.max_norm = 1.0, skip.norm_sq = gns;
+      adamw_step(ctx, gp, gg, gm, gv, skip);
+      gpu::synchronize();
+      CHECK(bytes_of(gp) == pb);
+      CHECK(bytes_of(gm) == mb);
+      CHECK(bytes_of(gv) == vb);
+    }
+  }
+}
+
 // The f32 kernel takes four elements per thread when every array is 16-byte aligned and falls
 // back to one per thread otherwise (a segment at an odd offset of the parameter buffer): both
 // must give the same bits (ZeRO-3's chunks start at other offsets than stage 0's segments, and

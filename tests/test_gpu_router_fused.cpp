@@ -1,13 +1,14 @@
 // The routers in one op (router_forward, mod_route; kernels/cuda/router_fused.cu) against their
 // two halves. The products (logits, MoD scores) against an f64 reference on the same rounded
-// inputs, within rtol_for(f32) of (|ref| + max|ref|): the fused path sums exact tf32 products on
-// tensor cores in another order than router_logits_forward. The routing and the selection are
-// checked bitwise against router_topk_forward and mod_select run on the fused op's own logits and
-// scores (those ops have their own CPU-oracle tests). Outputs are poisoned before each call, a
-// second call must give the same bits (the tickets and counters reset themselves), and the shapes
-// take both paths: the one-launch kernel (16-bit x, d a multiple of 8, E <= 8) and the two ops in
-// turn (f32 x, E = 16, d = 100). router_logits_forward gives router_forward's logits bitwise (at
-// the one-launch shape it takes the same tensor-core product).
+// inputs, within rtol_for(acc_dtype(x)) of (|ref| + max|ref|) (fp32's; f64's for f64 x): the fused
+// path sums exact tf32 products on tensor cores in another order than router_logits_forward. The
+// routing and the selection are checked bitwise against router_topk_forward and mod_select run on
+// the fused op's own logits and scores (those ops have their own CPU-oracle tests). Outputs are
+// poisoned before each call, a second call must give the same bits (the tickets and counters
+// reset themselves), and the shapes take both paths: the one-launch kernel (16-bit x, d a multiple
+// of 8, E <= 8) and the two ops in turn (f32 or f64 x, E = 16, d = 100). router_logits_forward
+// gives router_forward's logits bitwise (at the one-launch shape it takes the same tensor-core
+// product).
 #include <cstdint>
 #include <vector>
 
@@ -82,7 +83,7 @@ void check_router(DType dt, int64_t n, int64_t d, int64_t e, int64_t k, bool wit
   };
   std::vector<double> logits;
   const RouterBits first = run(&logits);
-  expect_close(logits, product(xv, wv, n, d, e), rtol_for(DType::f32), "logits");
+  expect_close(logits, product(xv, wv, n, d, e), rtol_for(acc), "logits");
   CHECK(run(nullptr) == first);
 }
 
@@ -108,7 +109,7 @@ void check_mod(DType dt, int64_t b, int64_t t, int64_t c, int64_t d, uint64_t se
   };
   std::vector<double> scores;
   const auto first = run(&scores);
-  expect_close(scores, product(xv, wv, n, d, 1), rtol_for(DType::f32), "scores");
+  expect_close(scores, product(xv, wv, n, d, 1), rtol_for(acc), "scores");
   CHECK(run(nullptr) == first);
 }
 
@@ -126,6 +127,7 @@ TEST_CASE("gpu router_forward: the logits and routing of router_logits + router_
   }
   // The two ops in turn: f32 x, E past 8, d not a multiple of 8.
   check_router(DType::f32, 500, 256, 8, 2, false, true, 7);
+  check_router(DType::f64, 333, 64, 6, 3, true, false, 10);  // f64: the two ops, f64 bounds
   check_router(DType::bf16, 500, 256, 16, 4, false, true, 8);
   check_router(DType::bf16, 500, 100, 8, 2, true, true, 9);
 }
@@ -148,6 +150,7 @@ TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select
     check_mod(dt, 2, 5000, 300, 64, 18);     // T past the scores staged in shared memory
   }
   check_mod(DType::f32, 4, 100, 13, 64, 16);   // the two ops in turn
+  check_mod(DType::f64, 3, 77, 9, 64, 19);     // f64: the two ops, f64 bounds
   check_mod(DType::bf16, 4, 100, 13, 60, 17);  // d not a multiple of 8
   unsetenv("MOE_MOD_ROUTE_PDL");
   unsetenv("MOE_MOD_SELECT_SKIP");

@@ -1091,3 +1091,38 @@ TEST_CASE("swiglu f32 agrees with f64", "[swiglu][f32]") {
   Buf<double> bad({r, f + 1});
   CHECK_THROWS_AS(swiglu_forward(ctx, bad, gate, up), InternalError);
 }
+
+TEST_CASE("swiglu_weighted and silu f32 agree with f64", "[swiglu][f32]") {
+  // The f32 instances the CPU trainer runs (the experts' weighted SwiGLU, the MoD predictor's
+  // SiLU), on the same values as f64: every output within f32 rounding.
+  Ctx ctx = cpu_ctx();
+  const int64_t r = 50, f = 40;
+  Buf<double> gate = random_buf({r, f}, 104), up = random_buf({r, f}, 105);
+  Buf<double> dh = random_buf({r, f}, 106), w = random_buf({r}, 107);
+  for (auto& g : gate.v) g = static_cast<float>(6 * g);
+  for (auto& x : w.v) x = static_cast<float>(0.5 + 0.5 * x);
+  Buf<float> gatef = to_f32(gate), upf = to_f32(up), dhf = to_f32(dh), wf = to_f32(w);
+
+  Buf<double> h({r, f}), dgate({r, f}), dup({r, f}), dw({r}), y({r, f}), dx({r, f});
+  Buf<float> hf({r, f}), dgatef({r, f}), dupf({r, f}), dwf({r}), yf({r, f}), dxf({r, f});
+  swiglu_weighted_forward(ctx, h, gate, up, w);
+  swiglu_weighted_forward(ctx, hf, gatef, upf, wf);
+  swiglu_weighted_backward(ctx, dgate, dup, dw, dh, gate, up, w);
+  swiglu_weighted_backward(ctx, dgatef, dupf, dwf, dhf, gatef, upf, wf);
+  silu_forward(ctx, y, gate);
+  silu_forward(ctx, yf, gatef);
+  silu_backward(ctx, dx, dh, gate);
+  silu_backward(ctx, dxf, dhf, gatef);
+  CHECK(max_rel_diff(hf.v, h.v) < 1e-6);
+  CHECK(max_rel_diff(dgatef.v, dgate.v) < 1e-6);
+  CHECK(max_rel_diff(dupf.v, dup.v) < 1e-6);
+  // drow_w sums F terms of either sign: relative to the row's sum of |terms|
+  for (int64_t i = 0; i < r; ++i) {
+    double terms = 0;
+    for (int64_t j = 0; j < f; ++j)
+      terms += std::fabs(dh[i * f + j] * cpu::silu(gate[i * f + j]) * up[i * f + j]);
+    CHECK(std::fabs(dwf[i] - dw[i]) <= 1e-6 * terms);
+  }
+  CHECK(max_rel_diff(yf.v, y.v) < 1e-6);
+  CHECK(max_rel_diff(dxf.v, dx.v) < 1e-6);
+}

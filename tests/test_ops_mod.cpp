@@ -266,6 +266,41 @@ TEST_CASE("mod_predictor_head_backward matches finite differences of the scaled 
   CHECK(once[2] == Approx(want).epsilon(1e-13));
 }
 
+TEST_CASE("mod_predictor_head ops: f32 agrees with f64") {
+  // The f32 instance the CPU trainer runs, on the same values as f64: logit and dh within f32
+  // rounding, dw2 (a sum over N rows of either sign) relative to its column's sum of |terms|.
+  const int64_t n = 40, p = 12;
+  const double grad_scale = 0.75;
+  auto h = random_buf({n, p}, 151, -4, 4), w2 = random_buf({1, p}, 152);
+  auto dw0 = random_buf({1, p}, 153, -0.1, 0.1);
+  for (auto& x : h.v) x = static_cast<float>(x);
+  for (auto& x : w2.v) x = static_cast<float>(x);
+  for (auto& x : dw0.v) x = static_cast<float>(x);
+  Buf<double> targets({n});
+  for (int64_t i = 0; i < n; ++i) targets[i] = (i * 7) % 3 == 0 ? 1.0 : 0.0;
+  auto h32 = to_f32(h), w232 = to_f32(w2), t32 = to_f32(targets);
+  Buf<double> logit({n}), dh({n, p}), dw2 = dw0;
+  Buf<float> logit32({n}), dh32({n, p}), dw232 = to_f32(dw0);
+  Ctx ctx = cpu_ctx();
+  mod_predictor_head_forward(ctx, logit, h, w2);
+  mod_predictor_head_forward(ctx, logit32, h32, w232);
+  CHECK(max_rel_diff(logit32.v, logit.v) < 1e-6);
+  // both backwards from the f64 logits (rounded to f32: the same values on both sides)
+  for (auto& x : logit.v) x = static_cast<float>(x);
+  auto logit_in32 = to_f32(logit);
+  mod_predictor_head_backward(ctx, dh, dw2, h, w2, logit, targets, grad_scale);
+  mod_predictor_head_backward(ctx, dh32, dw232, h32, w232, logit_in32, t32, grad_scale);
+  CHECK(max_rel_diff(dh32.v, dh.v) < 1e-6);
+  Buf<double> s({n, p});
+  silu_forward(ctx, s, h);
+  for (int64_t j = 0; j < p; ++j) {
+    double terms = std::fabs(dw0[j]);
+    for (int64_t i = 0; i < n; ++i) terms += grad_scale / n * std::fabs(s[i * p + j]);
+    INFO("dw2[" << j << "] f32 " << dw232[j] << " f64 " << dw2[j]);
+    CHECK(std::fabs(dw232[j] - dw2[j]) <= 1e-6 * terms);
+  }
+}
+
 TEST_CASE("mod_predictor_head ops reject mismatched shapes") {
   Ctx ctx = cpu_ctx();
   Buf<double> h({4, 3}), w2({1, 2}), logit({4}), bad_logit({5}), good_w2({1, 3});

@@ -393,6 +393,44 @@ TEST_CASE("permute_backward matches finite differences of permute_forward") {
         return dot(w.v, xp.v);
       },
       1e-6, 1e-7, 1e-10, "dx");
+  // With a second source (the MoE layer's gradients through w1 and w3 gathered at once): the
+  // gradient of dot(w, xp) + dot(w2, xp), into a dx that held other values.
+  auto w2 = random_buf({n * k, d}, 53);
+  Buf<double> dx2 = random_buf({n, d}, 54);  // overwritten
+  permute_backward(ctx, dx2, w, w2, slot_row);
+  check_gradient(
+      x.v, dx2.v,
+      [&] {
+        permute_forward(ctx, xp, x, row_token);
+        return dot(w.v, xp.v) + dot(w2.v, xp.v);
+      },
+      1e-6, 1e-7, 1e-10, "dx with dxp2");
+}
+
+// permute_backward_add (the combine with the residual add, y = base + the sum of each token's K
+// rows of yp) on random values: y against base + permute_backward(yp), and its adjoint by finite
+// differences: d/dbase = dy, d/dyp = permute_forward(dy) (each row the gradient of its token).
+TEST_CASE("permute_backward_add is base + the combine; its gradients by finite differences") {
+  const int64_t n = 5, k = 2, e = 3, d = 3;
+  auto topk = make<int32_t>({n, k}, {2, 1, 0, 2, 1, 0, 2, 0, 1, 2});
+  Buf<int32_t> offsets({e + 1}), row_token({n * k}), slot_row({n * k});
+  Ctx ctx = cpu_ctx();
+  moe_permute_plan(ctx, offsets, row_token, slot_row, topk);
+  auto base = random_buf({n, d}, 55), yp = random_buf({n * k, d}, 56), w = random_buf({n, d}, 57);
+  Buf<double> y = random_buf({n, d}, 58);  // overwritten
+  permute_backward_add(ctx, y, base, yp, slot_row);
+  Buf<double> combined({n, d});
+  permute_backward(ctx, combined, yp, Tensor(), slot_row);
+  for (int64_t i = 0; i < n * d; ++i)
+    CHECK(y[i] == Approx(base[i] + combined[i]).epsilon(1e-14).margin(1e-14));
+  auto loss = [&] {
+    permute_backward_add(ctx, y, base, yp, slot_row);
+    return dot(w.v, y.v);
+  };
+  Buf<double> dyp({n * k, d});
+  permute_forward(ctx, dyp, w, row_token);
+  check_gradient(base.v, w.v, loss, 1e-6, 1e-7, 1e-10, "dbase");
+  check_gradient(yp.v, dyp.v, loss, 1e-6, 1e-7, 1e-10, "dyp");
 }
 
 // ---- routing weights in row order, combine ------------------------------------------------------
@@ -504,6 +542,14 @@ TEST_CASE("permute and the routing weights: f32 agrees with f64") {
   CHECK(max_rel_diff(row_w32.v, row_w.v) < 1e-7);
   CHECK(dtw.v == tw.v);  // the round trip of a permutation
   CHECK(dtw32.v == tw32.v);
+  // the combine with the residual add
+  auto base = random_buf({n, d}, 74);
+  auto base32 = to_f32(base);
+  Buf<double> y({n, d});
+  Buf<float> y32({n, d});
+  permute_backward_add(ctx, y, base, yp, slot_row);
+  permute_backward_add(ctx, y32, base32, yp32, slot_row);
+  CHECK(max_rel_diff(y32.v, y.v) < 1e-6);
 }
 
 TEST_CASE("routing ops reject bad indices and shapes") {

@@ -1,8 +1,8 @@
 // The routers in one op on the CPU (router_forward, mod_route): each must give the bits of its two
 // ops in turn (router_logits_forward then router_topk_forward; router_logits_forward then
 // mod_select), which have their own tests against double references, on random non-zero inputs in
-// f32 and f64, with and without the selection bias; and mod_route names itself when its scores
-// are not [B, T] (a shape check: InternalError, as the other ops').
+// f32 and f64, with and without the selection bias and the renormalisation; and mod_route names
+// itself when its scores are not [B, T] (a shape check: InternalError, as the other ops').
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -49,29 +49,30 @@ TEST_CASE("router_forward on the CPU is router_logits_forward then router_topk_f
           "[router_fused]") {
   Ctx ctx = cpu_ctx();
   for (DType dt : {DType::f32, DType::f64})
-    for (bool with_bias : {false, true}) {
-      INFO(dtype_name(dt) << (with_bias ? " bias" : ""));
-      const int64_t n = 37, d = 24, e = 6, k = 2;
-      Any x(dt, {n, d}, values(size_t(n * d), 1, 1.0)),
-          w(dt, {e, d}, values(size_t(e * d), 2, 0.3));
-      Any bias(dt, {e}, values(size_t(e), 3, 0.2));
-      const Tensor b = with_bias ? Tensor(bias) : Tensor();
-      Any l1(dt, {n, e}), p1(dt, {n, e}), i1(DType::i32, {n, k}), w1(dt, {n, k}),
-          c1(DType::i32, {e});
-      Any l2(dt, {n, e}), p2(dt, {n, e}), i2(DType::i32, {n, k}), w2(dt, {n, k}),
-          c2(DType::i32, {e});
-      router_forward(ctx, l1, p1, i1, w1, c1, x, w, b, true);
-      router_logits_forward(ctx, l2, x, w);
-      router_topk_forward(ctx, p2, i2, w2, c2, l2, b, true);
-      CHECK(l1.same_bits(l2));
-      CHECK(p1.same_bits(p2));
-      CHECK(i1.same_bits(i2));
-      CHECK(w1.same_bits(w2));
-      CHECK(c1.same_bits(c2));
-      int64_t routed = 0;
-      for (int64_t j = 0; j < e; ++j) routed += c1.t.ptr<int32_t>()[j];
-      CHECK(routed == n * k);
-    }
+    for (bool with_bias : {false, true})
+      for (bool norm : {true, false}) {
+        INFO(dtype_name(dt) << (with_bias ? " bias" : "") << (norm ? " norm_topk_prob" : " raw"));
+        const int64_t n = 37, d = 24, e = 6, k = 2;
+        Any x(dt, {n, d}, values(size_t(n * d), 1, 1.0)),
+            w(dt, {e, d}, values(size_t(e * d), 2, 0.3));
+        Any bias(dt, {e}, values(size_t(e), 3, 0.2));
+        const Tensor b = with_bias ? Tensor(bias) : Tensor();
+        Any l1(dt, {n, e}), p1(dt, {n, e}), i1(DType::i32, {n, k}), w1(dt, {n, k}),
+            c1(DType::i32, {e});
+        Any l2(dt, {n, e}), p2(dt, {n, e}), i2(DType::i32, {n, k}), w2(dt, {n, k}),
+            c2(DType::i32, {e});
+        router_forward(ctx, l1, p1, i1, w1, c1, x, w, b, norm);
+        router_logits_forward(ctx, l2, x, w);
+        router_topk_forward(ctx, p2, i2, w2, c2, l2, b, norm);
+        CHECK(l1.same_bits(l2));
+        CHECK(p1.same_bits(p2));
+        CHECK(i1.same_bits(i2));
+        CHECK(w1.same_bits(w2));
+        CHECK(c1.same_bits(c2));
+        int64_t routed = 0;
+        for (int64_t j = 0; j < e; ++j) routed += c1.t.ptr<int32_t>()[j];
+        CHECK(routed == n * k);
+      }
 }
 
 TEST_CASE("mod_route on the CPU is router_logits_forward then mod_select", "[router_fused]") {
