@@ -610,6 +610,55 @@ TEST_CASE("gpu swiglu and silu: forward and backward", "[gpu]") {
   }
 }
 
+// The plain SwiGLU / SiLU and add kernels take 16-byte accesses only when every pointer is
+// 16-byte aligned: views one element into their buffers take the scalar path (the model's
+// tensors are aligned, so only this reaches it), which must give the CPU op's values too.
+TEST_CASE("gpu swiglu, silu and add on views one element in: the scalar path", "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const int64_t n = 77 * 40;
+  // A view of n elements from element 1 of an (n + 1)-element buffer holding `values` there.
+  auto shifted = [](DType dt, const std::vector<double>& values) {
+    std::vector<double> padded(1, 0.5);
+    padded.insert(padded.end(), values.begin(), values.end());
+    return on_device(dt, {n + 1}, padded);
+  };
+  auto view = [](const DeviceTensor& d) { return Tensor(d).rows(1, n + 1); };
+  for (DType dt : kDtypes) {
+    const auto gate = rounded_random_values(dt, n, 53, -6.0, 6.0),
+               up = rounded_random_values(dt, n, 54), dh = rounded_random_values(dt, n, 55);
+    Buf<double> hg = host({n}, gate), hu = host({n}, up), hdh = host({n}, dh);
+    const DeviceTensor dg = shifted(dt, gate), du = shifted(dt, up), ddh = shifted(dt, dh);
+
+    Buf<double> hh({n}), hdg({n}), hdu({n}), hy({n}), hdx({n}), hsum({n});
+    cpu::swiglu_forward(cpu, hh, hg, hu);
+    cpu::swiglu_backward(cpu, hdg, hdu, hdh, hg, hu);
+    cpu::silu_forward(cpu, hy, hg);
+    cpu::silu_backward(cpu, hdx, hdh, hg);
+    cpu::add(cpu, hsum, hg, hu);
+
+    const DeviceTensor h = poisoned(dt, {n + 1}), dgate = poisoned(dt, {n + 1}),
+                       dup = poisoned(dt, {n + 1}), y = poisoned(dt, {n + 1}),
+                       dx = poisoned(dt, {n + 1}), sum = poisoned(dt, {n + 1});
+    swiglu_forward(gpu, view(h), view(dg), view(du));
+    swiglu_backward(gpu, view(dgate), view(dup), view(ddh), view(dg), view(du));
+    silu_forward(gpu, view(y), view(dg));
+    silu_backward(gpu, view(dx), view(ddh), view(dg));
+    add(gpu, view(sum), view(dg), view(du));
+    // (element 0 of each output buffer stays poisoned: nothing writes before the view)
+    auto tail = [](const DeviceTensor& d) {
+      const std::vector<double> all = download(d);
+      CHECK(std::isnan(all[0]));
+      return std::vector<double>(all.begin() + 1, all.end());
+    };
+    check_close("swiglu_forward (scalar path)", dt, tail(h), hh.v, pointwise_tol(dt));
+    check_close("swiglu_backward dgate (scalar path)", dt, tail(dgate), hdg.v, pointwise_tol(dt));
+    check_close("swiglu_backward dup (scalar path)", dt, tail(dup), hdu.v, pointwise_tol(dt));
+    check_close("silu_forward (scalar path)", dt, tail(y), hy.v, pointwise_tol(dt));
+    check_close("silu_backward (scalar path)", dt, tail(dx), hdx.v, pointwise_tol(dt));
+    check_close("add (scalar path)", dt, tail(sum), hsum.v, elementwise_tol(dt));
+  }
+}
+
 TEST_CASE("gpu swiglu_weighted: forward and backward against the CPU, in place", "[gpu]") {
   Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
   const int64_t r = 77;
