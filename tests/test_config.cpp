@@ -717,6 +717,43 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "train.split_master",
        {"stage 0", "stage 1"}},
+      // Robustness: values that once crashed, hung or ran silently wrong.
+      {"a key given twice",
+       R"({"train": {"max_steps": 5, "max_steps": 7}})",
+       {},
+       "train.max_steps",
+       {"twice", "test.json"}},
+      {"a NUL in a path",
+       R"({"train": {"out_dir": "runs/a\u0000b"}})",
+       {},
+       "train.out_dir",
+       {"NUL"}},
+      {"an override that is not UTF-8",
+       "{}",
+       {"train.out_dir=runs/\xff"},
+       "train.out_dir",
+       {"UTF-8"}},
+      {"a wrong type that is not UTF-8",
+       "{}",
+       {"model.hidden_size=\xff"},
+       "model.hidden_size",
+       {"expected an integer"}},
+      {"a wrong type nested too deep to print",
+       R"({"model": )" + std::string(100000, '[') + std::string(100000, ']') + "}",
+       {},
+       "model",
+       {"nested too deep"}},
+      {"more layers than set-up handles",
+       R"({"model": {"num_hidden_layers": 2000}})",
+       {},
+       "model.num_hidden_layers",
+       {"<= 1024"}},
+      {"sizes whose product wraps 64 bits",
+       R"({"model": {"hidden_size": 2147483644, "num_attention_heads": 2,
+          "num_key_value_heads": 2}})",
+       {},
+       "model",
+       {"2^40", "hidden_size"}},
   };
   return cases;
 }
@@ -758,6 +795,9 @@ TEST_CASE("config: the bad cases are good once the offending value is fixed") {
   CHECK_NOTHROW(parse(R"({"bf16": {"enabled": true}, "train": {"split_master": true}})"));
   CHECK_NOTHROW(parse(model(R"("hidden_size": 1000, "num_attention_heads": 8,
                                "num_key_value_heads": 8, "head_dim": 124)")));
+  CHECK_NOTHROW(parse(R"({"train": {"max_steps": 5}, "model": {"mod": {"every": 2}}})"));
+  CHECK_NOTHROW(parse(R"({"model": {"num_hidden_layers": 1024, "hidden_size": 64,
+                          "num_attention_heads": 4, "num_key_value_heads": 4}})"));
 }
 
 TEST_CASE("config: the shipped configs load and round-trip") {

@@ -380,6 +380,22 @@ TEST_CASE("top_k limits each draw to the k most likely tokens", "[sampler][gener
   }
 }
 
+TEST_CASE("vocab_limit keeps every draw below the tokenizer's vocabulary", "[sampler][generate]") {
+  // A model trained with a vocab_size padded past its tokenizer's: the extra ids have no text.
+  auto model = make_model(base_config(), DType::f64, 23);
+  const std::vector<uint32_t> prompt{5};
+  SampleOptions opt;
+  opt.max_new_tokens = 14;
+  opt.temperature = 50.0;  // near uniform: without the limit, high ids come up
+  opt.vocab_limit = 3;
+  for (uint64_t seed = 0; seed < 4; ++seed) {
+    opt.seed = seed;
+    for (uint32_t t : generate(*model, prompt, opt)) CHECK(t < 3);
+  }
+  opt.vocab_limit = 1000;  // above the model's vocabulary: no limit
+  CHECK(generate(*model, prompt, opt).size() == 14);
+}
+
 TEST_CASE("sample_token draws from softmax(logits / temperature)", "[sampler]") {
   const std::vector<double> logits{0.0, std::log(3.0), -1e300};
   const int draws = 20000;

@@ -30,6 +30,9 @@ struct SampleOptions {
   int top_k = 0;             // sample among the k most likely tokens; 0 = all
   uint64_t seed = 0;         // seeds the Rng of the draws
   int64_t eos_id = -1;       // >= 0: stop once this token has been generated
+  // > 0: draw only ids below this, the tokenizer's vocabulary when the model's vocab_size is
+  // larger (padded): the ids past it have no text. 0 = every id of the model.
+  int64_t vocab_limit = 0;
 };
 
 class DecodeLayer;

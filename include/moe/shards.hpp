@@ -84,6 +84,7 @@ class SequentialReader {
   SequentialReader(const std::vector<std::string>& files, int seq_len, int batch);
   ~SequentialReader();
   bool next(int32_t* ids, int32_t* targets);
+  uint32_t max_token() const;  // largest token id in the shards (vocab checks)
 
  private:
   struct Impl;

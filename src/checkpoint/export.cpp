@@ -87,6 +87,7 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
   match_named_tensors(build_param_table(cfg.model), tensors,
                       std::vector<std::string>(tensors.size(), weights), weights);
 
+  if (out_dir.empty()) throw InputError("export: the output directory name is empty");
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) throw InputError(out_dir + ": cannot create directory: " + ec.message());

@@ -98,7 +98,8 @@ std::vector<int64_t> parse_shape(const nlohmann::json& j, const std::string& pat
   std::vector<int64_t> shape;
   for (const auto& d : j) {
     if (!d.is_number_unsigned() && !(d.is_number_integer() && d.get<int64_t>() >= 0))
-      corrupt(path, "tensor " + name + ": shape " + j.dump() + " is not non-negative integers");
+      corrupt(path, "tensor " + name + ": \"shape\" holds " + std::string(d.type_name()) +
+                        ", not only non-negative integers");  // no dump: it may nest deep
     shape.push_back(d.get<int64_t>());
   }
   return shape;

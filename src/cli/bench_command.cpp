@@ -23,7 +23,7 @@ struct BenchFlags {
 
 void run_bench(const BenchFlags& f) {
   std::vector<std::string> overrides = f.config.overrides;
-  if (!f.device.empty()) overrides.push_back("train.device=\"" + f.device + "\"");
+  if (!f.device.empty()) overrides.push_back(string_override("train.device", f.device));
   const Config cfg = load_config(f.config.config_path, overrides);
   const Device dev = resolve_device(cfg.train.device);
   // The activation dtype the trainer would use; the CPU backend computes in f32 only.
@@ -53,7 +53,7 @@ void add_bench_command(CLI::App& app) {
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--skew", flags->skews,
                   "expert-load skews (maxvio) for the grouped GEMM rows (default 0 1 10)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(finite_range(0.0, 1e6));
   cmd->add_option("--family", flags->families,
                   "time only the families starting with these names (e.g. attention grouped_gemm); "
                   "the copy and dense_gemm references always run");

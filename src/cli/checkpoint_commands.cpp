@@ -1,5 +1,7 @@
 // `eval`, `sample` and `export`: the commands that read a checkpoint.
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -53,6 +55,11 @@ void run_eval(const EvalFlags& f) {
   Model model(cfg.model, DType::f32, Device{}, b, t);
   load_checkpoint_weights(dir, model);
   SequentialReader reader(expand_glob(f.data), t, b);
+  // Shards of another tokenizer: named here, not as a bare token id in the middle of a batch.
+  if (reader.max_token() >= static_cast<uint32_t>(cfg.model.vocab_size))
+    throw InputError(f.data + ": token id " + std::to_string(reader.max_token()) +
+                     " does not fit the model's vocab_size " +
+                     std::to_string(cfg.model.vocab_size) + " (shards of another tokenizer?)");
   const size_t n = static_cast<size_t>(b) * t;
   std::vector<int32_t> ids(n), targets(n);
   Ctx ctx;
@@ -64,11 +71,11 @@ void run_eval(const EvalFlags& f) {
     ++done;
   }
   if (done == 0)
-    throw InputError(f.data + ": fewer than batch_size * seq_len + 1 = " +
-                     std::to_string(n + 1) + " tokens; nothing to evaluate");
+    throw InputError(f.data + ": fewer than batch_size * seq_len + 1 = " + std::to_string(n + 1) +
+                     " tokens; nothing to evaluate");
   const double loss = sum / done;
-  nlohmann::json j = {{"loss", loss},    {"ppl", std::exp(loss)},      {"tokens", done * n},
-                      {"batches", done}, {"checkpoint", dir},          {"batch_size", b},
+  nlohmann::json j = {{"loss", loss},    {"ppl", std::exp(loss)}, {"tokens", done * n},
+                      {"batches", done}, {"checkpoint", dir},     {"batch_size", b},
                       {"seq_len", t}};
   std::cout << j.dump() << std::endl;
 }
@@ -85,8 +92,9 @@ std::vector<uint32_t> parse_ids(const std::string& text) {
   while (std::getline(ss, item, ',')) {
     try {
       size_t used = 0;
-      long v = std::stol(item, &used);
-      if (used != item.size() || v < 0) throw std::invalid_argument(item);
+      const long long v = std::stoll(item, &used);
+      // Past 2^32 - 1 the id would wrap to another token.
+      if (used != item.size() || v < 0 || v > UINT32_MAX) throw std::invalid_argument(item);
       ids.push_back(static_cast<uint32_t>(v));
     } catch (const std::exception&) {
       throw InputError("--prompt-ids: \"" + item + "\" is not a token id");
@@ -111,7 +119,10 @@ void run_sample(SampleFlags f) {
                        "prompt as --prompt-ids 1,2,3");
     prompt = tok->encode(f.prompt);
   }
-  if (tok) f.opt.eos_id = tok->eos_id();
+  if (tok) {
+    f.opt.eos_id = tok->eos_id();
+    f.opt.vocab_limit = tok->vocab_size();  // a padded model's extra ids have no text
+  }
   std::vector<uint32_t> out = generate(model, prompt, f.opt);
   if (tok) {
     std::cout << tok->decode(prompt) << tok->decode(out) << std::endl;
@@ -131,11 +142,12 @@ void add_eval_command(CLI::App& app) {
       ->required();
   cmd->add_option("--data", f->data, "glob of token shards")->required();
   cmd->add_option("--batches", f->batches, "batches to evaluate (default: all the data)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--batch-size", f->batch_size, "rows per batch (default: the training micro-batch)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(0, INT_MAX));
+  cmd->add_option("--batch-size", f->batch_size,
+                  "rows per batch (default: the training micro-batch)")
+      ->check(CLI::Range(1, INT_MAX));
   cmd->add_option("--seq-len", f->seq_len, "tokens per row (default: the training seq_len)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(1, INT_MAX));
   cmd->add_option("--logits-out", f->logits_out,
                   "write the first batch's logits (float32 [B*T, V]) to this file");
   register_runner("eval", [f] { run_eval(*f); });
@@ -153,9 +165,9 @@ void add_sample_command(CLI::App& app) {
   cmd->add_option("--max-new-tokens", f->opt.max_new_tokens, "tokens to generate (default 64)")
       ->check(CLI::Range(1, 1 << 20));
   cmd->add_option("--temperature", f->opt.temperature, "0 = greedy (default 1)")
-      ->check(CLI::Range(0.0, 100.0));
+      ->check(finite_range(0.0, 100.0));
   cmd->add_option("--top-k", f->opt.top_k, "sample among the k most likely (0 = all)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(0, INT_MAX));
   cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
   cmd->callback([text, ids] {
     if (text->count() == 0 && ids->count() == 0)

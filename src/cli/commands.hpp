@@ -26,5 +26,11 @@ struct ConfigFlags {
 };
 void add_config_flags(CLI::App* cmd, ConfigFlags& f);
 void register_runner(const std::string& name, std::function<void()> run);
+// A number flag in [lo, hi]. CLI::Range alone lets "nan" through (every comparison with NaN is
+// false), and CLI::PositiveNumber's message prints the largest double in full.
+CLI::Validator finite_range(double lo, double hi);
+// The --set override "key=<value as a JSON string>": a flag's value stays verbatim (quotes and
+// backslashes included) instead of being read as JSON. ConfigError for text that is not UTF-8.
+std::string string_override(const std::string& key, const std::string& value);
 
 }  // namespace moe::cli

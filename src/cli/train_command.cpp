@@ -1,5 +1,6 @@
 // `train` and `info`.
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <algorithm>
 #include <iostream>
@@ -25,10 +26,14 @@ double mib(double bytes) {
 void run_train(const ConfigFlags& f, const std::string& device, const std::string& resume,
                double memory_limit_gib) {
   std::vector<std::string> overrides = f.overrides;
-  if (!device.empty()) overrides.push_back("train.device=\"" + device + "\"");
-  if (!resume.empty()) overrides.push_back("train.resume=\"" + resume + "\"");
-  if (memory_limit_gib >= 0)
-    overrides.push_back("train.gpu_memory_limit_gib=" + std::to_string(memory_limit_gib));
+  if (!device.empty()) overrides.push_back(string_override("train.device", device));
+  if (!resume.empty()) overrides.push_back(string_override("train.resume", resume));
+  if (memory_limit_gib >= 0) {
+    // %.17g, not std::to_string's 6 decimals: a small cap must not round to 0 (no cap).
+    char text[40];
+    std::snprintf(text, sizeof text, "%.17g", memory_limit_gib);
+    overrides.push_back(std::string("train.gpu_memory_limit_gib=") + text);
+  }
   Config cfg = load_config(f.config_path, overrides);
   check_runnable(cfg);  // refusals before the config is printed: one message, nothing else
   const bool first_rank = detect_ranks().rank == 0;  // the other data-parallel ranks train quietly
@@ -38,6 +43,11 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
               << std::flush;
   TrainResult r = train(cfg, std::cout);
   if (!first_rank) return;
+  if (r.losses.empty()) {  // resumed at train.max_steps or past it: no loss to report
+    std::printf("done: nothing to train: resumed at step %d, train.max_steps is %d\n",
+                r.resumed_from, cfg.train.max_steps);
+    return;
+  }
   if (profile::enabled() && r.profiled_steps > 0)
     std::cout << profile::format(profile::take(), r.profiled_steps) << std::flush;
   std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
@@ -51,8 +61,9 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
 // when the config states it, else the ranks this process was launched with.
 int info_world(const Config& cfg, int flag) {
   if (flag > 0) return flag;
-  const int per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps;
-  if (cfg.train_batch_size > 0) return cfg.train_batch_size / per_rank;
+  const int64_t per_rank =  // 64 bits: the product of two 32-bit keys
+      int64_t{cfg.train_micro_batch_size_per_gpu} * cfg.gradient_accumulation_steps;
+  if (cfg.train_batch_size > 0) return static_cast<int>(cfg.train_batch_size / per_rank);
   return detect_ranks().world;
 }
 
@@ -79,9 +90,11 @@ void run_info(const ConfigFlags& f, int world_flag) {
               m.vocab_size, t, b);
   std::printf("parameters:        %14.0f total (%.3fM)\n", c.total, c.total / 1e6);
   std::printf("active per token:  %14.0f (%.3fM)\n", c.active_per_token, c.active_per_token / 1e6);
-  std::printf("training FLOPs:    %14.4g per token (%.4g per step of %d tokens)\n",
-              c.flops_per_token, c.flops_per_token * b * t * cfg.gradient_accumulation_steps,
-              b * t * cfg.gradient_accumulation_steps);
+  // In 64 bits: micro-batch x seq_len x accumulation passes 2^31 for large configs.
+  const int64_t step_tokens = int64_t{b} * t * cfg.gradient_accumulation_steps;
+  std::printf("training FLOPs:    %14.4g per token (%.4g per step of %lld tokens)\n",
+              c.flops_per_token, c.flops_per_token * static_cast<double>(step_tokens),
+              static_cast<long long>(step_tokens));
   std::printf("memory (%s compute, per process):\n", dtype_name(compute));
   std::printf("  parameters        %10.1f MiB%s\n", mib(param_bytes),
               plan.splits_master() ? " (split fp32 master: compute copy + low halves)"
@@ -201,7 +214,7 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--gpu-memory-limit", *memory_limit,
                   "GiB the trainer may allocate on the GPU (0 = all of it): check that a run fits "
                   "a smaller card, e.g. 16 for a T4 (overrides train.gpu_memory_limit_gib)")
-      ->check(CLI::Range(0.0, 1e6));
+      ->check(finite_range(0.0, 1e6));
   register_runner("train", [flags, device, resume, profile, memory_limit] {
     if (*profile) profile::enable(true);
     run_train(*flags, *device, *resume, *memory_limit);

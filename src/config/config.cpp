@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <utility>
 
@@ -29,11 +30,23 @@ using nlohmann::ordered_json;
 
 namespace {
 
+// Whether j nests no deeper than `levels`: json::dump recurses once per level, so a value nested
+// thousands deep (a corrupt or hostile file) must not be dumped.
+bool nests_within(const json& j, int levels) {
+  if (!j.is_structured()) return true;
+  if (levels == 0) return false;
+  return std::all_of(j.begin(), j.end(),
+                     [&](const json& e) { return nests_within(e, levels - 1); });
+}
+
 // `number 2.5`, `string "8"`: the JSON type and the value, shortened so a stray object stays
-// readable.
+// readable. Text that is not UTF-8 (an override's raw bytes) shows with replacement characters.
 std::string describe(const json& j) {
   if (j.is_null()) return "null";
-  std::string text = j.dump();
+  constexpr int kMaxShownLevels = 8;
+  std::string text = nests_within(j, kMaxShownLevels)
+                         ? j.dump(-1, ' ', false, json::error_handler_t::replace)
+                         : "(nested too deep to show)";
   if (text.size() > 40) text = text.substr(0, 37) + "...";
   return std::string(j.type_name()) + " " + text;
 }
@@ -82,7 +95,18 @@ bool read_value<bool>(const json& j, const std::string& path) {
 template <>
 std::string read_value<std::string>(const json& j, const std::string& path) {
   if (!j.is_string()) wrong_type(path, "a string", j);
-  return j.get<std::string>();
+  std::string s = j.get<std::string>();
+  // A NUL would cut a path short where it reaches the system (another directory, silently).
+  if (s.find('\0') != std::string::npos)
+    throw ConfigError(path, "must not contain a NUL character (\\u0000)");
+  // The config is printed and saved as JSON, which holds UTF-8 only (an override's raw text is
+  // taken as it comes).
+  try {
+    (void)j.dump();
+  } catch (const json::type_error&) {
+    throw ConfigError(path, "is not valid UTF-8 text, got " + describe(j));
+  }
+  return s;
 }
 
 // ---- schema builders
@@ -359,10 +383,57 @@ void read_section(const KeyNode& node, const json& j, const std::string& path, C
   }
 }
 
+// A key given twice in one object: JSON parsers keep the last value and drop the other silently,
+// so a copy-pasted section would quietly override the one the user reads. The callback sees the
+// parse events in order; each open object keeps the keys seen so far, each array a placeholder.
+class DuplicateKeyCheck {
+ public:
+  explicit DuplicateKeyCheck(std::string source) : source_(std::move(source)) {}
+  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start:
+        open_.push_back({event == json::parse_event_t::object_start, {}, ""});
+        break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!open_.empty()) open_.pop_back();
+        break;
+      case json::parse_event_t::key: {
+        Open& o = open_.back();
+        o.key = parsed.get<std::string>();
+        if (!o.keys.insert(o.key).second)
+          throw ConfigError(path(), "given twice in the same object of " + source_ +
+                                        " (only one value can count); remove one of them");
+        break;
+      }
+      case json::parse_event_t::value:
+        break;
+    }
+    return true;
+  }
+
+ private:
+  struct Open {
+    bool object;
+    std::set<std::string> keys;
+    std::string key;  // the latest key of an object
+  };
+  std::string path() const {
+    std::string p;
+    for (const Open& o : open_)
+      if (o.object) p = join_path(p, o.key);
+    return p;
+  }
+  std::string source_;
+  std::vector<Open> open_;
+};
+
 json parse_json_text(const std::string& text, const std::string& source) {
   try {
     // Comments are allowed so shipped configs can explain their choices.
-    return json::parse(text, nullptr, /*allow_exceptions=*/true, /*ignore_comments=*/true);
+    return json::parse(text, DuplicateKeyCheck(source), /*allow_exceptions=*/true,
+                       /*ignore_comments=*/true);
   } catch (const json::parse_error& e) {
     // e.what() reads "[json.exception.parse_error.101] parse error at line 3, column 5: ...".
     std::string detail = e.what();

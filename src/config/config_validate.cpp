@@ -17,6 +17,14 @@ namespace {
 // stay stable as backends land; flipping a flag removes the matching rejection below.
 constexpr bool kHasTokenShards = true;  // llm.c-layout token shards (data.train_files)
 
+// Set-up looks each layer's parameters up by name (quadratic in the depth: 16k layers take
+// minutes before the first step); far deeper than any model this trainer is meant for.
+constexpr int kMaxLayers = 1024;
+// 2^40 parameters are 16 TiB of fp32 weights, gradients and AdamW moments: a larger count is a
+// typo, and past it the element counts of the buffers near the 64-bit range (a config of 2^31-wide
+// sizes wraps them), so it is refused before anything is planned or allocated.
+constexpr double kMaxParameters = 1099511627776.0;
+
 std::string num(double v) {
   std::ostringstream s;
   s << v;
@@ -51,6 +59,9 @@ void validate_model_sizes(const ModelConfig& m) {
   require_at_least("model.hidden_size", m.hidden_size, 1);
   require_at_least("model.intermediate_size", m.intermediate_size, 1);
   require_at_least("model.num_hidden_layers", m.num_hidden_layers, 1);
+  if (m.num_hidden_layers > kMaxLayers)
+    fail("model.num_hidden_layers", "must be <= " + std::to_string(kMaxLayers) + ", got " +
+                                        std::to_string(m.num_hidden_layers));
   require_at_least("model.num_attention_heads", m.num_attention_heads, 1);
   require_at_least("model.num_key_value_heads", m.num_key_value_heads, 1);
   require_at_least("model.max_position_embeddings", m.max_position_embeddings, 1);
@@ -81,6 +92,30 @@ void validate_attention_shape(const ModelConfig& m) {
     fail("model.head_dim", "head_dim must be even for RoPE, got " +
                                std::to_string(m.resolved_head_dim()) +
                                (m.head_dim == 0 ? " (hidden_size / num_attention_heads)" : ""));
+}
+
+// The parameter count in double (it cannot wrap), layer by layer as build_param_table lays them
+// out (which counts in 64-bit integers: past 2^40 the check below refuses before it runs).
+double parameter_count(const ModelConfig& m) {
+  const double d = m.hidden_size, hd = m.resolved_head_dim();
+  const double attention =  // q, k, v, o and the two norms
+      2 * d * hd * (static_cast<double>(m.num_attention_heads) + m.num_key_value_heads) + 2 * d;
+  const double moe = m.num_local_experts * d * (1 + 3.0 * m.intermediate_size) +  // router, experts
+                     3 * d * m.num_shared_experts * m.resolved_shared_ffn();
+  const double dense = 3 * d * m.resolved_dense_ffn();
+  const double mod = d + m.mod.predictor_hidden_size * (d + 1);  // router, predictor
+  double n = m.vocab_size * d * (m.tie_word_embeddings ? 1 : 2) + d;  // embedding, head, norm
+  for (int l = 0; l < m.num_hidden_layers; ++l)
+    n += attention + (m.is_moe_layer(l) ? moe : dense) + (m.is_mod_layer(l) ? mod : 0);
+  return n;
+}
+
+void validate_parameter_count(const ModelConfig& m) {
+  const double n = parameter_count(m);
+  if (n > kMaxParameters)
+    fail("model", "the sizes give " + num(n) + " parameters, more than the " + num(kMaxParameters) +
+                      " (2^40) this trainer can hold; lower model.hidden_size, "
+                      "intermediate_size, num_local_experts, num_hidden_layers or vocab_size");
 }
 
 void validate_routing(const ModelConfig& m) {
@@ -120,6 +155,7 @@ void validate_model(const ModelConfig& m) {
   validate_routing(m);
   validate_numerics(m);
   validate_mod(m.mod);
+  validate_parameter_count(m);  // after the sizes it multiplies are known to be sane
 }
 
 // ---- optimisation

@@ -51,16 +51,27 @@ void validate(const PrepareOptions& opt) {
   if (opt.vocab_size < 0)
     throw InputError("prepare: vocab_size must be >= 0 (0 = " + std::to_string(kDefaultSpmVocab) +
                      "), got " + std::to_string(opt.vocab_size));
+  // Options the chosen tokenizer would ignore: the run would silently not be the one asked for.
+  if (opt.tokenizer == "byte" && (opt.vocab_size != 0 || !opt.spm_model.empty()))
+    throw InputError(std::string("prepare: --") +
+                     (opt.vocab_size != 0 ? "vocab-size" : "spm-model") +
+                     " applies to --tokenizer spm; the byte tokenizer has a fixed vocabulary of "
+                     "257");
 }
 
 // Fails before any slow work (tokenizer training) when an input cannot be read.
 void check_inputs(const std::vector<std::string>& inputs) {
+  uintmax_t bytes = 0;
   for (const auto& f : inputs) {
     std::error_code ec;
     if (!fs::exists(f, ec)) throw InputError(f + ": cannot read: no such file");
     if (!fs::is_regular_file(f, ec)) throw InputError(f + ": cannot read: not a regular file");
     if (!std::ifstream(f, std::ios::binary)) throw InputError(f + ": cannot read (permissions?)");
+    bytes += fs::file_size(f, ec);
   }
+  // (SentencePiece's own message for this names neither the files nor the cause.)
+  if (bytes == 0)
+    throw InputError("prepare: the input files (first: " + inputs.front() + ") are all empty");
 }
 
 void make_dir(const std::string& dir) {
@@ -80,7 +91,14 @@ std::string read_text(const std::string& path) {
 
 std::unique_ptr<Tokenizer> make_tokenizer(const PrepareOptions& opt) {
   if (opt.tokenizer == "byte") return make_byte_tokenizer();
-  if (!opt.spm_model.empty()) return load_spm_model(opt.spm_model);
+  if (!opt.spm_model.empty()) {
+    std::unique_ptr<Tokenizer> tok = load_spm_model(opt.spm_model);
+    if (opt.vocab_size != 0 && tok->vocab_size() != opt.vocab_size)
+      throw InputError(opt.spm_model + ": the SentencePiece model has a vocabulary of " +
+                       std::to_string(tok->vocab_size()) + ", not the --vocab-size " +
+                       std::to_string(opt.vocab_size) + " asked for");
+    return tok;
+  }
   const int vocab = opt.vocab_size > 0 ? opt.vocab_size : kDefaultSpmVocab;
   return train_spm_tokenizer(opt.inputs, vocab, opt.out_dir);
 }

@@ -192,16 +192,36 @@ Shard::~Shard() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
+namespace {
+
+// The directory glob(3) could not open and why, for the GLOB_ABORTED message (a missing
+// directory in the pattern, not only an unreadable one, aborts it).
+thread_local std::string glob_failed_dir;
+thread_local int glob_failed_errno = 0;
+
+int note_glob_error(const char* dir, int error) {
+  glob_failed_dir = dir;
+  glob_failed_errno = error;
+  return 1;  // stop, as GLOB_ERR does
+}
+
+}  // namespace
+
 std::vector<std::string> expand_glob(const std::string& pattern) {
   glob_t g{};
-  const int rc = ::glob(pattern.c_str(), GLOB_ERR, nullptr, &g);
+  glob_failed_dir.clear();
+  const int rc = ::glob(pattern.c_str(), GLOB_ERR, note_glob_error, &g);
   std::vector<std::string> files;
   if (rc == 0)
     for (size_t i = 0; i < g.gl_pathc; ++i) files.emplace_back(g.gl_pathv[i]);
   ::globfree(&g);
   if (rc == GLOB_NOMATCH || (rc == 0 && files.empty()))
     throw InputError(pattern + ": no files match this pattern");
-  if (rc == GLOB_ABORTED) throw InputError(pattern + ": cannot expand: a directory is unreadable");
+  if (rc == GLOB_ABORTED)
+    throw InputError(pattern + ": cannot expand: " +
+                     (glob_failed_dir.empty()
+                          ? std::string("a directory is unreadable")
+                          : glob_failed_dir + ": " + std::strerror(glob_failed_errno)));
   if (rc != 0) throw InputError(pattern + ": cannot expand: out of memory");
   // glob(3) sorts by the locale's collation; byte order is the same on every machine.
   std::sort(files.begin(), files.end());

@@ -39,6 +39,13 @@ std::vector<std::unique_ptr<Shard>> open_shards(const std::vector<std::string>& 
   return shards;
 }
 
+uint32_t max_token_of(const std::vector<std::unique_ptr<Shard>>& shards) {
+  uint32_t most = 0;
+  for (const auto& s : shards)
+    for (int64_t i = 0; i < s->size(); ++i) most = std::max(most, s->at(i));
+  return most;
+}
+
 // Windows of T + 1 tokens starting at multiples of T that fit in a shard of `size` tokens.
 int64_t windows_in(int64_t size, int seq_len) {
   return size >= seq_len + 1 ? (size - 1) / seq_len : 0;
@@ -175,8 +182,7 @@ uint32_t ShardLoader::max_token() const {
   Impl& m = *impl_;
   // Computed on first use: it touches every page of every shard.
   if (!m.max_known) {
-    for (const auto& s : m.shards)
-      for (int64_t i = 0; i < s->size(); ++i) m.max_token = std::max(m.max_token, s->at(i));
+    m.max_token = max_token_of(m.shards);
     m.max_known = true;
   }
   return m.max_token;
@@ -200,6 +206,10 @@ SequentialReader::SequentialReader(const std::vector<std::string>& files, int se
 }
 
 SequentialReader::~SequentialReader() = default;
+
+uint32_t SequentialReader::max_token() const {
+  return max_token_of(impl_->shards);
+}
 
 bool SequentialReader::next(int32_t* ids, int32_t* targets) {
   Impl& m = *impl_;

@@ -21,7 +21,10 @@ void truncate_after(const std::string& path, int64_t resume_step) {
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object() && j.value("step", int64_t{0}) <= resume_step) keep.push_back(line);
+    if (!j.is_object()) continue;
+    const auto step = j.find("step");  // a line without a numeric step is not the trainer's
+    if (step == j.end() || !step->is_number_integer()) continue;
+    if (step->get<int64_t>() <= resume_step) keep.push_back(line);
   }
   in.close();
   std::ofstream out(path, std::ios::trunc);
@@ -32,7 +35,9 @@ void truncate_after(const std::string& path, int64_t resume_step) {
 
 MetricsWriter::MetricsWriter(const std::string& path, int64_t resume_step) : path_(path) {
   const auto parent = std::filesystem::path(path).parent_path();
-  if (!parent.empty()) std::filesystem::create_directories(parent);
+  std::error_code ec;
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  if (ec) throw InputError(parent.string() + ": cannot create the directory: " + ec.message());
   if (resume_step >= 0)
     truncate_after(path, resume_step);
   else

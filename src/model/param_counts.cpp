@@ -23,7 +23,7 @@ ParamCounts count_params(const ModelConfig& m, int seq_len) {
     const bool moe = m.is_moe_layer(l);
     double block = attn + 2 * d;  // projections and norms
     block += moe ? m.num_local_experts * d + m.num_experts_per_tok * expert + shared : dense;
-    double frac = 1.0, context = (seq_len + 1) / 2.0;
+    double frac = 1.0, context = (seq_len + 1.0) / 2.0;  // (seq_len + 1 overflows at 2^31 - 1)
     if (m.is_mod_layer(l)) {
       frac = m.mod.capacity;  // expected share of tokens the block sees
       context = (m.mod.capacity * seq_len + 1) / 2.0;

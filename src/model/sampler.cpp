@@ -185,6 +185,9 @@ void check_sample_input(const ModelConfig& c, const std::vector<uint32_t>& promp
   if (opt.top_k < 0)
     throw InputError("sample: top_k must be >= 0 (0 = all tokens), got " +
                      std::to_string(opt.top_k));
+  if (opt.vocab_limit < 0)
+    throw InputError("sample: vocab_limit must be >= 0 (0 = the model's vocabulary), got " +
+                     std::to_string(opt.vocab_limit));
   if (opt.eos_id >= c.vocab_size)
     throw InputError("sample: eos_id " + std::to_string(opt.eos_id) +
                      " is outside the vocabulary [0, " + std::to_string(c.vocab_size) + ")");
@@ -207,8 +210,14 @@ std::vector<uint32_t> generate(const Model& model, const std::vector<uint32_t>& 
   for (uint32_t token : prompt) logits = &decoder.step(token);
   std::vector<uint32_t> out;
   out.reserve(static_cast<size_t>(opt.max_new_tokens));
+  const auto vocab = static_cast<size_t>(model.config().vocab_size);
+  const size_t drawable =
+      opt.vocab_limit > 0 ? std::min(vocab, static_cast<size_t>(opt.vocab_limit)) : vocab;
+  std::vector<double> head;  // the drawable logits, when fewer than the model's
   for (int i = 0; i < opt.max_new_tokens; ++i) {
-    const uint32_t next = sample_token(*logits, opt.temperature, opt.top_k, rng);
+    if (drawable < vocab) head.assign(logits->begin(), logits->begin() + drawable);
+    const uint32_t next =
+        sample_token(drawable < vocab ? head : *logits, opt.temperature, opt.top_k, rng);
     out.push_back(next);
     if (opt.eos_id >= 0 && next == static_cast<uint64_t>(opt.eos_id)) break;
     if (i + 1 < opt.max_new_tokens) logits = &decoder.step(next);  // the last one needs no logits

@@ -136,7 +136,13 @@ class ShardData : public TrainData {
         loader_(files_, cfg.data.seq_len, cfg.train_micro_batch_size_per_gpu, 0, 1, cfg.train.seed,
                 cfg.data.shuffle) {
     check_vocab(loader_.max_token(), cfg.data.train_files);
-    if (!cfg.data.val_files.empty()) val_files_ = expand_glob(cfg.data.val_files);
+    if (!cfg.data.val_files.empty()) {
+      val_files_ = expand_glob(cfg.data.val_files);
+      // Checked now, not at the first evaluation: the last one runs before the final checkpoint
+      // is saved, so a bad held-out shard found then would cost the run's last steps.
+      const SequentialReader val(val_files_, cfg.data.seq_len, cfg.train_micro_batch_size_per_gpu);
+      check_vocab(val.max_token(), cfg.data.val_files);
+    }
     const std::string dir = std::filesystem::path(files_.front()).parent_path().string();
     if (has_tokenizer(dir)) tokenizer_dir_ = dir;
   }
@@ -180,6 +186,13 @@ void check_data_source(const Config& cfg) {
                       "allows model.vocab_size <= " +
                           std::to_string(kMaxSyntheticVocab) + " (got " +
                           std::to_string(cfg.model.vocab_size) + "); use \"random\" or \"shards\"");
+}
+
+void check_data_files(const Config& cfg) {
+  if (cfg.data.source != "shards") return;
+  for (const std::string* pattern : {&cfg.data.train_files, &cfg.data.val_files})
+    if (!pattern->empty())
+      for (const std::string& file : expand_glob(*pattern)) const Shard opened(file);
 }
 
 std::unique_ptr<TrainData> make_train_data(const Config& cfg) {

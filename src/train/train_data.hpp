@@ -39,6 +39,9 @@ class TrainData {
 // Throws ConfigError when cfg.data cannot serve cfg.model (the synthetic source at a vocabulary
 // too large for its table), before anything is built.
 void check_data_source(const Config& cfg);
+// The shard globs of a "shards" source match files whose headers and sizes are sound (InputError
+// naming the file otherwise): cheap, no token is read, so a bad file fails before set-up.
+void check_data_files(const Config& cfg);
 
 // Builds the source named by cfg.data (the global stream; see TrainData). Throws InputError when
 // shard files are missing or corrupt, or hold token ids outside model.vocab_size.

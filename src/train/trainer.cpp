@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <ostream>
 #include <streambuf>
 
@@ -215,6 +216,16 @@ void check_runnable(const Config& cfg) {
   check_global_batch(cfg, ranks.world);
   compute_dtype(cfg, rank_device(cfg, ranks));
   check_data_source(cfg);
+  check_data_files(cfg);
+  NullBuffer null_buffer;  // train() reports the skipped incomplete checkpoints
+  std::ostream null_out(&null_buffer);
+  checkpoint_to_resume(cfg.train, null_out);
+  // The run directory is made here: a path that cannot be one fails before the model is built.
+  std::error_code ec;
+  std::filesystem::create_directories(cfg.train.out_dir, ec);
+  if (ec)
+    throw ConfigError("train.out_dir", "cannot create the run directory \"" + cfg.train.out_dir +
+                                           "\": " + ec.message());
 }
 
 // Dense bf16/fp16 tensor-core peak of the GPU, for MFU: the datasheet figures the PyTorch peers'

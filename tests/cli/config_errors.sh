@@ -64,6 +64,43 @@ expect_error gpu_cap_flag_negative "--gpu-memory-limit" train --config "$tiny" -
 expect_error missing_config_flag "--config" train
 expect_error unknown_flag "--bogus" train --config "$tiny" --bogus
 
+# Robustness: inputs that once crashed, hung or ran silently wrong.
+printf '{"train": {"max_steps": 5, "max_steps": 7}}' >"$tmp/duplicate.json"
+printf '{"train": {"out_dir": "runs/a\\u0000b"}}' >"$tmp/nul.json"
+{ printf '{"model": '; head -c 100000 /dev/zero | tr '\0' '['; head -c 100000 /dev/zero | tr '\0' ']'
+  printf '}'; } >"$tmp/deep.json"
+: >"$tmp/not_a_dir"
+expect_error duplicate_key "train.max_steps: given twice" info --config "$tmp/duplicate.json"
+expect_error nul_in_path "train.out_dir" info --config "$tmp/nul.json"
+expect_error deep_nesting "nested too deep" info --config "$tmp/deep.json"
+expect_error override_not_utf8 "model.hidden_size" info --config "$tiny" \
+  --set "$(printf 'model.hidden_size=\xff')"
+expect_error path_not_utf8 "train.out_dir" info --config "$tiny" \
+  --set "$(printf 'train.out_dir=runs/\xff')"
+expect_error too_many_layers "model.num_hidden_layers" info --config "$tiny" \
+  --set model.num_hidden_layers=100000
+expect_error sizes_wrap_64_bits "2^40" info --config "$tiny" --set model.hidden_size=2147483644 \
+  --set model.num_attention_heads=2 --set model.num_key_value_heads=2
+expect_error memory_limit_nan "--gpu-memory-limit" train --config "$tiny" --gpu-memory-limit nan
+expect_error bench_skew_nan "--skew" bench --config "$tiny" --device cpu --skew nan
+expect_error device_verbatim 'got "cpu""' train --config "$tiny" --device 'cpu"'
+expect_error resume_verbatim "in $tmp/a\"b" train --config "$tiny" --device cpu --resume "$tmp/a\"b"
+expect_error out_dir_not_a_dir "train.out_dir" train --config "$tiny" --device cpu \
+  --set train.out_dir="\"$tmp/not_a_dir\""
+expect_error glob_missing_dir "$tmp/no_dir: No such file or directory" train --config "$tiny" \
+  --device cpu --set data.source=shards --set data.train_files="\"$tmp/no_dir/*.bin\""
+expect_error eval_batch_size_zero "not in range 1 to" eval --checkpoint "$tmp" --data x \
+  --batch-size 0
+
+# info counts a step's tokens in 64 bits
+out=$("$bin" info --config "$tiny" --set gradient_accumulation_steps=2147483647 2>&1)
+if grep -q "per step of 2199023254528 tokens" <<<"$out"; then
+  echo "ok   info_step_tokens_64_bit"
+else
+  echo "FAIL info_step_tokens_64_bit: $(grep 'per step' <<<"$out")"
+  failures=$((failures + 1))
+fi
+
 # --gpu-memory-limit is the key train.gpu_memory_limit_gib (the resolved config shows the flag's
 # value over the config's)
 out=$("$bin" train --config "$tiny" --device cpu --set train.gpu_memory_limit_gib=8 \
