@@ -103,7 +103,7 @@ double parameter_count(const ModelConfig& m) {
   const double moe = m.num_local_experts * d * (1 + 3.0 * m.intermediate_size) +  // router, experts
                      3 * d * m.num_shared_experts * m.resolved_shared_ffn();
   const double dense = 3 * d * m.resolved_dense_ffn();
-  const double mod = d + m.mod.predictor_hidden_size * (d + 1);  // router, predictor
+  const double mod = d + m.mod.predictor_hidden_size * (d + 1);       // router, predictor
   double n = m.vocab_size * d * (m.tie_word_embeddings ? 1 : 2) + d;  // embedding, head, norm
   for (int l = 0; l < m.num_hidden_layers; ++l)
     n += attention + (m.is_moe_layer(l) ? moe : dense) + (m.is_mod_layer(l) ? mod : 0);
