@@ -18,6 +18,12 @@ struct InputError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A value an op needs to be finite is not (e.g. the router's logits): the numbers diverged, which
+// is neither bad input nor a bug. The trainer reports it as the run's divergence at its step.
+struct NonFiniteError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 // A broken internal invariant (a bug, not bad input).
 struct InternalError : std::logic_error {
   using std::logic_error::logic_error;
@@ -29,7 +35,7 @@ struct InternalError : std::logic_error {
 }  // namespace moe
 
 // MOE_CHECK(cond, msg): invariant check that stays on in release builds (shapes, dtypes, devices).
-#define MOE_CHECK(cond, msg)                                                    \
-  do {                                                                          \
+#define MOE_CHECK(cond, msg)                                                  \
+  do {                                                                        \
     if (!(cond)) ::moe::throw_check_failed(#cond, __FILE__, __LINE__, (msg)); \
   } while (0)

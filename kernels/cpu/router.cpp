@@ -97,8 +97,9 @@ void topk_forward_impl(Tensor probs, Tensor topk_idx, Tensor topk_w, Tensor coun
   }
   // Serial: a non-finite row throws here, outside the parallel loop; counts: [E] exact.
   for (int64_t n = 0; n < n_tok; ++n)
-    MOE_CHECK(k == 0 || idx[n * k] >= 0, "router_topk_forward: row " + std::to_string(n) +
-                                             " of logits (+ bias) is not finite");
+    if (k > 0 && idx[n * k] < 0)
+      throw NonFiniteError("router_topk_forward: row " + std::to_string(n) +
+                           " of logits (+ bias) is not finite");
   int32_t* c = counts.ptr<int32_t>();
   for (int64_t e = 0; e < n_exp; ++e) c[e] = 0;
   for (int64_t s = 0; s < n_tok * k; ++s) ++c[idx[s]];

@@ -8,6 +8,8 @@
 // changes between the end of the backward and the next step's reset_stats, so a step that is
 // not skipped computes bitwise what it did before, and the update costs no extra wait.
 #pragma once
+#include <string>
+
 #include "moe/model.hpp"
 
 namespace moe {
@@ -20,5 +22,9 @@ namespace moe {
 // loss, means the run diverged: throws std::runtime_error naming the step (1-based `step`).
 bool finish_step(Ctx& ctx, Model& model, double gnorm, double loss_total, bool loss_scaling,
                  int step);
+
+// The run diverged at (1-based) `step`: std::runtime_error saying so and what to change, with
+// `detail` (what was found non-finite) when given.
+[[noreturn]] void throw_diverged(int step, const std::string& detail = "");
 
 }  // namespace moe

@@ -485,7 +485,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       } else if (last_micro) {
         hook = dp.backward_hook(model, optimizer.host_gradients());
       }
-      model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world), hook);
+      try {
+        model.queue_forward_backward(ctx, loss_scale / (static_cast<double>(accum) * world), hook);
+      } catch (const NonFiniteError& e) {  // the CPU ops meet what a GPU run sees as a NaN loss
+        throw_diverged(step + 1, e.what());
+      }
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();

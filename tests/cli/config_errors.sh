@@ -92,6 +92,19 @@ expect_error glob_missing_dir "$tmp/no_dir: No such file or directory" train --c
 expect_error eval_batch_size_zero "not in range 1 to" eval --checkpoint "$tmp" --data x \
   --batch-size 0
 
+# A run whose numbers diverge stops with the step and what to change (exit 1: not bad input), also
+# where the CPU router meets the non-finite logits before the loss does.
+out=$("$bin" train --config "$tiny" --device cpu --set optimizer.params.lr=1e300 \
+  --set train.max_steps=5 --set "train.out_dir=\"$tmp/diverged\"" 2>&1)
+code=$?
+if [ "$code" -eq 1 ] && grep -q "error: the loss became non-finite at step 2 (router_topk_forward" \
+  <<<"$out" && grep -q "lower optimizer.params.lr" <<<"$out"; then
+  echo "ok   diverged_run"
+else
+  echo "FAIL diverged_run: exit $code: $(tail -2 <<<"$out")"
+  failures=$((failures + 1))
+fi
+
 # info counts a step's tokens in 64 bits
 out=$("$bin" info --config "$tiny" --set gradient_accumulation_steps=2147483647 2>&1)
 if grep -q "per step of 2199023254528 tokens" <<<"$out"; then
