@@ -264,8 +264,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   std::unique_ptr<Model> model_owner;
   std::unique_ptr<DataParallel> dp_owner;
   std::unique_ptr<AdamW> optimizer_owner;
-  // Out of GPU memory at start-up: say what the run needs and what to change.
-  const auto gpu_oom = [&](const std::runtime_error& e) {
+  // Out of memory at start-up (the GPU's, or the host's on the CPU): say what the run needs and
+  // what to change.
+  const auto out_of_memory = [&](const std::runtime_error& e) {
     const ZeroPartition part =
         dp_owner ? dp_owner->partition() : ZeroPartition::whole(build_param_table(cfg.model).total);
     const ParamSharding sharding{&part, nullptr, cfg.zero_optimization.offloads_params()};
@@ -304,9 +305,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     model_owner =
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, memory_plan_of(cfg.train),
                                 dp_owner->shards_params() ? &sharding : nullptr);
+  } catch (const InputError&) {  // (bad input met while building: reported as it is)
+    throw;
+  } catch (const ConfigError&) {
+    throw;
   } catch (const std::runtime_error& e) {
-    if (dev.type != DeviceType::cuda) throw;
-    throw gpu_oom(e);
+    throw out_of_memory(e);
   }
   OffloadOptions offload;
   offload.enabled = cfg.zero_optimization.offloads_optimizer();
@@ -316,11 +320,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   try {
     optimizer_owner =
         std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
+  } catch (const InputError&) {
+    throw;
+  } catch (const ConfigError&) {
+    throw;
   } catch (const std::runtime_error& e) {
-    if (!offload.enabled) {
-      if (dev.type != DeviceType::cuda) throw;
-      throw gpu_oom(e);
-    }
+    if (!offload.enabled) throw out_of_memory(e);
     // The offloaded state lives in host memory: a failure here is the host's, not the GPU's.
     // m, v, master, grads (+ the second m, v and master of the overlapped update)
     const double bytes =

@@ -105,6 +105,18 @@ else
   failures=$((failures + 1))
 fi
 
+# A CPU run that does not fit in host memory says what it needs and what to lower (the address
+# space capped, so the allocation fails whatever the machine's overcommit policy).
+out=$(ulimit -v 4000000 && "$bin" train --config "$tiny" --device cpu \
+  --set train_micro_batch_size_per_gpu=100000 --set "train.out_dir=\"$tmp/oom\"" 2>&1)
+code=$?
+if [ "$code" -eq 1 ] && grep -q "out of host memory.*this run needs about.*lower train_micro_batch_size_per_gpu" <<<"$out"; then
+  echo "ok   host_out_of_memory"
+else
+  echo "FAIL host_out_of_memory: exit $code: $(tail -2 <<<"$out")"
+  failures=$((failures + 1))
+fi
+
 # info counts a step's tokens in 64 bits
 out=$("$bin" info --config "$tiny" --set gradient_accumulation_steps=2147483647 2>&1)
 if grep -q "per step of 2199023254528 tokens" <<<"$out"; then
