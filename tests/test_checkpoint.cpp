@@ -508,6 +508,35 @@ TEST_CASE("a save that fails partway leaves the previous checkpoint loadable", "
     previous_is_intact(step1, second);
     CHECK_FALSE(fs::exists(step1 + ".replaced"));
   }
+  SECTION("a crash while replacing a complete checkpoint leaves it found in step_N.replaced") {
+    // publish moves the complete step_N aside, renames the new one into place, then writes
+    // DONE: a crash (a kill, not an exception) between those leaves one of these two states.
+    const std::string aside = step1 + ".replaced";
+    fs::rename(step1, aside);
+    CHECK(find_latest_checkpoint(run, &warn) == aside);  // step_1 missing
+    fs::copy(aside, step1);
+    fs::remove(step1 + "/DONE");
+    warn.str("");
+    CHECK(find_latest_checkpoint(run, &warn) == aside);  // step_1 there, incomplete
+    CHECK(warn.str() == "skipping incomplete checkpoint " + step1 + " (no DONE marker)\n");
+    previous_is_intact(aside, first);
+    // A later complete step, and step_1 complete again, come first.
+    const std::string step2 = save(a, save_options(run, 0), 2);
+    CHECK(find_latest_checkpoint(run, &warn) == step2);
+    fs::remove_all(step2);
+    // A save of step 1 that fails puts the complete copy back as step_1 (the incomplete one,
+    // not the copy, is what it drops).
+    CHECK_THROWS_AS(save(a, save_options(run, 0, fail_in("/DONE", 0)), 1), SimulatedCrash);
+    previous_is_intact(step1, first);
+    CHECK_FALSE(fs::exists(aside));
+    save(a, save_options(run, 0), 1);  // one that succeeds replaces it
+    previous_is_intact(step1, second);
+    CHECK_FALSE(fs::exists(aside));
+    fs::rename(step1, aside);  // the crash between the renames again: the next save clears it
+    save(a, save_options(run, 0), 1);
+    previous_is_intact(step1, second);
+    CHECK_FALSE(fs::exists(aside));
+  }
   SECTION("leftovers of a real crash are never picked, and the next save clears them") {
     // A .tmp directory that even holds a DONE file (it must still never count).
     const std::string tmp = run + "/" + step_name(2) + ".tmp";

@@ -60,21 +60,31 @@ bool is_complete(const fs::path& dir) {
 struct StepDir {
   int64_t step;
   fs::path path;
+  bool replaced = false;  // step_N.replaced: a complete step_N that a save of step N moved aside
 };
 
-// Step directories of a run, oldest first.
-std::vector<StepDir> list_step_dirs(const fs::path& run) {
+constexpr const char* kReplacedSuffix = ".replaced";
+
+// Step directories of a run, oldest first. with_replaced: also the step_N.replaced ones, each
+// just before its step_N (so newest-first readers see step_N first).
+std::vector<StepDir> list_step_dirs(const fs::path& run, bool with_replaced = false) {
   std::vector<StepDir> out;
   std::error_code ec;
+  const std::string suffix = kReplacedSuffix;
   for (fs::directory_iterator it(run, ec), end; !ec && it != end; it.increment(ec)) {
+    std::string name = it->path().filename().string();
+    const bool replaced = with_replaced && name.size() > suffix.size() &&
+                          name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (replaced) name.resize(name.size() - suffix.size());
     int64_t step = 0;
     std::error_code type_ec;
-    if (parse_step_name(it->path().filename().string(), step) && it->is_directory(type_ec))
-      out.push_back({step, it->path()});
+    if (parse_step_name(name, step) && it->is_directory(type_ec))
+      out.push_back({step, it->path(), replaced});
   }
   if (ec) throw InputError(run.string() + ": cannot list directory: " + ec.message());
-  std::sort(out.begin(), out.end(),
-            [](const StepDir& a, const StepDir& b) { return a.step < b.step; });
+  std::sort(out.begin(), out.end(), [](const StepDir& a, const StepDir& b) {
+    return a.step != b.step ? a.step < b.step : a.replaced > b.replaced;
+  });
   return out;
 }
 
@@ -132,12 +142,19 @@ void write_step_files(const fs::path& dir, const SaveOptions& opt, const Config&
 // on disk, and comes back if that fails.
 void publish(const fs::path& tmp, const fs::path& final_dir, int64_t step, const WriteHook& hook) {
   const fs::path run = final_dir.parent_path();
-  fs::path aside;
+  const fs::path replaced = final_dir.string() + kReplacedSuffix;
+  fs::path aside;  // a copy of this step kept until the new one's DONE is on disk
   std::error_code ec;
   if (fs::exists(final_dir, ec)) {
-    aside = final_dir.string() + ".replaced";
-    remove_tree(aside);
-    rename_path(final_dir, aside);
+    if (!is_complete(final_dir) && is_complete(replaced)) {
+      remove_tree(final_dir);  // an earlier crash's incomplete step_N: the complete copy stays
+    } else {
+      remove_tree(replaced);
+      rename_path(final_dir, replaced);
+    }
+    aside = replaced;
+  } else if (fs::exists(replaced, ec)) {
+    aside = replaced;  // an earlier crash's, between the renames: removed once DONE is written
   }
   try {
     rename_path(tmp, final_dir);
@@ -241,10 +258,12 @@ std::string find_latest_checkpoint(const std::string& run_dir, std::ostream* war
   if (parse_step_name(dir.filename().string(), step) || fs::exists(dir / "model.safetensors", ec))
     throw InputError(dir.string() + ": incomplete checkpoint (no " + kDoneFile +
                      " marker); pass the run directory to use its newest complete checkpoint");
-  const std::vector<StepDir> steps = list_step_dirs(dir);
+  // A crash while a save replaced a complete step_N (publish) leaves that copy complete in
+  // step_N.replaced and step_N incomplete or missing: it is then that step's checkpoint.
+  const std::vector<StepDir> steps = list_step_dirs(dir, /*with_replaced=*/true);
   for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
     if (is_complete(it->path)) return it->path.string();
-    if (warn)
+    if (warn && !it->replaced)
       *warn << "skipping incomplete checkpoint " << it->path.string() << " (no " << kDoneFile
             << " marker)\n";
   }
