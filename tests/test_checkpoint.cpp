@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -623,6 +624,49 @@ TEST_CASE("a truncated or corrupted state file is an InputError naming it", "[ch
     require_input_error(load, {state});
   }
   CHECK(snapshot(b) == before);  // nothing was copied from a bad file
+}
+
+// model.safetensors (what eval, sample and export read) is checked against the size and checksum
+// DONE recorded at the save: a flipped bit in a weight, which the format itself cannot see, is an
+// InputError naming the file; a checkpoint whose DONE predates the record still loads.
+TEST_CASE("a changed model.safetensors is an InputError naming it", "[checkpoint]") {
+  TempDir dir;
+  Trainee a(tiny_config());
+  a.step(1);
+  const std::string step_dir = save(a, save_options(dir.file("run")), 1);
+  const std::string weights = step_dir + "/model.safetensors";
+  std::ifstream done_file(step_dir + "/DONE");
+  const std::string done((std::istreambuf_iterator<char>(done_file)),
+                         std::istreambuf_iterator<char>());
+  CHECK(done.rfind("step 1\nmodel.safetensors " + std::to_string(fs::file_size(weights)) + " ",
+                   0) == 0);
+  Trainee b(tiny_config(), 5);
+  auto load = [&] { load_checkpoint_weights(step_dir, b.model); };
+  load();
+  CHECK(snapshot(b).params == snapshot(a).params);
+
+  SECTION("a flipped bit in a weight") {
+    {
+      const auto at = static_cast<std::streamoff>(fs::file_size(weights) - 10);
+      std::fstream f(weights, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(at);
+      char c = 0;
+      f.get(c);
+      f.seekp(at);
+      f.put(static_cast<char>(c ^ 0x10));
+    }
+    require_input_error(load, {weights, "checksum mismatch"});
+    require_input_error([&] { export_hf(step_dir, dir.file("hf")); }, {weights, "checksum"});
+  }
+  SECTION("truncated") {
+    fs::resize_file(weights, fs::file_size(weights) - 8);
+    require_input_error(load, {weights, "were saved"});
+  }
+  SECTION("a DONE without the record (an older checkpoint) loads unchecked") {
+    std::ofstream(step_dir + "/DONE", std::ios::trunc) << "step 1\n";
+    load();
+    CHECK(snapshot(b).params == snapshot(a).params);
+  }
 }
 
 TEST_CASE("loading a checkpoint into a different model shape is an InputError", "[checkpoint]") {

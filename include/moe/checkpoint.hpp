@@ -32,7 +32,8 @@
 namespace moe {
 
 constexpr uint32_t kStateMagic = 0x4D4F4543;  // "MOEC"
-constexpr uint32_t kStateVersion = 4;         // 2: fp16 loss scaler; 3: sharded moments; 4: the whole scaler state
+constexpr uint32_t kStateVersion =
+    4;  // 2: fp16 loss scaler; 3: sharded moments; 4: the whole scaler state
 
 // Everything besides model and optimizer that an exact resume needs.
 struct TrainerState {
@@ -99,8 +100,12 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
                      TrainerState& state);
 // The trainer config stored in a step directory (for eval / sample / export).
 Config load_checkpoint_config(const std::string& step_dir);
-// The weights, and the aux-loss-free router biases when the model uses them (eval, sample).
+// The weights, and the aux-loss-free router biases when the model uses them (eval, sample);
+// verified first as below.
 void load_checkpoint_weights(const std::string& step_dir, Model& model);
+// InputError naming model.safetensors when its size or checksum is not what DONE recorded at the
+// save (nothing to check in a checkpoint saved before DONE recorded them).
+void verify_checkpoint_weights(const std::string& step_dir);
 
 // `moe-train export`: a Hugging Face directory (model.safetensors, config.json, tokenizer files,
 // generation_config.json).

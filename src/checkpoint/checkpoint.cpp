@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <memory>
 #include <ostream>
+#include <vector>
 
 #include "checkpoint/checkpoint_internal.hpp"
 #include "checkpoint/state_file.hpp"
@@ -116,19 +117,35 @@ void require_complete(const std::string& step_dir) {
     throw InputError(step_dir + ": not a complete checkpoint (no " + kDoneFile + " marker)");
 }
 
+// DONE's line for model.safetensors: its size and checksum (the state files carry their own; the
+// weights file, which eval, sample and export read, would otherwise load a flipped bit silently).
+constexpr const char* kWeightsFile = "model.safetensors";
+
+std::string weights_line(uint64_t bytes, uint64_t checksum) {
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016" PRIx64, checksum);
+  return std::string(kWeightsFile) + " " + std::to_string(bytes) + " " + hex + "\n";
+}
+
 // Rank 0: weights, configs, tokenizer and its state file; other ranks: their state file.
-void write_step_files(const fs::path& dir, const SaveOptions& opt, const Config& cfg,
-                      const Model& model, const AdamW& optimizer, const TrainerState& state) {
+// Returns rank 0's weights line for DONE (empty on the other ranks).
+std::string write_step_files(const fs::path& dir, const SaveOptions& opt, const Config& cfg,
+                             const Model& model, const AdamW& optimizer,
+                             const TrainerState& state) {
   if (opt.rank != 0) {
     write_state_file((dir / state_file_name(opt.rank)).string(), opt.hook, opt, model, optimizer,
                      state);
     fsync_directory(dir.string());
-    return;
+    return "";
   }
+  std::string weights;
   {
-    DurableFile f((dir / "model.safetensors").string(), opt.hook);
+    DurableFile f((dir / kWeightsFile).string(), opt.hook);
+    Checksum sum;
+    f.checksum_into(&sum);
     write_safetensors_entries(f, model_safetensors_entries(model), hf_weights_metadata());
     f.commit();
+    weights = weights_line(f.bytes_written(), sum.value());
   }
   write_file_durably((dir / "config.json").string(), hf_config_json(model.config()), opt.hook);
   write_file_durably((dir / "trainer_config.json").string(), config_to_json(cfg) + "\n", opt.hook);
@@ -136,11 +153,13 @@ void write_step_files(const fs::path& dir, const SaveOptions& opt, const Config&
   write_state_file((dir / state_file_name(opt.rank)).string(), opt.hook, opt, model, optimizer,
                    state);
   fsync_directory(dir.string());
+  return weights;
 }
 
-// tmp -> final, then DONE. A complete directory already at `final_dir` waits aside until DONE is
-// on disk, and comes back if that fails.
-void publish(const fs::path& tmp, const fs::path& final_dir, int64_t step, const WriteHook& hook) {
+// tmp -> final, then DONE ("step N" and `done_lines`). A complete directory already at
+// `final_dir` waits aside until DONE is on disk, and comes back if that fails.
+void publish(const fs::path& tmp, const fs::path& final_dir, int64_t step,
+             const std::string& done_lines, const WriteHook& hook) {
   const fs::path run = final_dir.parent_path();
   const fs::path replaced = final_dir.string() + kReplacedSuffix;
   fs::path aside;  // a copy of this step kept until the new one's DONE is on disk
@@ -159,8 +178,8 @@ void publish(const fs::path& tmp, const fs::path& final_dir, int64_t step, const
   try {
     rename_path(tmp, final_dir);
     fsync_directory(run.string());
-    write_file_durably((final_dir / kDoneFile).string(), "step " + std::to_string(step) + "\n",
-                       hook);
+    write_file_durably((final_dir / kDoneFile).string(),
+                       "step " + std::to_string(step) + "\n" + done_lines, hook);
     fsync_directory(final_dir.string());
   } catch (...) {
     // A DONE whose write or fsync failed proves nothing: drop it, and bring back the directory
@@ -233,8 +252,9 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
     make_directories(tmp);
   }
   barrier();
+  std::string done_lines;
   try {
-    write_step_files(tmp, opt, cfg, model, optimizer, state);
+    done_lines = write_step_files(tmp, opt, cfg, model, optimizer, state);
   } catch (...) {
     std::error_code ec;
     if (opt.world == 1) fs::remove_all(tmp, ec);  // frees the space a full disk needs back
@@ -242,7 +262,7 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
   }
   barrier();
   if (opt.rank == 0) {
-    publish(tmp, final_dir, state.step, opt.hook);
+    publish(tmp, final_dir, state.step, done_lines, opt.hook);
     apply_retention(run, opt.keep_last, final_dir);
   }
   barrier();
@@ -375,9 +395,36 @@ void load_router_biases(const std::string& step_dir, Model& model) {
   for (const Tensor& b : model.router_biases()) r.tensor(b);
 }
 
-void load_checkpoint_weights(const std::string& step_dir, Model& model) {
+void verify_checkpoint_weights(const std::string& step_dir) {
   require_complete(step_dir);
-  const std::string path = (fs::path(step_dir) / "model.safetensors").string();
+  const std::string done = read_text_file((fs::path(step_dir) / kDoneFile).string());
+  const std::string key = std::string(kWeightsFile) + " ";
+  const size_t at = done.find("\n" + key);
+  if (at == std::string::npos) return;  // a checkpoint from before DONE recorded it
+  unsigned long long bytes = 0, want = 0;
+  if (std::sscanf(done.c_str() + at + 1 + key.size(), "%llu %llx", &bytes, &want) != 2)
+    throw InputError((fs::path(step_dir) / kDoneFile).string() + ": unreadable " + kWeightsFile +
+                     " line");
+  const InputFile f((fs::path(step_dir) / kWeightsFile).string());
+  if (f.size() != bytes)
+    throw InputError(f.path() + ": " + std::to_string(f.size()) + " bytes, but " +
+                     std::to_string(bytes) + " were saved (truncated or replaced?)");
+  Checksum sum;
+  std::vector<char> chunk(size_t{8} << 20);
+  for (uint64_t pos = 0; pos < bytes; pos += chunk.size()) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), bytes - pos));
+    f.read_at(pos, chunk.data(), n);
+    sum.update(chunk.data(), n);
+  }
+  if (sum.value() != want)
+    throw InputError(f.path() +
+                     ": checksum mismatch: the file changed after it was saved (a "
+                     "disk or copy error?)");
+}
+
+void load_checkpoint_weights(const std::string& step_dir, Model& model) {
+  verify_checkpoint_weights(step_dir);
+  const std::string path = (fs::path(step_dir) / kWeightsFile).string();
   load_named_tensors(model, read_safetensors(path), path);
   load_router_biases(step_dir, model);
 }

@@ -14,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "checkpoint/checksum.hpp"
 #include "moe/checkpoint.hpp"
 #include "moe/error.hpp"
 
@@ -52,6 +53,7 @@ class DurableFile {
       if (w < 0 && errno == EINTR) continue;
       if (w < 0) throw_io_error(path_, "write", errno);
       if (w == 0) throw_io_error(path_, "write", EIO);
+      if (sum_) sum_->update(p, static_cast<size_t>(w));
       p += w;
       n -= static_cast<size_t>(w);
       written_ += static_cast<size_t>(w);
@@ -67,12 +69,15 @@ class DurableFile {
   }
   size_t bytes_written() const { return written_; }
   const std::string& path() const { return path_; }
+  // From now on every byte written also goes into *sum (model.safetensors: DONE records it).
+  void checksum_into(Checksum* sum) { sum_ = sum; }
 
  private:
   std::string path_;
   WriteHook hook_;
   int fd_ = -1;
   size_t written_ = 0;
+  Checksum* sum_ = nullptr;
 };
 
 // Makes renames and new entries in `dir` durable (POSIX leaves them in the page cache otherwise).
