@@ -8,26 +8,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failures=0
 
-# expect_error NAME EXPECTED_SUBSTRING ARGS...
-expect_error() {
-  local name=$1 want=$2
-  shift 2
-  local out code
-  out=$("$bin" "$@" 2>&1)
-  code=$?
-  if [ "$code" -ne 2 ]; then
-    echo "FAIL $name: exit code $code, expected 2. Output: $out"
-    failures=$((failures + 1))
-  elif ! grep -qF -- "$want" <<<"$out"; then
-    echo "FAIL $name: message lacks '$want'. Output: $out"
-    failures=$((failures + 1))
-  elif [ "$(grep -c . <<<"$out")" -gt 3 ]; then
-    echo "FAIL $name: expected one short message, got: $out"
-    failures=$((failures + 1))
-  else
-    echo "ok   $name: $out"
-  fi
-}
+. "$src/tests/cli/lib/expect.sh"
 
 tiny=$src/configs/tiny.json
 echo '{"model": {"hidden_size": 64,}}' >"$tmp/malformed.json"
