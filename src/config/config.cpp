@@ -388,7 +388,9 @@ void read_section(const KeyNode& node, const json& j, const std::string& path, C
 // parse events in order; each open object keeps the keys seen so far, each array a placeholder.
 class DuplicateKeyCheck {
  public:
-  explicit DuplicateKeyCheck(std::string source) : source_(std::move(source)) {}
+  // base: the JSON path of the text's root (an override's key), prefixed to the error's path.
+  explicit DuplicateKeyCheck(std::string source, std::string base = "")
+      : source_(std::move(source)), base_(std::move(base)) {}
   bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
     switch (event) {
       case json::parse_event_t::object_start:
@@ -420,12 +422,12 @@ class DuplicateKeyCheck {
     std::string key;  // the latest key of an object
   };
   std::string path() const {
-    std::string p;
+    std::string p = base_;
     for (const Open& o : open_)
       if (o.object) p = join_path(p, o.key);
     return p;
   }
-  std::string source_;
+  std::string source_, base_;
   std::vector<Open> open_;
 };
 
@@ -472,9 +474,12 @@ std::vector<std::string> split_key(const std::string& key, const std::string& te
 }
 
 // The value is JSON when it parses as JSON (8, 1e-3, true, [0.9,0.95], "x"), else the raw text,
-// so `train.device=cpu` needs no quotes.
-json override_value(const std::string& value_text) {
-  json v = json::parse(value_text, nullptr, /*allow_exceptions=*/false);
+// so `train.device=cpu` needs no quotes. A key given twice in an object value is an error at its
+// path below `path`, as in a config file.
+json override_value(const std::string& value_text, const std::string& path,
+                    const std::string& text) {
+  json v = json::parse(value_text, DuplicateKeyCheck("override \"" + text + "\"", path),
+                       /*allow_exceptions=*/false);
   return v.is_discarded() ? json(value_text) : v;
 }
 
@@ -496,7 +501,7 @@ void apply_override(json& doc, const std::string& text) {
     path = join_path(path, parts[i]);
     json& slot = (*at)[parts[i]];
     if (i + 1 == parts.size()) {
-      slot = override_value(trim(text.substr(eq + 1)));
+      slot = override_value(trim(text.substr(eq + 1)), path, text);
     } else {
       if (slot.is_null()) slot = json::object();  // the override creates missing sections
       if (!slot.is_object()) wrong_type(path, "an object", slot);
