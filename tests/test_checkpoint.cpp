@@ -455,6 +455,18 @@ TEST_CASE("keep_last keeps the newest complete checkpoints and the one just writ
   fs::create_directories(run + "/" + step_name(9));
   save(a, save_options(run, 1), 8);
   CHECK(listing() == std::vector<std::string>{step_name(8), step_name(9)});
+
+  // A crash's step_N.replaced (publish) counts as step N's checkpoint: kept while it is among the
+  // newest, removed by retention like any other, and at once where step_N is complete too.
+  fs::remove_all(run + "/" + step_name(9));
+  fs::rename(run + "/" + step_name(8), run + "/" + step_name(8) + ".replaced");
+  save(a, save_options(run, 2), 10);
+  CHECK(listing() == std::vector<std::string>{step_name(8) + ".replaced", step_name(10)});
+  save(a, save_options(run, 2), 11);
+  CHECK(listing() == std::vector<std::string>{step_name(10), step_name(11)});
+  fs::copy(run + "/" + step_name(11), run + "/" + step_name(11) + ".replaced");
+  save(a, save_options(run, 0), 12);  // (even where everything is kept)
+  CHECK(listing() == std::vector<std::string>{step_name(10), step_name(11), step_name(12)});
 }
 
 TEST_CASE("a save that fails partway leaves the previous checkpoint loadable", "[checkpoint]") {

@@ -392,8 +392,12 @@ TEST_CASE("vocab_limit keeps every draw below the tokenizer's vocabulary", "[sam
     opt.seed = seed;
     for (uint32_t t : generate(*model, prompt, opt)) CHECK(t < 3);
   }
-  opt.vocab_limit = 1000;  // above the model's vocabulary: no limit
-  CHECK(generate(*model, prompt, opt).size() == 14);
+  // Above the model's vocabulary: no limit, the same draws as without one.
+  opt.vocab_limit = 1000;
+  const std::vector<uint32_t> above = generate(*model, prompt, opt);
+  opt.vocab_limit = 0;
+  CHECK(above == generate(*model, prompt, opt));
+  CHECK(above.size() == 14);
 }
 
 TEST_CASE("sample_token draws from softmax(logits / temperature)", "[sampler]") {

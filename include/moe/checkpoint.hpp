@@ -90,7 +90,9 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
                             const AdamW& optimizer, const TrainerState& state);
 
 // The newest complete step directory of `run_dir` (or `run_dir` itself when it is a complete step
-// directory); "" when none. Incomplete ones (no DONE) are skipped with a warning to `warn`.
+// directory); "" when none. Incomplete ones (no DONE) are skipped with a warning to `warn`. Where
+// a crash interrupted a save that replaced a complete step_N, that copy is found as
+// step_N.replaced while step_N is incomplete or missing.
 std::string find_latest_checkpoint(const std::string& run_dir, std::ostream* warn);
 
 // Restores model, optimizer and trainer state from a step directory, whatever the number of

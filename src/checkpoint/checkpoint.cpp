@@ -41,7 +41,8 @@ std::string state_file_name(int rank) {
   return buf;
 }
 
-// step_<digits> exactly: step_N.tmp and step_N.replaced are never checkpoints.
+// step_<digits> exactly: step_N.tmp is never a checkpoint, and step_N.replaced is one only to
+// list_step_dirs(run, true) (a crash's leftover of publish).
 bool parse_step_name(const std::string& name, int64_t& step) {
   const std::string prefix = "step_";
   if (name.size() <= prefix.size() || name.size() > prefix.size() + 18 ||
@@ -195,17 +196,27 @@ void publish(const fs::path& tmp, const fs::path& final_dir, int64_t step,
 }
 
 // Keeps the newest `keep_last` complete checkpoints and always the one just written (a resumed
-// run can write a step older than ones left by an earlier run). A failed removal only costs disk
-// space, so it does not turn a successful save into an error.
+// run can write a step older than ones left by an earlier run). A complete step_N.replaced (a
+// crash's, see publish) counts as step N's checkpoint, and goes at once where step_N is complete
+// too. A failed removal only costs disk space, so it does not turn a successful save into an
+// error.
 void apply_retention(const fs::path& run, int keep_last, const fs::path& just_written) {
-  if (keep_last <= 0) return;
   std::vector<StepDir> complete;
-  for (const StepDir& s : list_step_dirs(run))
-    if (is_complete(s.path)) complete.push_back(s);
+  std::error_code ec;
+  for (const StepDir& s : list_step_dirs(run, /*with_replaced=*/true)) {
+    if (!is_complete(s.path)) continue;
+    // (step_N.replaced is listed just before step_N)
+    if (!s.replaced && !complete.empty() && complete.back().replaced &&
+        complete.back().step == s.step) {
+      fs::remove_all(complete.back().path, ec);
+      complete.pop_back();
+    }
+    complete.push_back(s);
+  }
+  if (keep_last <= 0) return;
   const size_t keep = static_cast<size_t>(keep_last);
   for (size_t i = 0; i + keep < complete.size(); ++i) {
     if (complete[i].path == just_written) continue;
-    std::error_code ec;
     fs::remove_all(complete[i].path, ec);
   }
 }

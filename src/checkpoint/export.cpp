@@ -77,6 +77,7 @@ void load_single(Model& model, const std::string& path) {
 }  // namespace
 
 void export_hf(const std::string& checkpoint, const std::string& out_dir) {
+  if (out_dir.empty()) throw InputError("export: the output directory name is empty");
   // Warnings about skipped incomplete checkpoints go to the user directly: export has no log.
   const std::string step_dir = find_latest_checkpoint(checkpoint, &std::cerr);
   if (step_dir.empty())
@@ -88,7 +89,6 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
   match_named_tensors(build_param_table(cfg.model), tensors,
                       std::vector<std::string>(tensors.size(), weights), weights);
 
-  if (out_dir.empty()) throw InputError("export: the output directory name is empty");
   std::error_code ec;
   fs::create_directories(out_dir, ec);
   if (ec) throw InputError(out_dir + ": cannot create directory: " + ec.message());

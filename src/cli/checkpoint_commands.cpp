@@ -56,8 +56,9 @@ void run_eval(const EvalFlags& f) {
   load_checkpoint_weights(dir, model);
   SequentialReader reader(expand_glob(f.data), t, b);
   // Shards of another tokenizer: named here, not as a bare token id in the middle of a batch.
-  if (reader.max_token() >= static_cast<uint32_t>(cfg.model.vocab_size))
-    throw InputError(f.data + ": token id " + std::to_string(reader.max_token()) +
+  const uint32_t max_token = reader.max_token();  // (a pass over every shard)
+  if (max_token >= static_cast<uint32_t>(cfg.model.vocab_size))
+    throw InputError(f.data + ": token id " + std::to_string(max_token) +
                      " does not fit the model's vocab_size " +
                      std::to_string(cfg.model.vocab_size) + " (shards of another tokenizer?)");
   const size_t n = static_cast<size_t>(b) * t;

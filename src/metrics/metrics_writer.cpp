@@ -12,8 +12,9 @@ namespace moe {
 
 namespace {
 
-// Keeps the lines whose "step" is <= resume_step (unparseable lines, e.g. a half-written last
-// line from a crash, are dropped).
+// Drops the trainer's lines past resume_step (objects with an integer "step" above it) and
+// unparseable lines (e.g. a half-written last line from a crash); keeps every other line,
+// including objects without an integer "step" (a user's or another tool's notes).
 void truncate_after(const std::string& path, int64_t resume_step) {
   std::ifstream in(path);
   if (!in) return;
@@ -22,9 +23,9 @@ void truncate_after(const std::string& path, int64_t resume_step) {
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     if (!j.is_object()) continue;
-    const auto step = j.find("step");  // a line without a numeric step is not the trainer's
-    if (step == j.end() || !step->is_number_integer()) continue;
-    if (step->get<int64_t>() <= resume_step) keep.push_back(line);
+    const auto step = j.find("step");
+    const bool trainers = step != j.end() && step->is_number_integer();
+    if (!trainers || step->get<int64_t>() <= resume_step) keep.push_back(line);
   }
   in.close();
   std::ofstream out(path, std::ios::trunc);

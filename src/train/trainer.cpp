@@ -242,6 +242,12 @@ double peak_flops(Device dev) {
   return 0;
 }
 
+// Inside a catch of `e`: bad input met while building the model or optimizer is rethrown as it
+// is (the out-of-memory wrapping below is for the rest).
+static void rethrow_if_bad_input(const std::runtime_error& e) {
+  if (dynamic_cast<const InputError*>(&e) || dynamic_cast<const ConfigError*>(&e)) throw;
+}
+
 TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions& opt) {
   const RankInfo ranks = detect_ranks();
   check_global_batch(cfg, ranks.world);
@@ -305,11 +311,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     model_owner =
         std::make_unique<Model>(cfg.model, compute, dev, b, t, true, memory_plan_of(cfg.train),
                                 dp_owner->shards_params() ? &sharding : nullptr);
-  } catch (const InputError&) {  // (bad input met while building: reported as it is)
-    throw;
-  } catch (const ConfigError&) {
-    throw;
   } catch (const std::runtime_error& e) {
+    rethrow_if_bad_input(e);
     throw out_of_memory(e);
   }
   OffloadOptions offload;
@@ -320,11 +323,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   try {
     optimizer_owner =
         std::make_unique<AdamW>(cfg.optimizer, *model_owner, dp_owner->partition(), offload);
-  } catch (const InputError&) {
-    throw;
-  } catch (const ConfigError&) {
-    throw;
   } catch (const std::runtime_error& e) {
+    rethrow_if_bad_input(e);
     if (!offload.enabled) throw out_of_memory(e);
     // The offloaded state lives in host memory: a failure here is the host's, not the GPU's.
     // m, v, master, grads (+ the second m, v and master of the overlapped update)

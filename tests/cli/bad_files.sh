@@ -66,10 +66,15 @@ echo "step 1" >"$tmp/deep_step/DONE"
 expect_error deep_safetensors '"shape" holds array' export --checkpoint "$tmp/deep_step" \
   --out "$tmp/hf2"
 
-# resume keeps going past a metrics line whose "step" is not a number
+# resume keeps going past metrics lines of another program (a "step" that is not a number, or
+# none), and keeps them
 echo '{"kind": "note", "step": "x"}' >>"$run/metrics.jsonl"
+echo '{"kind": "note2"}' >>"$run/metrics.jsonl"
 "$bin" train "${common[@]}" --set train.max_steps=3 --resume auto >"$tmp/resume.log" 2>&1 ||
   fail "resume with a foreign metrics line: $(tail -3 "$tmp/resume.log")"
+for note in '"step": "x"' '"kind": "note2"'; do
+  grep -qF "$note" "$run/metrics.jsonl" || fail "resume dropped the metrics line with $note"
+done
 
 # a resume already past train.max_steps trains nothing and says so (not "last train loss 0")
 out=$("$bin" train "${common[@]}" --set train.max_steps=1 --resume auto 2>&1) ||
