@@ -180,6 +180,16 @@ const NamedTensor& by_name(const std::vector<NamedTensor>& ts, const std::string
   return *it;
 }
 
+// Flips one bit of byte `at` of a file in place (a disk or copy error).
+void flip_bit(const std::string& path, uintmax_t at) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(static_cast<std::streamoff>(at));
+  char c = 0;
+  f.get(c);
+  f.seekp(static_cast<std::streamoff>(at));
+  f.put(static_cast<char>(c ^ 0x10));
+}
+
 }  // namespace
 
 // ---- named tensors and config.json --------------------------------------------------------------
@@ -594,14 +604,7 @@ TEST_CASE("a truncated or corrupted state file is an InputError naming it", "[ch
   const std::string step_dir = save(a, save_options(dir.file("run")), 1);
   const std::string state = step_dir + "/rank_00000.state";
   const uintmax_t size = fs::file_size(state);
-  auto flip_byte = [&](uintmax_t at) {
-    std::fstream f(state, std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(static_cast<std::streamoff>(at));
-    char c = 0;
-    f.get(c);
-    f.seekp(static_cast<std::streamoff>(at));
-    f.put(static_cast<char>(c ^ 0x10));
-  };
+  auto flip_byte = [&](uintmax_t at) { flip_bit(state, at); };
   Trainee b(tiny_config(), 5);
   const auto before = snapshot(b);
   TrainerState st;
@@ -658,15 +661,7 @@ TEST_CASE("a changed model.safetensors is an InputError naming it", "[checkpoint
   CHECK(snapshot(b).params == snapshot(a).params);
 
   SECTION("a flipped bit in a weight") {
-    {
-      const auto at = static_cast<std::streamoff>(fs::file_size(weights) - 10);
-      std::fstream f(weights, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekg(at);
-      char c = 0;
-      f.get(c);
-      f.seekp(at);
-      f.put(static_cast<char>(c ^ 0x10));
-    }
+    flip_bit(weights, fs::file_size(weights) - 10);
     require_input_error(load, {weights, "checksum mismatch"});
     require_input_error([&] { export_hf(step_dir, dir.file("hf")); }, {weights, "checksum"});
   }
