@@ -29,6 +29,7 @@
 #include "moe/trainer.hpp"
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/rank_agreement.hpp"
 #include "train/step_outcome.hpp"
 #include "train/train_data.hpp"
 #include "train/whole_weights.hpp"
@@ -363,6 +364,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   TrainResult result;
   TrainerState state;
   const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
+  // Before the first collective whose sizes or order depend on what each rank was given (so far
+  // each rank has only built its own model and data): the ranks must run the same job.
+  if (world > 1) check_same_on_all_ranks(*comm, run_facts(cfg, dev, resume_dir, *data));
   // ZeRO-3: saving and imports go through the whole weights on the host (whole_weights.hpp); a
   // resume reads this rank's chunks of them only.
   std::unique_ptr<Model> whole;

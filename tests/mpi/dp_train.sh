@@ -24,6 +24,10 @@
 #               files: 2 ranks at ZeRO 2 give the 1-rank losses and the same (split, reduced)
 #               evaluation loss, within 1e-6; the checkpoint holds the tokenizer and both ranks'
 #               state files
+#   mismatch    rank 1 of 2 gets one more override than rank 0 (a wrapper adds it): another
+#               model shape (which crashed a rank in the collectives' size mismatch) and another
+#               ZeRO stage (which hung until the watchdog) each stop the job at start-up with exit
+#               2 within 15 s and one message naming the key and both ranks' values
 #   kill        rank 1 of 2 is killed with SIGKILL mid-run (train.comm_timeout_s 60): the job
 #               exits non-zero within 30 s with mpirun's message naming the rank (or the
 #               watchdog's line, should mpirun not end the job first)
@@ -208,6 +212,29 @@ case "$mode" in
       fail "evaluation losses differ"
     for f in moe_tokenizer.json rank_00000.state rank_00001.state DONE; do
       [ -f "$work/two/step_00000006/$f" ] || fail "checkpoint lacks $f"
+    done
+    ;;
+  mismatch)
+    # rank 1 (Open MPI's or a PMI launcher's variable) gets "--set $MOE_RANK1_SET" appended
+    cat >"$work/rank1.sh" <<'EOS'
+#!/usr/bin/env bash
+if [ "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}" = 1 ]; then exec "$@" --set "$MOE_RANK1_SET"; fi
+exec "$@"
+EOS
+    chmod +x "$work/rank1.sh"
+    for case in "model.num_hidden_layers=2|model.num_hidden_layers: .* 4 on rank 0, 2 on rank 1" \
+      "zero_optimization.stage=2|zero_optimization.stage: .* 0 on rank 0, 2 on rank 1"; do
+      set_arg=${case%%|*} expect=${case#*|}
+      start=$(date +%s.%N)
+      MOE_RANK1_SET=$set_arg timeout -k 5 60 "${launch[@]}" -np 2 "$work/rank1.sh" \
+        "$bin" train "${common[@]}" --set "train.out_dir=\"$work/mismatch\"" >"$work/mismatch.log" 2>&1
+      rc=$?
+      elapsed=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+      grep '^error' "$work/mismatch.log"
+      echo "$set_arg on rank 1: exit $rc after $elapsed s"
+      [ "$rc" = 2 ] || { cat "$work/mismatch.log"; fail "$set_arg on rank 1: exit $rc, not 2"; }
+      grep -Eq "^error: config $expect" "$work/mismatch.log" || fail "no message naming the key"
+      awk -v e="$elapsed" 'BEGIN { exit !(e < 15) }' || fail "took $elapsed s"
     done
     ;;
   kill)

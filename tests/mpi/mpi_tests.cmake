@@ -39,7 +39,7 @@ add_test(NAME mpi_comm_mpi_error
 
 # Data-parallel training with the real binary (tests/mpi/dp_train.sh): per-step losses of ZeRO
 # stages 0-2 on 2 and 4 ranks against one rank with the same global batch, N -> M rank resume,
-# and a rank killed with SIGKILL mid-run.
+# a rank killed with SIGKILL mid-run, and ranks launched with different configs.
 set(MOE_DP_TRAIN bash ${CMAKE_CURRENT_LIST_DIR}/dp_train.sh ${MPIEXEC_EXECUTABLE}
                  $<TARGET_FILE:moe-train> ${CMAKE_SOURCE_DIR})
 add_test(NAME mpi_dp_equal_np2 COMMAND ${MOE_DP_TRAIN} equal 2)
@@ -47,7 +47,10 @@ add_test(NAME mpi_dp_equal_np4 COMMAND ${MOE_DP_TRAIN} equal 4)
 add_test(NAME mpi_dp_resume COMMAND ${MOE_DP_TRAIN} resume)
 add_test(NAME mpi_dp_shards COMMAND ${MOE_DP_TRAIN} shards)
 add_test(NAME mpi_dp_kill COMMAND ${MOE_DP_TRAIN} kill)
-set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill PROPERTIES PROCESSORS 2)
+# Ranks given different configs stop at start-up with one message naming the key.
+add_test(NAME mpi_dp_mismatch COMMAND ${MOE_DP_TRAIN} mismatch)
+set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill mpi_dp_mismatch PROPERTIES
+                     PROCESSORS 2)
 set_tests_properties(mpi_dp_equal_np4 mpi_dp_resume PROPERTIES PROCESSORS 4)
 
 # The same equivalences on 2 GPU ranks over NCCL (label gpu: skipped, exit 77, without 2 GPUs).
@@ -60,7 +63,8 @@ endif()
 
 set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_hang_serialized
                   mpi_comm_serialized_np2 mpi_comm_rank_exit mpi_comm_mpi_error
-                  mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill)
+                  mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill
+                  mpi_dp_mismatch)
 set_tests_properties(${MOE_MPI_TESTS} PROPERTIES LABELS "cpu;mpi" TIMEOUT 150)
 set_tests_properties(mpi_comm_hang mpi_comm_rank_exit PROPERTIES PROCESSORS 4)
 set_tests_properties(mpi_comm_mpi_error PROPERTIES PROCESSORS 2)
