@@ -406,37 +406,39 @@ void load_router_biases(const std::string& step_dir, Model& model) {
   for (const Tensor& b : model.router_biases()) r.tensor(b);
 }
 
-void verify_checkpoint_weights(const std::string& step_dir) {
+namespace checkpoint_internal {
+
+std::vector<NamedTensor> read_checkpoint_weights(const std::string& step_dir) {
   require_complete(step_dir);
+  const std::string path = (fs::path(step_dir) / kWeightsFile).string();
   const std::string done = read_text_file((fs::path(step_dir) / kDoneFile).string());
   const std::string key = std::string(kWeightsFile) + " ";
   const size_t at = done.find("\n" + key);
-  if (at == std::string::npos) return;  // a checkpoint from before DONE recorded it
+  if (at == std::string::npos) return read_safetensors(path);  // saved before DONE recorded it
   unsigned long long bytes = 0, want = 0;
   if (std::sscanf(done.c_str() + at + 1 + key.size(), "%llu %llx", &bytes, &want) != 2)
     throw InputError((fs::path(step_dir) / kDoneFile).string() + ": unreadable " + kWeightsFile +
                      " line");
-  const InputFile f((fs::path(step_dir) / kWeightsFile).string());
-  if (f.size() != bytes)
-    throw InputError(f.path() + ": " + std::to_string(f.size()) + " bytes, but " +
-                     std::to_string(bytes) + " were saved (truncated or replaced?)");
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec) throw InputError(path + ": cannot read: " + ec.message());
+  if (size != bytes)
+    throw InputError(path + ": " + std::to_string(size) + " bytes, but " + std::to_string(bytes) +
+                     " were saved (truncated or replaced?)");
   Checksum sum;
-  std::vector<char> chunk(size_t{8} << 20);
-  for (uint64_t pos = 0; pos < bytes; pos += chunk.size()) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), bytes - pos));
-    f.read_at(pos, chunk.data(), n);
-    sum.update(chunk.data(), n);
-  }
+  std::vector<NamedTensor> tensors = read_safetensors_summed(path, sum);
   if (sum.value() != want)
-    throw InputError(f.path() +
-                     ": checksum mismatch: the file changed after it was saved (a "
-                     "disk or copy error?)");
+    throw InputError(path +
+                     ": checksum mismatch: the file changed after it was saved (a disk or copy "
+                     "error?)");
+  return tensors;
 }
 
+}  // namespace checkpoint_internal
+
 void load_checkpoint_weights(const std::string& step_dir, Model& model) {
-  verify_checkpoint_weights(step_dir);
   const std::string path = (fs::path(step_dir) / kWeightsFile).string();
-  load_named_tensors(model, read_safetensors(path), path);
+  load_named_tensors(model, read_checkpoint_weights(step_dir), path);
   load_router_biases(step_dir, model);
 }
 

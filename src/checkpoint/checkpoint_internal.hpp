@@ -30,6 +30,9 @@ struct SafetensorsEntry {
 // Writes header and data into `f` (entries sorted by name, offsets in that order); no commit.
 void write_safetensors_entries(DurableFile& f, std::vector<SafetensorsEntry> entries,
                                const Metadata& metadata);
+// read_safetensors, `sum` taking the file's bytes as they are read (in offset order: the whole
+// file where the tensors tile the data section, as write_safetensors_entries lays them out).
+std::vector<NamedTensor> read_safetensors_summed(const std::string& path, Checksum& sum);
 
 // ---- hf_names.cpp
 // transformers refuses a safetensors file without this metadata ("format": "pt").
@@ -75,6 +78,10 @@ void master_from_host_chunks(Model& model, size_t begin, size_t end, size_t chun
                              const std::function<void(void*, size_t)>& source);
 
 // ---- checkpoint.cpp
+// model.safetensors of a complete step directory, read once and checked against the size and
+// checksum DONE recorded at the save (InputError naming the file otherwise; a DONE from before
+// the record: read unchecked).
+std::vector<NamedTensor> read_checkpoint_weights(const std::string& step_dir);
 // Copies moe_tokenizer.json (required) and tokenizer.model (when present) from one directory to
 // another, durably.
 void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir,

@@ -83,9 +83,8 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
   if (step_dir.empty())
     throw InputError(checkpoint + ": no complete checkpoint (step_NNNNNNNN/ with DONE) found");
   const Config cfg = load_checkpoint_config(step_dir);
-  verify_checkpoint_weights(step_dir);
   const std::string weights = (fs::path(step_dir) / "model.safetensors").string();
-  const std::vector<NamedTensor> tensors = read_safetensors(weights);
+  const std::vector<NamedTensor> tensors = read_checkpoint_weights(step_dir);
   match_named_tensors(build_param_table(cfg.model), tensors,
                       std::vector<std::string>(tensors.size(), weights), weights);
 

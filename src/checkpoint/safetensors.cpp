@@ -4,6 +4,7 @@
 // start. The reader trusts nothing it has not checked against the file size: a file from outside
 // (a download, a half-copied shard) fails with an InputError naming it, never with a bad read.
 #include <algorithm>
+#include <numeric>
 #include <limits>
 #include <set>
 
@@ -239,22 +240,49 @@ void write_safetensors(const std::string& path, const std::vector<NamedTensor>& 
   f.commit();
 }
 
-std::vector<NamedTensor> read_safetensors(const std::string& path) {
+namespace {
+
+// sum (when given) takes the length, the header and the tensors' bytes in offset order: the whole
+// file's bytes in order when the tensors tile the data section, as this writer lays them out.
+std::vector<NamedTensor> read_safetensors_impl(const std::string& path, Checksum* sum) {
   InputFile f(path);
   const uint64_t n = read_header_length(f);
   std::string text(static_cast<size_t>(n), '\0');
   f.read_at(8, text.data(), text.size());
   const uint64_t data_start = 8 + n;
   std::vector<HeaderEntry> entries = parse_header(text, f.size() - data_start, path);
-  std::vector<NamedTensor> out;
-  out.reserve(entries.size());
-  for (auto& e : entries) {
-    NamedTensor t{std::move(e.name), std::move(e.dtype), std::move(e.shape), {}};
+  std::vector<size_t> order(entries.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return entries[a].begin < entries[b].begin; });
+  if (sum) {
+    sum->update(&n, 8);
+    sum->update(text.data(), text.size());
+  }
+  std::vector<NamedTensor> out(entries.size());  // (in the header's order)
+  for (size_t i : order) {
+    HeaderEntry& e = entries[i];
+    NamedTensor& t = out[i];
+    t = NamedTensor{std::move(e.name), std::move(e.dtype), std::move(e.shape), {}};
     t.bytes.resize(static_cast<size_t>(e.end - e.begin));
     f.read_at(data_start + e.begin, t.bytes.data(), t.bytes.size());
-    out.push_back(std::move(t));
+    if (sum) sum->update(t.bytes.data(), t.bytes.size());
   }
   return out;
 }
+
+}  // namespace
+
+std::vector<NamedTensor> read_safetensors(const std::string& path) {
+  return read_safetensors_impl(path, nullptr);
+}
+
+namespace checkpoint_internal {
+
+std::vector<NamedTensor> read_safetensors_summed(const std::string& path, Checksum& sum) {
+  return read_safetensors_impl(path, &sum);
+}
+
+}  // namespace checkpoint_internal
 
 }  // namespace moe
