@@ -17,17 +17,20 @@ class Checksum {
   void update(const void* data, size_t n) {
     const auto* p = static_cast<const uint8_t*>(data);
     length_ += n;
-    while (n > 0 && tail_n_ > 0) {
-      tail_[tail_n_++] = *p++;
-      --n;
-      if (tail_n_ == 8) flush_tail();
+    if (tail_n_ > 0) {  // the word a previous call left unfinished first
+      const size_t take = n < 8 - tail_n_ ? n : 8 - tail_n_;
+      std::memcpy(tail_ + tail_n_, p, take);
+      tail_n_ += take, p += take, n -= take;
+      if (tail_n_ < 8) return;
+      flush_tail();
     }
     for (; n >= 8; p += 8, n -= 8) {
       uint64_t w;
       std::memcpy(&w, p, 8);
       mix(w);
     }
-    while (n-- > 0) tail_[tail_n_++] = *p++;
+    if (n > 0) std::memcpy(tail_, p, n);  // (n < 8)
+    tail_n_ = n;
   }
   uint64_t value() const {
     Checksum c = *this;
