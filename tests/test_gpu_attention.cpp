@@ -110,6 +110,38 @@ void check_attention(DType dt, int64_t hd, int64_t T = 37, int64_t nh = 4, int64
   CHECK(download(gdv) == dv1);
 }
 
+struct DecodeShape {
+  int64_t B, S, nh, nkv, hd;
+};
+
+// attention_decode_forward of q [B, nh, hd] over the caches k, v [B, S, nkv, hd] at `lengths`, on
+// the CPU (in f64) and on the GPU (into a poisoned output), downloaded.
+std::vector<double> cpu_decode(const DecodeShape& d, const std::vector<double>& q,
+                               const std::vector<double>& k, const std::vector<double>& v,
+                               std::vector<int32_t> lengths) {
+  Ctx cpu{};
+  Host cq({d.B, d.nh, d.hd}, q), ck({d.B, d.S, d.nkv, d.hd}, k), cv({d.B, d.S, d.nkv, d.hd}, v),
+      out({d.B, d.nh, d.hd});
+  attention_decode_forward(cpu, out, cq, ck, cv,
+                           Tensor(lengths.data(), DType::i32, Device{}, {d.B}));
+  return out.v;
+}
+std::vector<double> gpu_decode(DType dt, const DecodeShape& d, const std::vector<double>& q,
+                               const std::vector<double>& k, const std::vector<double>& v,
+                               const std::vector<int32_t>& lengths) {
+  Ctx ctx = gpu_ctx();
+  DeviceTensor gq = on_device(dt, {d.B, d.nh, d.hd}, q);
+  DeviceTensor gk = on_device(dt, {d.B, d.S, d.nkv, d.hd}, k);
+  DeviceTensor gv = on_device(dt, {d.B, d.S, d.nkv, d.hd}, v);
+  DeviceTensor glen(DType::i32, {d.B});
+  upload_i32(glen, lengths);
+  DeviceTensor gout = poisoned(dt, {d.B, d.nh, d.hd});
+  gpu::synchronize();
+  attention_decode_forward(ctx, gout, gq, gk, gv, glen);
+  gpu::synchronize();
+  return download(gout);
+}
+
 void check_decode(DType dt, int64_t hd) {
   const int64_t B = 3, S = 40, nh = 4, nkv = 2;
   const std::vector<int32_t> lengths = {37, 1, 23};
@@ -127,23 +159,9 @@ void check_decode(DType dt, int64_t hd) {
         k[at] = v[at] = std::nan("");
       }
 
-  Ctx cpu{};
-  Host cq({B, nh, hd}, q), ck({B, S, nkv, hd}, k), cv({B, S, nkv, hd}, v), c_out({B, nh, hd});
-  std::vector<int32_t> len_host = lengths;
-  Tensor clen(len_host.data(), DType::i32, Device{}, {B});
-  attention_decode_forward(cpu, c_out, cq, ck, cv, clen);
-
-  Ctx ctx = gpu_ctx();
-  DeviceTensor gq = on_device(dt, {B, nh, hd}, q);
-  DeviceTensor gk = on_device(dt, {B, S, nkv, hd}, k);
-  DeviceTensor gv = on_device(dt, {B, S, nkv, hd}, v);
-  DeviceTensor glen(DType::i32, {B});
-  upload_i32(glen, lengths);
-  DeviceTensor gout = poisoned(dt, {B, nh, hd});
-  gpu::synchronize();
-  attention_decode_forward(ctx, gout, gq, gk, gv, glen);
-  gpu::synchronize();
-  expect_close(download(gout), c_out.v, rtol, "decode out");
+  const DecodeShape d{B, S, nh, nkv, hd};
+  expect_close(gpu_decode(dt, d, q, k, v, lengths), cpu_decode(d, q, k, v, lengths), rtol,
+               "decode out");
 }
 
 }  // namespace
@@ -272,21 +290,11 @@ TEST_CASE("gpu decode: a length outside [1, S] gives NaN rows and leaves the oth
         round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 42));
     const std::vector<double> v =
         round_to(dt, random_values(static_cast<size_t>(B * S * nkv * hd), 43));
-    Ctx ctx = gpu_ctx();
-    DeviceTensor gq = on_device(dt, {B, nh, hd}, q);
-    DeviceTensor gk = on_device(dt, {B, S, nkv, hd}, k);
-    DeviceTensor gv = on_device(dt, {B, S, nkv, hd}, v);
-    auto run = [&](const std::vector<int32_t>& lengths) {
-      DeviceTensor glen(DType::i32, {B});
-      upload_i32(glen, lengths);
-      DeviceTensor gout = poisoned(dt, {B, nh, hd});
-      gpu::synchronize();
-      attention_decode_forward(ctx, gout, gq, gk, gv, glen);
-      gpu::synchronize();
-      return download(gout);
-    };
-    const std::vector<double> bad = run({37, 0, static_cast<int32_t>(S + 1), 5});
-    const std::vector<double> good = run({37, 1, static_cast<int32_t>(S), 5});
+    const DecodeShape d{B, S, nh, nkv, hd};
+    const std::vector<int32_t> valid = {37, 1, static_cast<int32_t>(S), 5};
+    const std::vector<double> bad =
+        gpu_decode(dt, d, q, k, v, {37, 0, static_cast<int32_t>(S + 1), 5});
+    const std::vector<double> good = gpu_decode(dt, d, q, k, v, valid);
     const int64_t row = nh * hd;  // one sequence's heads
     for (int64_t b = 0; b < B; ++b) {
       const bool invalid = b == 1 || b == 2;
@@ -300,12 +308,7 @@ TEST_CASE("gpu decode: a length outside [1, S] gives NaN rows and leaves the oth
     }
     // The valid rows of the good run against the CPU op (so the comparison above is not of two
     // wrong runs).
-    Ctx cpu{};
-    Host cq({B, nh, hd}, q), ck({B, S, nkv, hd}, k), cv({B, S, nkv, hd}, v), c_out({B, nh, hd});
-    std::vector<int32_t> len_host = {37, 1, static_cast<int32_t>(S), 5};
-    attention_decode_forward(cpu, c_out, cq, ck, cv,
-                             Tensor(len_host.data(), DType::i32, Device{}, {B}));
-    expect_close(good, c_out.v, rtol_for(dt), "decode with valid lengths");
+    expect_close(good, cpu_decode(d, q, k, v, valid), rtol_for(dt), "decode with valid lengths");
   }
 }
 
