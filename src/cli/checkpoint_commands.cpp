@@ -1,4 +1,5 @@
 // `eval`, `sample` and `export`: the commands that read a checkpoint.
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -55,18 +56,21 @@ void run_eval(const EvalFlags& f) {
   Model model(cfg.model, DType::f32, Device{}, b, t);
   load_checkpoint_weights(dir, model);
   SequentialReader reader(expand_glob(f.data), t, b);
-  // Shards of another tokenizer: named here, not as a bare token id in the middle of a batch.
-  const uint32_t max_token = reader.max_token();  // (a pass over every shard)
-  if (max_token >= static_cast<uint32_t>(cfg.model.vocab_size))
-    throw InputError(f.data + ": token id " + std::to_string(max_token) +
-                     " does not fit the model's vocab_size " +
-                     std::to_string(cfg.model.vocab_size) + " (shards of another tokenizer?)");
   const size_t n = static_cast<size_t>(b) * t;
   std::vector<int32_t> ids(n), targets(n);
   Ctx ctx;
   double sum = 0;
   int done = 0;
   while ((f.batches <= 0 || done < f.batches) && reader.next(ids.data(), targets.data())) {
+    // Shards of another tokenizer: named here, in the batches as they are read (no pass of its
+    // own over the shards), not as a bare token id in the model's embedding.
+    uint32_t most = 0;  // (the shards' ids are unsigned)
+    for (size_t i = 0; i < n; ++i)
+      most = std::max({most, static_cast<uint32_t>(ids[i]), static_cast<uint32_t>(targets[i])});
+    if (most >= static_cast<uint32_t>(cfg.model.vocab_size))
+      throw InputError(f.data + ": token id " + std::to_string(most) +
+                       " does not fit the model's vocab_size " +
+                       std::to_string(cfg.model.vocab_size) + " (shards of another tokenizer?)");
     sum += model.forward(ctx, ids.data(), targets.data()).lm;
     if (done == 0 && !f.logits_out.empty()) write_logits(f.logits_out, model.logits());
     ++done;
