@@ -132,8 +132,9 @@ TEST_CASE("gpu router_forward: the logits and routing of router_logits + router_
   check_router(DType::bf16, 500, 100, 8, 2, true, true, 9);
 }
 
-// MOE_MOD_ROUTE_PDL=1 (sm_90): the product, then the selection launched as its programmatic
-// dependent (with the common-digit skip under MOE_MOD_SELECT_SKIP=1): the same bits.
+// MOE_MOD_ROUTE_PDL=0: the one launch; 1 (sm_90, the default there): the product, then the
+// selection launched as its programmatic dependent (with the common-digit skip under
+// MOE_MOD_SELECT_SKIP=1): the same bits either way.
 TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select",
           "[gpu][router_fused]") {
   const std::string pdl = GENERATE(as<std::string>{}, "0", "1");

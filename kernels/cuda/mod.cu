@@ -354,7 +354,9 @@ unsigned row_blocks(int64_t rows) {
   return blocks_for(rows, kRowWarps);
 }
 
-// MOE_MOD_SELECT_SKIP=1: the selection with select_sequence's kSkipCommon (not yet measured).
+// MOE_MOD_SELECT_SKIP=1: the selection with select_sequence's kSkipCommon (off by default: the MoD
+// router's scores take both signs, so no digit is common and the skip's pass only adds time:
+// docs/perf.md, 34th session).
 bool select_skips_common() {
   const char* v = std::getenv("MOE_MOD_SELECT_SKIP");
   return v != nullptr && std::string(v) == "1";

@@ -345,12 +345,14 @@ bool fused_path(Kernel kernel, const Tensor& x, const Tensor& w, int64_t n_exp) 
          n_exp <= kMaxExperts && d > 0 && d % 8 == 0 && aligned16({x.data, w.data});
 }
 
-// MOE_MOD_ROUTE_PDL=1 on an sm_90 device: mod_route as the product and a selection kernel launched
-// as its programmatic dependent (mod_select_after_scores), for comparison with the one launch
-// (not yet measured: docs/perf.md, 31st session).
+// On an sm_90 device: mod_route as the product and a selection kernel launched as its
+// programmatic dependent (mod_select_after_scores): 1,024 threads a sequence once the product's
+// grid is done instead of the 128-thread block that wrote a sequence's last score selecting it
+// alone (17.3 against 17.8 us at moe-small's shape on an H100: docs/perf.md, 34th session).
+// MOE_MOD_ROUTE_PDL=0 (read at every call) keeps the one launch, for comparison.
 bool route_by_dependent_launch() {
   const char* v = std::getenv("MOE_MOD_ROUTE_PDL");
-  if (v == nullptr || std::string(v) != "1") return false;
+  if (v != nullptr && std::string(v) == "0") return false;
   static const bool sm90 = [] {
     int dev = 0, major = 0;
     MOE_CUDA_CHECK(cudaGetDevice(&dev));

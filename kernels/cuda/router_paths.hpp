@@ -16,7 +16,7 @@ bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits,
 
 // mod_select's selection of f32 scores (mod.cu; the common-digit skip under MOE_MOD_SELECT_SKIP),
 // launched as the programmatic dependent of the kernel just queued that writes the scores
-// (mod_route with MOE_MOD_ROUTE_PDL=1, sm_90 devices): its blocks can be resident before that
+// (mod_route on sm_90 devices, unless MOE_MOD_ROUTE_PDL=0): its blocks can be resident before that
 // kernel ends and wait for its grid (griddepcontrol.wait), with no launch gap between the two.
 void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores);
 
