@@ -5,6 +5,7 @@
 // (the previous checkpoint stays loadable; leftovers are never picked), corrupt state files,
 // loading into another model shape, and export -> init_from_hf.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -510,6 +511,22 @@ TEST_CASE("a save that fails partway leaves the previous checkpoint loadable", "
                     SimulatedCrash);
     previous_is_intact(step1, first);
   }
+  SECTION("a weight the update made non-finite stops the save; keep_last keeps the last good one") {
+    std::vector<NamedTensor> tensors = model_to_named_tensors(a.model);
+    const float inf = INFINITY;
+    std::memcpy(tensors.back().bytes.data() + 4 * 3, &inf, 4);  // element 3 of the last tensor
+    load_named_tensors(a.model, tensors, "in memory");
+    try {
+      save(a, save_options(run, 1), 2);
+      FAIL("expected a NonFiniteError");
+    } catch (const NonFiniteError& e) {
+      CHECK(std::string(e.what()) ==
+            tensors.back().name + " holds a non-finite value (NaN or Inf) at element 3");
+    }
+    CHECK_FALSE(fs::exists(run + "/" + step_name(2)));
+    CHECK_FALSE(fs::exists(run + "/" + step_name(2) + ".tmp"));
+    previous_is_intact(step1, first);
+  }
   SECTION("crash while writing DONE leaves an incomplete directory that is skipped") {
     CHECK_THROWS_AS(save(a, save_options(run, 1, fail_in("/DONE", 0)), 2), SimulatedCrash);
     previous_is_intact(step1, first);
@@ -702,6 +719,35 @@ TEST_CASE("a changed model.safetensors is an InputError naming it", "[checkpoint
     std::ofstream(step_dir + "/DONE", std::ios::trunc) << "step 1\n";
     load();
     CHECK(snapshot(b).params == snapshot(a).params);
+  }
+}
+
+// Weights holding a NaN or Inf (a checkpoint saved before saves refused them, or the file
+// replaced under an older DONE without its checksum) are named when eval or sample loads them,
+// not met as a non-finite op output; the model is left untouched.
+TEST_CASE("a checkpoint's non-finite weight is an InputError naming the tensor", "[checkpoint]") {
+  const std::string expert = "model.layers.1.block_sparse_moe.experts.2.w3.weight";
+  const std::string norm = "model.layers.3.post_attention_layernorm.weight";
+  for (const auto& [name, value] :
+       {std::pair<std::string, float>{expert, NAN}, {norm, -INFINITY}, {norm, INFINITY}}) {
+    INFO(name << " = " << value);
+    TempDir dir;
+    Trainee a(tiny_config());
+    const std::string step_dir = save(a, save_options(dir.file("run")), 1);
+    std::vector<NamedTensor> tensors = model_to_named_tensors(a.model);
+    const auto t = std::find_if(tensors.begin(), tensors.end(),
+                                [&](const NamedTensor& x) { return x.name == name; });
+    REQUIRE(t != tensors.end());
+    std::memcpy(t->bytes.data() + 4 * 5, &value, 4);  // element 5
+    write_safetensors(step_dir + "/model.safetensors", tensors, {{"format", "pt"}});
+    std::ofstream(step_dir + "/DONE", std::ios::trunc) << "step 1\n";  // (no checksum record)
+    Trainee b(tiny_config(), 5);
+    const auto before = snapshot(b).params;
+    require_input_error([&] { load_checkpoint_weights(step_dir, b.model); },
+                        {step_dir + "/model.safetensors: " + name +
+                             " holds a non-finite value (NaN or Inf) at element 5",
+                         "diverged"});
+    CHECK(snapshot(b).params == before);
   }
 }
 

@@ -104,7 +104,8 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
 Config load_checkpoint_config(const std::string& step_dir);
 // The weights, and the aux-loss-free router biases when the model uses them (eval, sample).
 // InputError naming model.safetensors when its size or checksum is not what DONE recorded at the
-// save (nothing to check in a checkpoint saved before DONE recorded them).
+// save (nothing to check in a checkpoint saved before DONE recorded them), or naming the first
+// tensor that holds a NaN or Inf.
 void load_checkpoint_weights(const std::string& step_dir, Model& model);
 
 // `moe-train export`: a Hugging Face directory (model.safetensors, config.json, tokenizer files,

@@ -438,7 +438,9 @@ std::vector<NamedTensor> read_checkpoint_weights(const std::string& step_dir) {
 
 void load_checkpoint_weights(const std::string& step_dir, Model& model) {
   const std::string path = (fs::path(step_dir) / kWeightsFile).string();
-  load_named_tensors(model, read_checkpoint_weights(step_dir), path);
+  const std::vector<NamedTensor> tensors = read_checkpoint_weights(step_dir);
+  require_finite_tensors(tensors, path);  // (before the copy: the model stays untouched)
+  load_named_tensors(model, tensors, path);
   load_router_biases(step_dir, model);
 }
 

@@ -48,8 +48,17 @@ struct HfTensor {
   int member = 0;
 };
 std::vector<HfTensor> hf_tensors(const ParamTable& table);
+// The index of the first NaN or Inf of the n elements of safetensors dtype `dtype` at p, or n.
+size_t first_non_finite(const uint8_t* p, size_t n, const std::string& dtype);
+// "NAME holds a non-finite value (NaN or Inf) at element AT"
+std::string non_finite_message(const std::string& tensor, size_t at);
+// InputError naming `path` and the first tensor with a NaN or Inf element (eval and sample: a
+// checkpoint saved before saves refused such weights, named here instead of by the first op
+// whose output is not finite, or printed as a NaN loss).
+void require_finite_tensors(const std::vector<NamedTensor>& tensors, const std::string& path);
 
-// The model's weights as streaming entries (for model.safetensors inside a checkpoint).
+// The model's weights as streaming entries (for model.safetensors inside a checkpoint); the
+// writes throw NonFiniteError naming the first weight that holds a NaN or Inf.
 std::vector<SafetensorsEntry> model_safetensors_entries(const Model& model);
 
 // Checks `tensors` against the table: every name present once, shapes equal, float dtypes. For

@@ -3,6 +3,8 @@
 // (MixtralConfig names plus MODEL_SPEC's extra keys) both ways. Loading checks every name, shape
 // and dtype before it copies anything, so a wrong file leaves the model untouched.
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
@@ -138,6 +140,46 @@ std::string safetensors_dtype(DType t) {
   return "?";
 }
 
+size_t first_non_finite(const uint8_t* p, size_t n, const std::string& dtype) {
+  if (dtype == "F32") {  // (the master weights' dtype: the loop a save runs over every weight)
+    // First whether any element has the all-ones exponent of a NaN or Inf, in a loop without an
+    // exit (vectorised: a save scans every weight), then where.
+    bool any = false;
+    for (size_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, p + 4 * i, 4);
+      any |= (bits & 0x7f800000u) == 0x7f800000u;
+    }
+    if (!any) return n;
+    for (size_t i = 0; i < n; ++i) {
+      float v;
+      std::memcpy(&v, p + 4 * i, 4);
+      if (!std::isfinite(v)) return i;
+    }
+    return n;
+  }
+  const size_t size = safetensors_dtype_size(dtype);
+  for (size_t i = 0; i < n; ++i)
+    if (!std::isfinite(read_element(p + i * size, dtype))) return i;
+  return n;
+}
+
+std::string non_finite_message(const std::string& tensor, size_t at) {
+  return tensor + " holds a non-finite value (NaN or Inf) at element " + std::to_string(at);
+}
+
+void require_finite_tensors(const std::vector<NamedTensor>& tensors, const std::string& path) {
+  for (const NamedTensor& t : tensors) {
+    if (!is_float_dtype(t.dtype)) continue;  // (match_named_tensors names a wrong dtype)
+    const size_t n = t.bytes.size() / safetensors_dtype_size(t.dtype);
+    const size_t at = first_non_finite(t.bytes.data(), n, t.dtype);
+    if (at < n)
+      throw InputError(path + ": " + non_finite_message(t.name, at) +
+                       ": the run that saved these weights had diverged; use an earlier "
+                       "checkpoint");
+  }
+}
+
 std::vector<HfTensor> hf_tensors(const ParamTable& table) {
   std::vector<HfTensor> out;
   for (size_t i = 0; i < table.params.size(); ++i) {
@@ -209,10 +251,19 @@ std::vector<SafetensorsEntry> model_safetensors_entries(const Model& model) {
   const std::string dtype = safetensors_dtype(model.dtype());
   for (const HfTensor& h : hf_tensors(model.table())) {
     const auto [begin, end] = hf_tensor_range(model, h);
-    SafetensorsEntry e{h.name, dtype, h.shape, (end - begin) * dtype_size(model.dtype()), nullptr};
-    e.write_data = [&model, begin = begin, end = end](DurableFile& f) {
-      master_to_host_chunks(model, begin, end, kChunkBytes,
-                            [&f](const void* p, size_t n) { f.write(p, n); });
+    const size_t elem = dtype_size(model.dtype());
+    SafetensorsEntry e{h.name, dtype, h.shape, (end - begin) * elem, nullptr};
+    // A weight that is not finite stops the save (NonFiniteError) before the file is complete:
+    // the checkpoint is never published, so retention keeps the earlier ones.
+    e.write_data = [&model, begin = begin, end = end, elem, dtype, name = h.name](DurableFile& f) {
+      size_t done = 0;
+      master_to_host_chunks(model, begin, end, kChunkBytes, [&](const void* p, size_t n) {
+        const size_t count = n / elem;
+        const size_t at = first_non_finite(static_cast<const uint8_t*>(p), count, dtype);
+        if (at < count) throw NonFiniteError(non_finite_message(name, done + at));
+        done += count;
+        f.write(p, n);
+      });
     };
     entries.push_back(std::move(e));
   }

@@ -6,9 +6,9 @@
 
 namespace moe {
 
-void throw_diverged(int step, const std::string& detail) {
-  throw std::runtime_error("the loss became non-finite at step " + std::to_string(step) +
-                           (detail.empty() ? "" : " (" + detail + ")") +
+void throw_diverged(int step, const std::string& detail, const char* what) {
+  throw std::runtime_error(std::string(what) + " became non-finite at step " +
+                           std::to_string(step) + (detail.empty() ? "" : " (" + detail + ")") +
                            "; lower optimizer.params.lr or enable gradient_clipping");
 }
 

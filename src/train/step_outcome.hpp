@@ -23,8 +23,9 @@ namespace moe {
 bool finish_step(Ctx& ctx, Model& model, double gnorm, double loss_total, bool loss_scaling,
                  int step);
 
-// The run diverged at (1-based) `step`: std::runtime_error saying so and what to change, with
-// `detail` (what was found non-finite) when given.
-[[noreturn]] void throw_diverged(int step, const std::string& detail = "");
+// The run diverged at (1-based) `step`: std::runtime_error saying that `what` (the loss, or the
+// weights) became non-finite and what to change, with `detail` (what was found) when given.
+[[noreturn]] void throw_diverged(int step, const std::string& detail = "",
+                                 const char* what = "the loss");
 
 }  // namespace moe

@@ -627,7 +627,18 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         gather_whole(ctx, model, whole.get());
         if (whole) saved = whole.get();
       }
-      const std::string dir = save_checkpoint(save_opt, cfg, *saved, optimizer, state);
+      std::string dir;
+      try {
+        dir = save_checkpoint(save_opt, cfg, *saved, optimizer, state);
+      } catch (const NonFiniteError& e) {
+        // The update made a weight NaN or Inf (without clipping the norm is read at log steps
+        // only, and the loss shows it a step later): stopped as divergence, the checkpoint not
+        // published, the earlier ones kept. (With several ranks, rank 0 writes the weights and
+        // stops here; the others wait in the save's barrier until the launcher ends the job,
+        // as after a failed write.)
+        throw_diverged(step + 1, std::string(e.what()) + "; this step's checkpoint was not saved",
+                       "the weights");
+      }
       whole.reset();
       out << "saved " << dir << "\n" << std::flush;
       last_log = Clock::now();

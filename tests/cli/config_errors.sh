@@ -86,6 +86,21 @@ else
   failures=$((failures + 1))
 fi
 
+# A save at the step whose update made the weights non-finite (the loss shows it only a step
+# later) stops the run as diverged and publishes no checkpoint.
+out=$("$bin" train --config "$tiny" --device cpu --set optimizer.params.lr=1e300 \
+  --set train.max_steps=5 --set train.save_interval=1 \
+  --set "train.out_dir=\"$tmp/diverged_save\"" 2>&1)
+code=$?
+if [ "$code" -eq 1 ] && grep -q "error: the weights became non-finite at step 1 (.* holds a non-finite value" \
+  <<<"$out" && grep -q "checkpoint was not saved" <<<"$out" &&
+  [ -z "$(ls -A "$tmp/diverged_save" | grep step_)" ]; then
+  echo "ok   diverged_save"
+else
+  echo "FAIL diverged_save: exit $code: $(tail -2 <<<"$out"); $(ls "$tmp/diverged_save" 2>&1)"
+  failures=$((failures + 1))
+fi
+
 # A CPU run that does not fit in host memory says what it needs and what to lower (the address
 # space capped, so the allocation fails whatever the machine's overcommit policy).
 out=$(ulimit -v 4000000 && "$bin" train --config "$tiny" --device cpu \
