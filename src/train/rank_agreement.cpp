@@ -75,7 +75,8 @@ std::string broadcast_text(Comm& comm, const std::string& text, size_t bytes, in
 
 }  // namespace
 
-RankFacts run_facts(const Config& cfg, Device dev, const std::string& resume_dir, TrainData& data) {
+RankFacts run_facts(const Config& cfg, Device dev, const std::string& resume_dir,
+                    const std::string& run_dir_seen, TrainData& data) {
   RankFacts facts;
   flatten(config_to_json_value(cfg), "", facts);
   for (auto it = facts.begin(); it != facts.end();) {
@@ -89,6 +90,8 @@ RankFacts run_facts(const Config& cfg, Device dev, const std::string& resume_dir
       it->second = resume_dir.empty() ? "no checkpoint (a fresh start)" : one_line(resume_dir);
     ++it;
   }
+  // (after the config's keys, so a config that differs is named first)
+  facts.emplace_back("train.out_dir (as each rank sees it)", one_line(run_dir_seen));
   // The first micro-batch, drawn and put back.
   const size_t n = static_cast<size_t>(cfg.train_micro_batch_size_per_gpu) * cfg.data.seq_len;
   std::vector<int32_t> ids(n), targets(n);

@@ -26,11 +26,13 @@ using RankFacts = std::vector<std::pair<std::string, std::string>>;
 // compared as the device type (several GPU ranks may each name their own GPU; pick_local_gpu
 // decides), and train.gpu_memory_limit_gib (a cap of this rank's memory, no part of the math);
 // train.resume as the checkpoint this rank resumes from (resume_dir, "" for none: a rank that
-// sees another run directory resumes elsewhere); and, last, "data": the source's description
-// and a hash of its first micro-batch (drawn and put back: `data` is where it was), which tells
-// files of other sizes or contents at the same path apart (a difference later in the stream is
-// not seen: the shards carry no checksum).
-RankFacts run_facts(const Config& cfg, Device dev, const std::string& resume_dir, TrainData& data);
+// sees another run directory resumes elsewhere); "train.out_dir (as each rank sees it)":
+// `run_dir_seen`, what RunDirProbe found (run_dir_probe.hpp); and, last, "data": the source's
+// description and a hash of its first micro-batch (drawn and put back: `data` is where it was),
+// which tells files of other sizes or contents at the same path apart (a difference later in the
+// stream is not seen: the shards carry no checksum).
+RankFacts run_facts(const Config& cfg, Device dev, const std::string& resume_dir,
+                    const std::string& run_dir_seen, TrainData& data);
 
 // Every rank calls it with its facts (a collective). Returns when all agree; otherwise throws,
 // on every rank, one ConfigError naming the first key (in rank 0's order) whose value differs

@@ -30,6 +30,7 @@
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/rank_agreement.hpp"
+#include "train/run_dir_probe.hpp"
 #include "train/step_outcome.hpp"
 #include "train/train_data.hpp"
 #include "train/whole_weights.hpp"
@@ -366,7 +367,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   const std::string resume_dir = checkpoint_to_resume(cfg.train, out);
   // Before the first collective whose sizes or order depend on what each rank was given (so far
   // each rank has only built its own model and data): the ranks must run the same job.
-  if (world > 1) check_same_on_all_ranks(*comm, run_facts(cfg, dev, resume_dir, *data));
+  if (world > 1) {
+    const RunDirProbe run_dir(*comm, cfg.train.out_dir);
+    check_same_on_all_ranks(*comm, run_facts(cfg, dev, resume_dir, run_dir.seen(), *data));
+  }
   // ZeRO-3: saving and imports go through the whole weights on the host (whole_weights.hpp); a
   // resume reads this rank's chunks of them only.
   std::unique_ptr<Model> whole;

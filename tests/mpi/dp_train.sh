@@ -215,10 +215,14 @@ case "$mode" in
     done
     ;;
   mismatch)
-    # rank 1 (Open MPI's or a PMI launcher's variable) gets "--set $MOE_RANK1_SET" appended
+    # rank 1 (Open MPI's or a PMI launcher's variable) gets "--set $MOE_RANK1_SET" appended, or
+    # starts in the directory MOE_RANK1_CD
     cat >"$work/rank1.sh" <<'EOS'
 #!/usr/bin/env bash
-if [ "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}" = 1 ]; then exec "$@" --set "$MOE_RANK1_SET"; fi
+if [ "${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}" = 1 ]; then
+  if [ -n "${MOE_RANK1_CD:-}" ]; then cd "$MOE_RANK1_CD" || exit 1; exec "$@"; fi
+  exec "$@" --set "$MOE_RANK1_SET"
+fi
 exec "$@"
 EOS
     chmod +x "$work/rank1.sh"
@@ -236,6 +240,19 @@ EOS
       grep -Eq "^error: config $expect" "$work/mismatch.log" || fail "no message naming the key"
       awk -v e="$elapsed" 'BEGIN { exit !(e < 15) }' || fail "took $elapsed s"
     done
+    # The same config, but a relative train.out_dir from another working directory on rank 1:
+    # two run directories (as a node-local path on several nodes), which made every checkpoint
+    # incomplete; found at start-up by the run directory probe.
+    mkdir -p "$work/rank0_cwd" "$work/rank1_cwd"
+    (cd "$work/rank0_cwd" && MOE_RANK1_CD="$work/rank1_cwd" timeout -k 5 60 "${launch[@]}" -np 2 \
+      "$work/rank1.sh" "$bin" train "${common[@]}" --set 'train.out_dir="run"') \
+      >"$work/mismatch.log" 2>&1
+    rc=$?
+    grep '^error' "$work/mismatch.log"
+    [ "$rc" = 2 ] || { cat "$work/mismatch.log"; fail "two run directories: exit $rc, not 2"; }
+    grep -Eq "^error: config train.out_dir \(as each rank sees it\): differs between the data-parallel ranks: the one holding start-up token [0-9a-f]{16} on rank 0, not the directory rank 0 wrote into \(rank 1 finds no $work/rank1_cwd/run/.moe-train-ranks-probe\) on rank 1" \
+      "$work/mismatch.log" || fail "no message naming the run directory"
+    [ -z "$(ls -A "$work/rank0_cwd/run" | grep probe)" ] || fail "the probe files were left behind"
     ;;
   kill)
     cmd=("${launch[@]}" -np 2 "$bin" train "${common[@]}" --set train.max_steps=100000
