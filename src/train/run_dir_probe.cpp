@@ -43,7 +43,9 @@ std::string write_text(const std::string& path, const std::string& text) {
 }  // namespace
 
 RunDirProbe::RunDirProbe(Comm& comm, const std::string& dir) {
-  const fs::path where = fs::absolute(dir);
+  std::error_code ec;
+  fs::path where = fs::absolute(dir, ec);  // (absolute: the messages say which directory)
+  if (ec) where = dir;
   const std::string token_path = (where / kTokenFile).string();
   const std::string rank = std::to_string(comm.rank());
   if (comm.rank() == 0) {
@@ -54,7 +56,6 @@ RunDirProbe::RunDirProbe(Comm& comm, const std::string& dir) {
   // This rank's own file: can it write here?
   const std::string own = (where / (std::string(kTokenFile) + ".rank" + rank)).string();
   const std::string error = write_text(own, "");
-  std::error_code ec;
   fs::remove(own, ec);
   if (!error.empty()) {
     seen_ = "not writable by rank " + rank + " (cannot create " + own + ": " + error + ")";
