@@ -142,8 +142,8 @@ std::string safetensors_dtype(DType t) {
 
 size_t first_non_finite(const uint8_t* p, size_t n, const std::string& dtype) {
   if (dtype == "F32") {  // (the master weights' dtype: the loop a save runs over every weight)
-    // First whether any element has the all-ones exponent of a NaN or Inf, in a loop without an
-    // exit (vectorised: a save scans every weight), then where.
+    // Whether any element has the all-ones exponent of a NaN or Inf, in a loop without an exit
+    // (vectorised); where, only then, by the general loop below.
     bool any = false;
     for (size_t i = 0; i < n; ++i) {
       uint32_t bits;
@@ -151,12 +151,6 @@ size_t first_non_finite(const uint8_t* p, size_t n, const std::string& dtype) {
       any |= (bits & 0x7f800000u) == 0x7f800000u;
     }
     if (!any) return n;
-    for (size_t i = 0; i < n; ++i) {
-      float v;
-      std::memcpy(&v, p + 4 * i, 4);
-      if (!std::isfinite(v)) return i;
-    }
-    return n;
   }
   const size_t size = safetensors_dtype_size(dtype);
   for (size_t i = 0; i < n; ++i)
