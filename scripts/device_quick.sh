@@ -11,6 +11,7 @@
 # the transfers), TESTS (default none), CONFIGS (default "moe-small moe-fine moe-t4").
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
+source scripts/device_summary.sh
 peer=${1:?usage: scripts/device_quick.sh PEER_SCRIPT}
 t0=$SECONDS
 limit=${LIMIT:-560}
@@ -67,18 +68,14 @@ for t in "${tests[@]}"; do
   step 30 "$t" timeout "$(($(left) - 20))" "$build/tests/$t" --reporter compact \
     -o "$OUT/$t.log"
 done
-tok() { grep -o 'tok/s [0-9]*' "$1" 2>/dev/null | tail -1 | awk '{print $2}'; }
 {
   echo "== $(cat "$OUT/gpu.txt"), $(git rev-parse --short HEAD 2>/dev/null)"
   cat "$OUT/steps.txt"
   echo "== peer table"
   cat "$OUT/peer/bench.txt" 2>/dev/null
-  plain=$(tok "$OUT/peer/ours.moe-small.log") mod=$(tok "$OUT/mod.log")
-  echo "== MoD (moe-small, model.mod.enabled): ${mod:-?} tok/s against ${plain:-?}: a step in" \
-    "$(awk -v a="${plain:-0}" -v b="${mod:-0}" 'BEGIN {if (a > 0 && b > 0) printf "%.3f", a / b; else print "?"}')x" \
-    "the time (bar 0.65x)"
+  mod_ratio_line "$OUT/peer/ours.moe-small.log" "$OUT/mod.log"
   for p in fine mod; do
     echo "== $p profile (ms per step)"
-    sed -n '/profile:/,/total/p' "$OUT/$p.profile.log" 2>/dev/null | head -14
+    profile_table "$OUT/$p.profile.log" 14
   done
 } | tee "$OUT/summary.txt"

@@ -8,7 +8,8 @@
 # from ../shared/peers into the checkout (an ignored folder named in the device call's carry).
 #   scripts/device_session.sh PEER_SCRIPT
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+source scripts/device_summary.sh
 peer=${1:?usage: scripts/device_session.sh PEER_SCRIPT}
 OUT=${OUT:-/tmp/session}
 mkdir -p "$OUT"
@@ -42,16 +43,12 @@ MOE_ROUTER_FUSED=0 timeout 120 "$moe" train --config configs/moe-small.json \
   echo "== peer table"
   cat "$OUT/peer/bench.txt"
   echo "== moe-small profile (ms per step)"
-  sed -n '/profile:/,/total/p' "$OUT/profile.log" | head -14
-  plain=$(grep -o 'tok/s [0-9]*' "$OUT/peer/ours.moe-small.log" | tail -1 | awk '{print $2}')
-  mod=$(grep -o 'tok/s [0-9]*' "$OUT/mod.log" | tail -1 | awk '{print $2}')
-  echo "== MoD (moe-small, model.mod.enabled): ${mod:-?} tok/s against ${plain:-?}: a step in" \
-    "$(awk -v a="${plain:-0}" -v b="${mod:-0}" 'BEGIN {if (b > 0) printf "%.3f", a / b; else print "?"}')x" \
-    "the time (bar 0.65x)"
+  profile_table "$OUT/profile.log" 14
+  mod_ratio_line "$OUT/peer/ours.moe-small.log" "$OUT/mod.log"
   echo "== MoD profile (ms per step)"
-  sed -n '/profile:/,/total/p' "$OUT/mod.profile.log" | head -16
-  unfused=$(grep -o 'tok/s [0-9]*' "$OUT/mod.unfused.log" | tail -1 | awk '{print $2}')
-  echo "== MoD with MOE_ROUTER_FUSED=0 (the routers as two ops each): ${unfused:-?} tok/s against ${mod:-?}"
+  profile_table "$OUT/mod.profile.log"
+  echo "== MoD with MOE_ROUTER_FUSED=0 (the routers as two ops each):" \
+    "$(last_tok "$OUT/mod.unfused.log") tok/s against $(last_tok "$OUT/mod.log")"
   echo "== moe-fine profile (ms per step)"
-  sed -n '/profile:/,/total/p' "$OUT/fine.profile.log" | head -16
+  profile_table "$OUT/fine.profile.log"
 } | tee "$OUT/summary.txt"
