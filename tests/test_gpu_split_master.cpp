@@ -286,6 +286,159 @@ std::vector<uint16_t> compute_copy_of(const Model& model) {
 
 }  // namespace
 
+// The experts' update fused into their backward (train.fuse_expert_update): on sm_90 the dw
+// kernel's epilogue updates each stack (the last chunk of a hot expert's split tiles adding the
+// earlier chunks' sum first), an expert without rows is updated with a zero gradient apart, and
+// the squared gradients are summed per warp; under a ping-pong dw setting or with the sm_90
+// kernels off the ops run in turn. Every way gives the bits of the backward (dw_overwrite) and
+// adamw_step_split in turn for every output and the weights, low halves and moments (the
+// weights are the product's own w, updated in place), and the norm's sum within fp32 rounding.
+namespace {
+
+struct StackState {
+  DeviceSplit split;
+  DeviceTensor m, v;
+  StackState(const std::vector<float>& p0, const std::vector<double>& m0,
+             const std::vector<double>& v0)
+      : split(p0, 0),
+        m(on_device(DType::f32, {static_cast<int64_t>(p0.size())}, m0)),
+        v(on_device(DType::f32, {static_cast<int64_t>(p0.size())}, v0)) {}
+  SplitSlab slab() const { return SplitSlab{split.hi, split.lo, m, v}; }
+  void check_same(const StackState& o) const {
+    CHECK(bytes_of(split.hi) == bytes_of(o.split.hi));
+    CHECK(bytes_of(split.lo) == bytes_of(o.split.lo));
+    CHECK(bytes_of(m) == bytes_of(o.m));
+    CHECK(bytes_of(v) == bytes_of(o.v));
+  }
+};
+
+StackState random_stack(int64_t n, uint64_t seed) {
+  return StackState(as_floats(round_to(DType::f32, random_values(n, seed, -0.5, 0.5))),
+                    round_to(DType::f32, random_values(n, seed + 1, -0.01, 0.01)),
+                    round_to(DType::f32, random_values(n, seed + 2, 1e-5, 1e-3)));
+}
+
+AdamWArgs expert_update_args(Tensor grad_sq) {
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 3;
+  a.grad_sq_out = grad_sq;
+  return a;
+}
+
+double read_f64(Tensor t) {
+  double x = 0;
+  copy_to_host(&x, t);
+  return x;
+}
+
+}  // namespace
+
+TEST_CASE("gpu grouped_*_adamw: the update in the dw epilogue is the ops in turn, bitwise",
+          "[gpu][optim]") {
+  const std::string kernel = GENERATE(as<std::string>{}, "256", "128", "pingpong", "0");
+  set_grouped_sm90(kernel);
+  const int64_t e = 5, d = 320, f = 192;
+  // An expert without rows (updated with a zero gradient) and a hot one (960 of 1,100 rows: its
+  // tiles split into chunks of twice the mean) beside balanced ones, then a balanced routing.
+  for (const std::vector<int32_t>& offsets : {std::vector<int32_t>{0, 40, 40, 1000, 1031, 1100},
+                                              std::vector<int32_t>{0, 200, 430, 610, 800, 1000}}) {
+    INFO("MOE_GROUPED_SM90=" << kernel << " rows " << offsets.back());
+    const int64_t r = offsets.back();
+    const DType dt = DType::bf16;
+    Ctx ctx = gpu_ctx();
+    DeviceTensor off = offsets_on_device(offsets);
+    DeviceTensor sq1 = on_device(DType::f64, {1}, {0.25}), sq2 = on_device(DType::f64, {1}, {0.25});
+
+    // the down projection's backward: w2 [E, d, F] is the slab's hi
+    {
+      DeviceTensor dy = on_device(dt, {r, d}, rounded_random_values(dt, r * d, 201));
+      DeviceTensor h = on_device(dt, {r, f}, rounded_random_values(dt, r * f, 202));
+      DeviceTensor gate = on_device(dt, {r, f}, rounded_random_values(dt, r * f, 203, -3, 3));
+      DeviceTensor up = on_device(dt, {r, f}, rounded_random_values(dt, r * f, 204));
+      DeviceTensor row_w =
+          on_device(DType::f32, {r}, round_to(DType::f32, random_values(r, 205, 0.1, 1)));
+      StackState fused = random_stack(e * d * f, 206), in_turn = random_stack(e * d * f, 206);
+      auto w2_of = [&](const StackState& s) { return s.split.hi.view({e, d, f}); };
+      DeviceTensor dg1 = poisoned(dt, {r, f}), du1 = poisoned(dt, {r, f}),
+                   drw1 = poisoned(DType::f32, {r}), dw1 = poisoned(DType::f32, {e, d, f});
+      DeviceTensor dg2 = poisoned(dt, {r, f}), du2 = poisoned(dt, {r, f}),
+                   drw2 = poisoned(DType::f32, {r}), dw2 = poisoned(DType::f32, {e, d, f});
+      grouped_swiglu_down_backward_adamw(ctx, dg1, du1, drw1, dw1, dy, h, w2_of(fused), gate, up,
+                                         row_w, off, fused.slab(), expert_update_args(sq1));
+      grouped_swiglu_down_backward(ctx, dg2, du2, drw2, dw2, dy, h, w2_of(in_turn), gate, up, row_w,
+                                   off, true);
+      adamw_step_split(ctx, in_turn.split.hi, in_turn.split.lo, Tensor(dw2).view({e * d * f}),
+                       in_turn.m, in_turn.v, expert_update_args(sq2));
+      gpu::synchronize();
+      CHECK(bytes_of(dg1) == bytes_of(dg2));
+      CHECK(bytes_of(du1) == bytes_of(du2));
+      CHECK(bytes_of(drw1) == bytes_of(drw2));
+      fused.check_same(in_turn);
+      CHECK(fused.split.decoded() != random_stack(e * d * f, 206).split.decoded());  // it ran
+      const double a1 = read_f64(sq1), a2 = read_f64(sq2);
+      CHECK(a1 > 0.25);
+      CHECK(std::abs(a1 - a2) <= 1e-5 * a2);
+    }
+    // the gate and up projections' backward: w1, w3 [E, F, d], two slabs in one dw launch
+    {
+      DeviceTensor dy1 = on_device(dt, {r, f}, rounded_random_values(dt, r * f, 211));
+      DeviceTensor dy3 = on_device(dt, {r, f}, rounded_random_values(dt, r * f, 212));
+      DeviceTensor x = on_device(dt, {r, d}, rounded_random_values(dt, r * d, 213));
+      StackState f1 = random_stack(e * f * d, 214), t1 = random_stack(e * f * d, 214);
+      StackState f3 = random_stack(e * f * d, 217), t3 = random_stack(e * f * d, 217);
+      auto w_of = [&](const StackState& s) { return s.split.hi.view({e, f, d}); };
+      DeviceTensor dx1 = poisoned(dt, {r, d}), dxw1 = poisoned(dt, {r, d}),
+                   dwa1 = poisoned(DType::f32, {e, f, d}), dwb1 = poisoned(DType::f32, {e, f, d});
+      DeviceTensor dx2 = poisoned(dt, {r, d}), dxw2 = poisoned(dt, {r, d}),
+                   dwa2 = poisoned(DType::f32, {e, f, d}), dwb2 = poisoned(DType::f32, {e, f, d});
+      grouped_linear_backward_pair_adamw(ctx, dx1, dxw1, dwa1, dwb1, dy1, dy3, x, w_of(f1),
+                                         w_of(f3), off, f1.slab(), f3.slab(),
+                                         expert_update_args(sq1));
+      grouped_linear_backward_pair(ctx, dx2, dxw2, dwa2, dwb2, dy1, dy3, x, w_of(t1), w_of(t3), off,
+                                   true);
+      adamw_step_split(ctx, t1.split.hi, t1.split.lo, Tensor(dwa2).view({e * f * d}), t1.m, t1.v,
+                       expert_update_args(sq2));
+      adamw_step_split(ctx, t3.split.hi, t3.split.lo, Tensor(dwb2).view({e * f * d}), t3.m, t3.v,
+                       expert_update_args(sq2));
+      gpu::synchronize();
+      CHECK(bytes_of(dx1) == bytes_of(dx2));
+      f1.check_same(t1);
+      f3.check_same(t3);
+      const double a1 = read_f64(sq1), a2 = read_f64(sq2);
+      CHECK(std::abs(a1 - a2) <= 1e-5 * a2);
+    }
+  }
+  clear_grouped_sm90();
+}
+
+TEST_CASE("gpu grouped_swiglu_down_backward_adamw: norm_sq or a slab inside an operand throws",
+          "[gpu][optim]") {
+  Ctx ctx = gpu_ctx();
+  const int64_t e = 2, d = 64, f = 64, r = 128;
+  const DType dt = DType::bf16;
+  DeviceTensor off = offsets_on_device({0, 20, 128});
+  DeviceTensor dy = poisoned(dt, {r, d}), h = poisoned(dt, {r, f}), gate = poisoned(dt, {r, f}),
+               up = poisoned(dt, {r, f}), row_w = poisoned(DType::f32, {r});
+  DeviceTensor dg = poisoned(dt, {r, f}), du = poisoned(dt, {r, f}),
+               drw = poisoned(DType::f32, {r}), dw = poisoned(DType::f32, {e, d, f});
+  StackState s = random_stack(e * d * f, 230);
+  DeviceTensor norm = on_device(DType::f64, {1}, {1.0});
+  AdamWArgs clipped;
+  clipped.norm_sq = norm;
+  clipped.max_norm = 1.0;
+  CHECK_THROWS_WITH(
+      grouped_swiglu_down_backward_adamw(ctx, dg, du, drw, dw, dy, h, s.split.hi.view({e, d, f}),
+                                         gate, up, row_w, off, s.slab(), clipped),
+      Catch::Contains("norm_sq"));
+  // the low halves in dy's memory: refused before anything runs
+  SplitSlab bad = s.slab();
+  bad.lo = Tensor(Tensor(dy).data, DType::u16, gpu0(), {e * d * f});
+  CHECK_THROWS_WITH(
+      grouped_swiglu_down_backward_adamw(ctx, dg, du, drw, dw, dy, h, s.split.hi.view({e, d, f}),
+                                         gate, up, row_w, off, bad, AdamWArgs{}),
+      Catch::Contains("overlaps the op's operands"));
+}
+
 TEST_CASE("gpu model: a split master is the plain model's master, and moves exactly",
           "[gpu][model][mixed]") {
   const ModelConfig m = tiny_model();

@@ -216,3 +216,75 @@ TEST_CASE(
       grouped_linear_forward_adamw(ctx, y1, x, w, toff, s1.thi, s1.tlo, g_in_x, m1, v1, a),
       Catch::Contains("overlap the product"));
 }
+
+TEST_CASE(
+    "grouped_*_adamw: the backward, then the update; norm_sq or state inside an operand throws") {
+  Ctx ctx = cpu_ctx();
+  const int64_t e = 3, d = 8, f = 6, n = e * d * f;
+  std::vector<int32_t> off = {0, 5, 5, 12};
+  const int64_t r = off.back();
+  Tensor toff(off.data(), DType::i32, Device{}, {e + 1});
+  AdamWArgs a;
+  a.lr = 1e-2, a.step = 2, a.weight_decay = 0.1;
+  Buf<float> p = to_f32(random_buf({n}, 61, -2, 2)), m0 = to_f32(random_buf({n}, 62, -0.1, 0.1)),
+             v0 = to_f32(random_buf({n}, 63, 1e-4, 0.1));
+  // the down projection's backward (w2 [E, d, F]; the slab apart from it on the CPU)
+  Buf<float> dy = to_f32(random_buf({r, d}, 64)), h = to_f32(random_buf({r, f}, 65)),
+             w2 = to_f32(random_buf({e, d, f}, 66)), gate = to_f32(random_buf({r, f}, 67, -3, 3)),
+             up = to_f32(random_buf({r, f}, 68)), row_w = to_f32(random_buf({r}, 69, 0.1, 1));
+  Buf<float> dg1({r, f}), du1({r, f}), drw1({r}), dw1({e, d, f}), m1 = m0, v1 = v0;
+  Buf<float> dg2({r, f}), du2({r, f}), drw2({r}), dw2({e, d, f}), m2 = m0, v2 = v0;
+  SplitState s1(p.v), s2(p.v);
+  grouped_swiglu_down_backward_adamw(ctx, dg1, du1, drw1, dw1, dy, h, w2, gate, up, row_w, toff,
+                                     SplitSlab{s1.thi, s1.tlo, m1, v1}, a);
+  grouped_swiglu_down_backward(ctx, dg2, du2, drw2, dw2, dy, h, w2, gate, up, row_w, toff, true);
+  adamw_step_split(ctx, s2.thi, s2.tlo, Tensor(dw2).view({n}), m2, v2, a);
+  CHECK(dg1.v == dg2.v);
+  CHECK(du1.v == du2.v);
+  CHECK(drw1.v == drw2.v);
+  CHECK(s1.hi == s2.hi);
+  CHECK(s1.lo == s2.lo);
+  CHECK(m1.v == m2.v);
+  CHECK(v1.v == v2.v);
+  CHECK(s1.decoded() != p.v);  // the update ran
+
+  // the gate and up projections' pair (w1, w3 [E, F, d]), both stacks updated
+  Buf<float> dy1 = to_f32(random_buf({r, f}, 70)), dy3 = to_f32(random_buf({r, f}, 71)),
+             x = to_f32(random_buf({r, d}, 72)), w1 = to_f32(random_buf({e, f, d}, 73)),
+             w3 = to_f32(random_buf({e, f, d}, 74));
+  Buf<float> dx1({r, d}), dxw1({r, d}), dwa1({e, f, d}), dwb1({e, f, d});
+  Buf<float> dx2({r, d}), dxw2({r, d}), dwa2({e, f, d}), dwb2({e, f, d});
+  SplitState t1(p.v), t3(p.v), u1(p.v), u3(p.v);
+  Buf<float> mt1 = m0, vt1 = v0, mt3 = m0, vt3 = v0, mu1 = m0, vu1 = v0, mu3 = m0, vu3 = v0;
+  grouped_linear_backward_pair_adamw(ctx, dx1, dxw1, dwa1, dwb1, dy1, dy3, x, w1, w3, toff,
+                                     SplitSlab{t1.thi, t1.tlo, mt1, vt1},
+                                     SplitSlab{t3.thi, t3.tlo, mt3, vt3}, a);
+  grouped_linear_backward_pair(ctx, dx2, dxw2, dwa2, dwb2, dy1, dy3, x, w1, w3, toff, true);
+  adamw_step_split(ctx, u1.thi, u1.tlo, Tensor(dwa2).view({n}), mu1, vu1, a);
+  adamw_step_split(ctx, u3.thi, u3.tlo, Tensor(dwb2).view({n}), mu3, vu3, a);
+  CHECK(dx1.v == dx2.v);
+  CHECK(t1.hi == u1.hi);
+  CHECK(t1.lo == u1.lo);
+  CHECK(mt1.v == mu1.v);
+  CHECK(vt1.v == vu1.v);
+  CHECK(t3.hi == u3.hi);
+  CHECK(t3.lo == u3.lo);
+  CHECK(mt3.v == mu3.v);
+  CHECK(vt3.v == vu3.v);
+  CHECK(t1.hi != t3.hi);  // each stack its own gradient
+
+  // A clipping norm (the update runs before the whole gradient is known), state inside dy.
+  Buf<double> norm_sq({1});
+  AdamWArgs clipped = a;
+  clipped.norm_sq = norm_sq;
+  clipped.max_norm = 1.0;
+  CHECK_THROWS_WITH(
+      grouped_swiglu_down_backward_adamw(ctx, dg1, du1, drw1, dw1, dy, h, w2, gate, up, row_w, toff,
+                                         SplitSlab{s1.thi, s1.tlo, m1, v1}, clipped),
+      Catch::Contains("norm_sq"));
+  const Tensor lo_in_dy(dy.v.data(), DType::u16, Device{}, {n});
+  CHECK_THROWS_WITH(
+      grouped_swiglu_down_backward_adamw(ctx, dg1, du1, drw1, dw1, dy, h, w2, gate, up, row_w, toff,
+                                         SplitSlab{s1.thi, lo_in_dy, m1, v1}, a),
+      Catch::Contains("overlaps the op's operands"));
+}
