@@ -127,15 +127,21 @@ __device__ __forceinline__ void dw_publish(const DwUnit& w, int g, bool alone, i
 }
 
 // Unit w's last chunk with the update fused (the kAdam kernel, cooperative): each gradient
-// element, the thread's accumulator plus (a split tile) what the earlier chunks added into dw,
-// summed as red.add.f32 sums (round to nearest, subnormals flushed: adamw_step_split then reads
-// those bits), goes straight into adam_split_element with its weight's hi / lo and moments, and
-// its square into the warp's partial (adam.sq[u * 8 + warp]). Called after the earlier chunks'
-// flag wait; the publish follows.
-template <class Pairs>
+// element, math warpgroup g's accumulator plus (a split tile) what the earlier chunks added into
+// dw, summed as red.add.f32 sums (round to nearest, subnormals flushed: adamw_step_split then
+// reads those bits), goes straight into adam_split_element with its weight's hi / lo and
+// moments, and its square into the warp's partial (adam.sq[u * 8 + warp]). Called after the
+// earlier chunks' flag wait; the publish follows. The thread's pairs (for_each_math_pair's
+// order) go in groups of kGroup: every load of a group is issued before any of its updates, so
+// a warp keeps kGroup pairs' state in flight (one pair at a time, each waited for before the
+// next, left the epilogue latency-bound: stores to hi and lo may alias the next pair's loads).
+// 4: no spills beside the 128 accumulators (8 spilled 438 bytes).
+template <class C>
 __device__ __forceinline__ void dw_tile_update(const DwUnit& w, const DwAdam& adam, int64_t u,
                                                const float* dw_e, int64_t out, int64_t in,
-                                               Pairs&& pairs) {
+                                               const float (&acc)[C::kAcc], int g) {
+  constexpr int kPairs = C::kAcc / 2, kGroup = 4;
+  static_assert(kPairs % kGroup == 0, "whole groups of pairs");
   const int s = w.second ? 1 : 0;
   const int64_t base = int64_t(w.e) * out * in;
   uint16_t* hi = adam.state.hi[s] + base;
@@ -144,33 +150,50 @@ __device__ __forceinline__ void dw_tile_update(const DwUnit& w, const DwAdam& ad
   float* v = adam.state.v[s] + base;
   const bool split = w.c > 0;
   const float scale = adam.c.grad_scale;
+  const int t = static_cast<int>(threadIdx.x) % 128;
+  const int64_t row = w.m0 + g * 64 + (t / 32) * 16 + (t % 32) / 4, col = w.n0 + 2 * (t % 4);
   float sq = 0;
-  pairs([&](int row, int col, float v0, float v1) {
-    const int64_t o = w.m0 + row, i = w.n0 + col;
-    if (o >= out || i >= in) return;
-    const int64_t at = o * in + i;  // even (in % 8 == 0): 4- and 8-byte pairs
-    float g0 = v0, g1 = v1;
-    if (split) {  // the earlier chunks' sum, from L2 (they added there)
-      float p0, p1;
-      asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n"
-                   : "=f"(p0), "=f"(p1)
-                   : "l"(dw_e + at)
-                   : "memory");
-      asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g0) : "f"(p0), "f"(v0));
-      asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g1) : "f"(p1), "f"(v1));
+#pragma unroll
+  for (int p0 = 0; p0 < kPairs; p0 += kGroup) {
+    ushort2 h[kGroup], l[kGroup];
+    float2 mm[kGroup], vv[kGroup], prev[kGroup];
+    int32_t at[kGroup];  // within the expert's stack (the host checks out * in < 2^31)
+    bool ok[kGroup];
+#pragma unroll
+    for (int q = 0; q < kGroup; ++q) {
+      const int p = p0 + q;  // pair p: acc[2p], acc[2p + 1] at row + 8 (p % 2), col + 8 (p / 2)
+      const int64_t o = row + 8 * (p % 2), i = col + 8 * (p / 2);
+      ok[q] = o < out && i < in;
+      at[q] = static_cast<int32_t>(o * in + i);  // even (in % 8 == 0): 4- and 8-byte pairs
+      if (!ok[q]) continue;
+      h[q] = *reinterpret_cast<const ushort2*>(hi + at[q]);
+      l[q] = *reinterpret_cast<const ushort2*>(lo + at[q]);
+      mm[q] = *reinterpret_cast<const float2*>(m + at[q]);
+      vv[q] = *reinterpret_cast<const float2*>(v + at[q]);
+      if (split)  // the earlier chunks' sum, from L2 (they added there)
+        asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n"
+                     : "=f"(prev[q].x), "=f"(prev[q].y)
+                     : "l"(dw_e + at[q])
+                     : "memory");
     }
-    sq += g0 * g0 + g1 * g1;
-    ushort2 h = *reinterpret_cast<const ushort2*>(hi + at);
-    ushort2 l = *reinterpret_cast<const ushort2*>(lo + at);
-    float2 mm = *reinterpret_cast<const float2*>(m + at);
-    float2 vv = *reinterpret_cast<const float2*>(v + at);
-    adam_split_element(h.x, l.x, g0, mm.x, vv.x, scale, adam.c);
-    adam_split_element(h.y, l.y, g1, mm.y, vv.y, scale, adam.c);
-    *reinterpret_cast<ushort2*>(hi + at) = h;
-    *reinterpret_cast<ushort2*>(lo + at) = l;
-    *reinterpret_cast<float2*>(m + at) = mm;
-    *reinterpret_cast<float2*>(v + at) = vv;
-  });
+#pragma unroll
+    for (int q = 0; q < kGroup; ++q) {
+      if (!ok[q]) continue;
+      const int p = p0 + q;
+      float g0 = acc[2 * p], g1 = acc[2 * p + 1];
+      if (split) {
+        asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g0) : "f"(prev[q].x), "f"(g0));
+        asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g1) : "f"(prev[q].y), "f"(g1));
+      }
+      sq += g0 * g0 + g1 * g1;
+      adam_split_element(h[q].x, l[q].x, g0, mm[q].x, vv[q].x, scale, adam.c);
+      adam_split_element(h[q].y, l[q].y, g1, mm[q].y, vv[q].y, scale, adam.c);
+      *reinterpret_cast<ushort2*>(hi + at[q]) = h[q];
+      *reinterpret_cast<ushort2*>(lo + at[q]) = l[q];
+      *reinterpret_cast<float2*>(m + at[q]) = mm[q];
+      *reinterpret_cast<float2*>(v + at[q]) = vv[q];
+    }
+  }
   double wsum = sq;
   for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
   if (threadIdx.x % 32 == 0) adam.sq[u * 8 + (threadIdx.x / 32 - 4)] = wsum;
@@ -186,12 +209,14 @@ __device__ __forceinline__ void dw_tile_update(const DwUnit& w, const DwAdam& ad
 // chunk stores (dw is neither zeroed before nor read), the later ones add behind it in chunk
 // order as always.
 // kAdam (the cooperative kernel only): the tile's last chunk updates the weights instead
-// (dw_tile_update; adam and u, the unit's index, used there only).
+// (dw_tile_update from warpgroup g's accumulator acc; adam and u, the unit's index, used there
+// only).
 template <class C, bool kAdam = false, class Pairs>
 __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, int g, bool alone,
                                                float* dw, int64_t out, int64_t in, bool overwrite,
                                                Pairs&& pairs, const DwAdam* adam = nullptr,
-                                               int64_t u = 0) {
+                                               int64_t u = 0,
+                                               const float (*acc)[C::kAcc] = nullptr) {
   const int c = w.c, chunks = w.chunks;
   int* flag = chunks > 1 ? &dw_flags[int64_t(w.e) * tiles + w.tile] : nullptr;
   float* dw_e = dw + int64_t(w.e) * out * in;
@@ -210,7 +235,7 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, i
   }
   if constexpr (kAdam) {
     if (c + 1 == chunks) {
-      dw_tile_update(w, *adam, u, dw_e, out, in, pairs);
+      dw_tile_update<C>(w, *adam, u, dw_e, out, in, *acc, g);
       if (chunks > 1) dw_publish(w, g, alone, flag);
       return;
     }
@@ -400,7 +425,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         it += slices;
         dw_tile_reduce<C, kAdam>(
             w, tiles, g, false, w.second ? dw2 : dw, out, in, overwrite,
-            [&](auto&& add) { for_each_math_pair<C>(acc, g, add); }, &adam, u);
+            [&](auto&& add) { for_each_math_pair<C>(acc, g, add); }, &adam, u, &acc);
       }
     }
   }

@@ -630,7 +630,7 @@ bool grouped_sm90_dw_adamw(Ctx& ctx, DType t, float* dw, float* dw2, const void*
   if (m == Mode::off || m == Mode::pingpong || m == Mode::pingpong_multicast ||
       !sm90_available(t, m) || !dw_operands_fit(dw, dy, x, out, in, experts) ||
       (pair && !dw_operands_fit(dw2, dy2, x, out, in, experts)) || rows == 0 || experts == 0 ||
-      !a.norm_sq.empty() || !a.compute_out.empty())
+      !a.norm_sq.empty() || !a.compute_out.empty() || out * in >= (int64_t(1) << 31))
     return false;
   const int64_t bn = m == Mode::narrow ? Narrow::kBN : Wide::kBN;
   const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, bn) * (pair ? 2 : 1);
