@@ -41,19 +41,6 @@ Config expert_update_run(const std::string& out_dir, bool fuse, bool overlap) {
   return c;
 }
 
-// Every file of a checkpoint directory but the configs (which name the run's own out_dir).
-std::vector<std::pair<std::string, std::string>> checkpoint_files(const fs::path& dir) {
-  std::vector<std::pair<std::string, std::string>> files;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.find("config") != std::string::npos) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    files.emplace_back(name, std::string(std::istreambuf_iterator<char>(in), {}));
-  }
-  std::sort(files.begin(), files.end());
-  return files;
-}
-
 std::vector<double> logged_grad_norms(const std::string& log) {
   std::vector<double> norms;
   const std::regex re("grad_norm ([0-9.]+)");

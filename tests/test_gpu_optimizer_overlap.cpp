@@ -52,19 +52,6 @@ Config overlap_run(const std::string& out_dir, const std::string& precision, boo
   return c;
 }
 
-// Every file of a checkpoint directory but the configs (which name the run's own out_dir).
-std::vector<std::pair<std::string, std::string>> checkpoint_files(const fs::path& dir) {
-  std::vector<std::pair<std::string, std::string>> files;
-  for (const auto& e : fs::directory_iterator(dir)) {
-    const std::string name = e.path().filename().string();
-    if (name.find("config") != std::string::npos) continue;
-    std::ifstream in(e.path(), std::ios::binary);
-    files.emplace_back(name, std::string(std::istreambuf_iterator<char>(in), {}));
-  }
-  std::sort(files.begin(), files.end());
-  return files;
-}
-
 }  // namespace
 
 TEST_CASE("gpu train: the update overlapped with the next forward is the in-line run's, bitwise",

@@ -14,6 +14,7 @@
 #include <random>
 #include <string>
 #include <system_error>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -165,6 +166,21 @@ struct TempDir {
   // The path of `name` (a file or a subdirectory) inside the directory.
   std::string file(const std::string& name) const { return (path / name).string(); }
 };
+
+// Every file of a checkpoint directory but the configs (which name the run's own out_dir), as
+// (name, bytes) sorted by name: two runs' checkpoints compared bit for bit.
+inline std::vector<std::pair<std::string, std::string>> checkpoint_files(
+    const std::filesystem::path& dir) {
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (name.find("config") != std::string::npos) continue;
+    std::ifstream in(e.path(), std::ios::binary);
+    files.emplace_back(name, std::string(std::istreambuf_iterator<char>(in), {}));
+  }
+  std::sort(files.begin(), files.end());
+  return files;
+}
 
 // Writes `text` (any bytes) as the whole file.
 inline void write_text(const std::string& path, const std::string& text) {
