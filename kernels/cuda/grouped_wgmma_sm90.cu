@@ -230,9 +230,6 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
     d[i] = 0.0f;
 }
 
-// kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
-// g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
-// launch.
 // Units of a dw launch at most (tiles: of both stacks for a pair), for a chunk of `chunk` rows.
 int64_t dw_units_bound(int64_t tiles, int64_t rows, int64_t chunk, int experts) {
   return tiles * ((rows + chunk - 1) / chunk + experts);
@@ -275,6 +272,11 @@ __global__ void add_dw_squares_kernel(double* out, const double* partial, int64_
 struct DwSquaresTag {};
 constexpr int64_t kDwMaxSquares = int64_t(1) << 20;  // 8 MiB of partials, 131,072 units
 
+// kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
+// g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
+// launch. kAdam: the kernel carries the stacks' update (DwAdam; overwrite), the experts without
+// rows are updated by a kernel of their own first, and grad_sq_out (if not null) gets the
+// squares' partials added in order after it.
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
           Sched kSched = Sched::cooperative, bool kAdam = false>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
