@@ -94,6 +94,7 @@ TEST_CASE("gpu train: accumulation or clipping keeps the experts' update after t
     c.train.device = "cuda";
     c.train.out_dir = dir.path.string();
     c.train.split_master = true;
+    c.train.fuse_expert_update = true;
     std::ostringstream log;
     const TrainResult r = train(c, log);
     CHECK(r.losses.size() == 2);
