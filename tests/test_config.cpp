@@ -77,7 +77,7 @@ const char* kFullConfig = R"({
             "comm_timeout_s": 30.5, "recompute_layers": true,
             "recompute_expert_inputs": true, "recompute_expert_rows": true,
             "head_chunk_tokens": 512, "split_master": false, "overlap_optimizer": false,
-            "fuse_expert_update": true, "gpu_memory_limit_gib": 15.5}
+            "gpu_memory_limit_gib": 15.5}
 })";
 
 }  // namespace
@@ -181,7 +181,6 @@ TEST_CASE("config: every key of a full config is read into its field") {
   CHECK(c.train.recompute_expert_rows);
   CHECK(c.train.head_chunk_tokens == 512);
   CHECK(!c.train.overlap_optimizer);
-  CHECK(c.train.fuse_expert_update);
   CHECK(c.train.keep_checkpoints == 2);
   CHECK(c.train.resume == "auto");
 }

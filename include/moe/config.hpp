@@ -156,11 +156,6 @@ struct TrainConfig {
   // One GPU, AdamW state on it: the update runs on a side stream behind the next step's
   // forward, unit by unit; elsewhere, and with --profile, it runs in line.
   bool overlap_optimizer = true;
-  // One GPU, one micro-batch a step, no clipping or loss scaling, a split master: the routed
-  // experts' AdamW update runs inside the backward, in the epilogue of the products that make
-  // their weight gradients (the fp32 gradient neither written nor read back); elsewhere AdamW
-  // updates them after the backward with the rest. Off until its GPU tests and timing have run.
-  bool fuse_expert_update = false;
   // GiB the trainer may allocate on its GPU (0 = no cap): a larger card checks that a run fits
   // a smaller one's budget (e.g. 16 for a T4). --gpu-memory-limit overrides it.
   double gpu_memory_limit_gib = 0;

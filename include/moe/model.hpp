@@ -4,13 +4,11 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "moe/config.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/common.hpp"
-#include "moe/ops/optim.hpp"
 
 namespace moe {
 
@@ -228,21 +226,6 @@ class Model {
   // backward), so an optimizer still updating later units on another stream can make ctx's stream
   // wait for that unit only (AdamW::wait_unit).
   void set_unit_wait(std::function<void(Ctx& ctx, int unit)> wait) { unit_wait_ = std::move(wait); }
-  // train.fuse_expert_update: the routed experts' weight stacks updated inside the backward by
-  // their weight-gradient products (the grouped *_adamw ops) instead of by AdamW after it. The
-  // trainer sets it before each backward of a step that qualifies (one micro-batch, one rank,
-  // nothing clipped or scaled, a split master) and clears it after; AdamW::step then leaves
-  // those stacks (AdamW::set_updated_in_backward(expert_stack_ranges())). The update's state is
-  // flat over the parameter buffer.
-  struct ExpertUpdate {
-    Tensor low, m, v;  // master_low(), AdamW's moments: [P] each
-    AdamWArgs args;    // the step's (AdamW::backward_update_args; grad_sq_out: the norm's part)
-  };
-  void set_expert_update(const ExpertUpdate* update) { expert_update_ = update; }
-  const ExpertUpdate* expert_update() const { return expert_update_; }
-  // [begin, end) of each routed expert stack in the parameter buffer (w1, w3, w2 of each MoE
-  // layer), in order.
-  std::vector<std::pair<size_t, size_t>> expert_stack_ranges() const;
   Tensor param(const ParamInfo& p) const;
   Tensor grad(const ParamInfo& p) const;
   Tensor work(const ParamInfo& p) const;  // the compute copy (the master itself in f32 / f64)
@@ -305,7 +288,6 @@ class Model {
   Arena acts_, scratch_;
   std::unique_ptr<ShardedParams> sharded_;    // ZeRO stage 3 only
   std::function<void(Ctx&, int)> unit_wait_;  // set_unit_wait
-  const ExpertUpdate* expert_update_ = nullptr;
   std::unique_ptr<LayerEnv> env_;
   std::vector<std::unique_ptr<Layer>> layers_;
   RoutingStats routing_;

@@ -3,7 +3,6 @@
 #pragma once
 #include <functional>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include "moe/config.hpp"
@@ -196,14 +195,6 @@ class AdamW {
   bool overlaps_forward() const { return overlap_ != nullptr; }
   void wait_unit(Ctx& ctx, int unit);
   void join(Ctx& ctx);
-  // train.fuse_expert_update: the elements of `ranges` (global [begin, end), this rank owning
-  // the whole buffer) are updated inside the backward by the ops that make their gradients
-  // (Model::ExpertUpdate), with backward_update_args; step() leaves them (but counts the step).
-  // Each range lies in one weight-decay segment, all of them alike.
-  void set_updated_in_backward(std::vector<std::pair<size_t, size_t>> ranges);
-  // The arguments of the update in the backward before the next step() (its step number, lr and
-  // grad_scale as step() will get them; no clipping or norm_sq).
-  AdamWArgs backward_update_args(double lr, double grad_scale) const;
   // params() was written from outside (initialisation, a checkpoint load): an offloaded
   // optimizer takes its master copy from there again before its next step. (A fresh optimizer
   // does so before its first step.)
@@ -223,9 +214,6 @@ class AdamW {
   // stream (every owned range x decay segment intersection: one fused op each).
   void queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, Tensor norm_sq,
                     double max_norm, Tensor norm_out, size_t begin, size_t end);
-  // [begin, end) less the ranges of set_updated_in_backward, as runs in order.
-  std::vector<std::pair<size_t, size_t>> without_in_backward(size_t begin, size_t end) const;
-  bool segment_decay(size_t at) const;  // whether element `at`'s segment decays
   // The host update's arguments for step number `step` (weight decay set per segment).
   AdamWArgs host_args(double lr, long step, double grad_scale) const;
   // The updates of the owned elements within global [begin, end): one per (owned range x
@@ -241,7 +229,6 @@ class AdamW {
   OptimizerConfig cfg_;
   ZeroPartition part_;
   std::vector<Segment> segments_;
-  std::vector<std::pair<size_t, size_t>> in_backward_;  // set_updated_in_backward (sorted)
   Buffer m_, v_;
   DType dtype_;
   long step_ = 0;

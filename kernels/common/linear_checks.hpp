@@ -7,7 +7,6 @@
 #include <string>
 
 #include "moe/error.hpp"
-#include "common/optim_checks.hpp"
 #include "moe/ops/common.hpp"
 
 namespace moe {
@@ -245,29 +244,6 @@ inline void check_update_apart(std::initializer_list<const Tensor*> slab,
     for (const Tensor* b : product)
       MOE_CHECK(!memory_overlaps(*a, *b),
                 std::string(op) + ": the updated parameters overlap the product's operands");
-}
-
-// The *_adamw ops' update of one stack: adamw_step_split's conditions with dw as the gradient
-// (flat), no norm_sq (the update runs inside the backward, before any norm is known), and the
-// slab's lo, m and v apart from every operand of the op (hi may be the stack's own weights).
-inline void check_expert_update_args(const SplitSlab& s, const Tensor& dw, const AdamWArgs& a,
-                                     std::initializer_list<const Tensor*> operands, const Tensor& w,
-                                     const char* op) {
-  MOE_CHECK(s.hi.numel() == dw.numel(), std::string(op) + ": the update's slab has " +
-                                            std::to_string(s.hi.numel()) + " elements, its stack " +
-                                            std::to_string(dw.numel()));
-  check_adamw_step_split_args(s.hi, s.lo, dw.view({dw.numel()}), s.m, s.v, a);
-  MOE_CHECK(a.norm_sq.empty(), std::string(op) +
-                                   ": the update cannot take norm_sq (clipping or "
-                                   "a skip needs the whole gradient first)");
-  for (const Tensor* t : operands) {
-    for (const Tensor* u : {&s.lo, &s.m, &s.v})
-      MOE_CHECK(!memory_overlaps(*u, *t),
-                std::string(op) + ": the update's state overlaps the op's operands");
-    if (t != &w)
-      MOE_CHECK(!memory_overlaps(s.hi, *t),
-                std::string(op) + ": the updated weights overlap the op's other operands");
-  }
 }
 
 }  // namespace moe

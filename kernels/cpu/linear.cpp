@@ -220,32 +220,4 @@ void grouped_swiglu_down_backward_gathered(Ctx& ctx, Tensor dgate, Tensor dup, T
                                     offsets, dw_overwrite);
 }
 
-// The backward, then the update (the ops in turn).
-void grouped_swiglu_down_backward_adamw(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
-                                        Tensor dw2, Tensor dy, Tensor h, Tensor w2, Tensor gate,
-                                        Tensor up, Tensor row_w, Tensor offsets,
-                                        const SplitSlab& s2, const AdamWArgs& a) {
-  check_expert_update_args(
-      s2, dw2, a, {&dgate, &dup, &drow_w, &dw2, &dy, &h, &w2, &gate, &up, &row_w, &offsets}, w2,
-      "grouped_swiglu_down_backward_adamw");
-  cpu::grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w,
-                                    offsets, true);
-  cpu::adamw_step_split(ctx, s2.hi, s2.lo, dw2.view({dw2.numel()}), s2.m, s2.v, a);
-}
-
-// The pair, then both updates (the ops in turn).
-void grouped_linear_backward_pair_adamw(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3,
-                                        Tensor dy1, Tensor dy3, Tensor x, Tensor w1, Tensor w3,
-                                        Tensor offsets, const SplitSlab& s1, const SplitSlab& s3,
-                                        const AdamWArgs& a) {
-  constexpr const char* op = "grouped_linear_backward_pair_adamw";
-  check_expert_update_args(s1, dw1, a, {&dx, &dx2, &dw1, &dw3, &dy1, &dy3, &x, &w1, &w3, &offsets},
-                           w1, op);
-  check_expert_update_args(s3, dw3, a, {&dx, &dx2, &dw1, &dw3, &dy1, &dy3, &x, &w1, &w3, &offsets},
-                           w3, op);
-  cpu::grouped_linear_backward_pair(ctx, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3, offsets, true);
-  cpu::adamw_step_split(ctx, s1.hi, s1.lo, dw1.view({dw1.numel()}), s1.m, s1.v, a);
-  cpu::adamw_step_split(ctx, s3.hi, s3.lo, dw3.view({dw3.numel()}), s3.m, s3.v, a);
-}
-
 }  // namespace moe::cpu

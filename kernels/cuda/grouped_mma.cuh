@@ -7,7 +7,6 @@
 #include <cstdint>
 
 #include "moe/ops/common.hpp"
-#include "moe/ops/optim.hpp"
 
 namespace moe::cuda_detail {
 
@@ -76,31 +75,6 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
 bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
                           const void* x, const int32_t* offsets, int experts, int64_t rows,
                           int64_t out, int64_t in, bool overwrite, DwGather gather = {});
-
-// The experts' AdamW update carried by the sm_90 dw kernel's epilogue (grouped_sm90_dw_adamw):
-// for dw's stacks ([0]) and a pair's dw2's ([1]), the split master (hi: the bf16 compute copy,
-// lo: the low halves) and the moments, each laid out as dw [experts, out, in]; the update's
-// arguments as adamw_step_split takes them (no norm_sq: nothing is clipped or skipped).
-struct DwUpdate {
-  uint16_t* hi[2] = {nullptr, nullptr};
-  uint16_t* lo[2] = {nullptr, nullptr};
-  float* m[2] = {nullptr, nullptr};
-  float* v[2] = {nullptr, nullptr};
-};
-// dw[e] = dy_e^T x_e (and a pair's dw2[e] = dy2_e^T x_e, dw2 non-null) as grouped_sm90_dw /
-// _dw_pair with overwrite, then adamw_step_split over each stack with that gradient, in one
-// launch: the tile that completes a gradient element updates its weight, moments and low half
-// in the epilogue (an expert without rows is updated with a zero gradient by a kernel of its
-// own), and a.grad_sq_out (when given) gets the squared gradients' sum (per-warp partials added
-// in a fixed order). dw is scratch: written only where a hot expert's rows are split into chunks
-// (earlier chunks add there, the last reads it). Bitwise the two ops in turn for the weights and
-// moments. False, launching nothing, where grouped_sm90_dw(_pair) would decline, under a
-// ping-pong dw setting, with no rows or experts, or with misaligned state (hi, lo 4-byte, m, v
-// 8-byte aligned).
-bool grouped_sm90_dw_adamw(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy,
-                           const void* dy2, const void* x, const int32_t* offsets, int experts,
-                           int64_t rows, int64_t out, int64_t in, const DwUpdate& state,
-                           const AdamWArgs& a);
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,

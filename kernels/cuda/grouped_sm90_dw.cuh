@@ -3,8 +3,6 @@
 // grouped_wgmma_sm90.cu alone.
 #pragma once
 
-#include "cuda/adam_element.cuh"
-#include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_sm90_parts.cuh"
 
 namespace moe::cuda_detail::grouped_sm90 {
@@ -103,102 +101,6 @@ struct DwUnits {
   }
 };
 
-// The update the kAdam dw kernel carries (grouped_sm90_dw_adamw): the stacks' state, the step's
-// constants, and the per (unit, math warp) sums of the squared gradients its tiles complete
-// ([units x 8], zeroed before the launch, added in unit order after it).
-struct DwAdam {
-  DwUpdate state;
-  AdamConsts<float> c;
-  double* sq;
-};
-
-// dw's first thread of warpgroup g publishes chunk c's reductions: the tile's flag reads c + 1,
-// or 0 after its last chunk (ready for the next launch).
-__device__ __forceinline__ void dw_publish(const DwUnit& w, int g, bool alone, int* flag) {
-  __threadfence();
-  if (alone)
-    named_barrier_sync(1 + g, 128);
-  else
-    named_barrier_sync(3, 256);
-  if (threadIdx.x == (alone ? 128u * (1 + g) : 128u)) {  // the first thread of the tile's
-    const int next = w.c + 1 == w.chunks ? 0 : w.c + 1;
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
-  }
-}
-
-// Unit w's last chunk with the update fused (the kAdam kernel, cooperative): each gradient
-// element, math warpgroup g's accumulator plus (a split tile) what the earlier chunks added into
-// dw, summed as red.add.f32 sums (round to nearest, subnormals flushed: adamw_step_split then
-// reads those bits), goes straight into adam_split_element with its weight's hi / lo and
-// moments, and its square into the warp's partial (adam.sq[u * 8 + warp]). Called after the
-// earlier chunks' flag wait; the publish follows. The thread's pairs (for_each_math_pair's
-// order) go in groups of kGroup: every load of a group is issued before any of its updates, so
-// a warp keeps kGroup pairs' state in flight (one pair at a time, each waited for before the
-// next, left the epilogue latency-bound: stores to hi and lo may alias the next pair's loads).
-// 4: no spills beside the 128 accumulators (8 spilled 438 bytes).
-template <class C>
-__device__ __forceinline__ void dw_tile_update(const DwUnit& w, const DwAdam& adam, int64_t u,
-                                               const float* dw_e, int64_t out, int64_t in,
-                                               const float (&acc)[C::kAcc], int g) {
-  constexpr int kPairs = C::kAcc / 2, kGroup = 4;
-  static_assert(kPairs % kGroup == 0, "whole groups of pairs");
-  const int s = w.second ? 1 : 0;
-  const int64_t base = int64_t(w.e) * out * in;
-  uint16_t* hi = adam.state.hi[s] + base;
-  uint16_t* lo = adam.state.lo[s] + base;
-  float* m = adam.state.m[s] + base;
-  float* v = adam.state.v[s] + base;
-  const bool split = w.c > 0;
-  const float scale = adam.c.grad_scale;
-  const int t = static_cast<int>(threadIdx.x) % 128;
-  const int64_t row = w.m0 + g * 64 + (t / 32) * 16 + (t % 32) / 4, col = w.n0 + 2 * (t % 4);
-  float sq = 0;
-#pragma unroll
-  for (int p0 = 0; p0 < kPairs; p0 += kGroup) {
-    ushort2 h[kGroup], l[kGroup];
-    float2 mm[kGroup], vv[kGroup], prev[kGroup];
-    int32_t at[kGroup];  // within the expert's stack (the host checks out * in < 2^31)
-    bool ok[kGroup];
-#pragma unroll
-    for (int q = 0; q < kGroup; ++q) {
-      const int p = p0 + q;  // pair p: acc[2p], acc[2p + 1] at row + 8 (p % 2), col + 8 (p / 2)
-      const int64_t o = row + 8 * (p % 2), i = col + 8 * (p / 2);
-      ok[q] = o < out && i < in;
-      at[q] = static_cast<int32_t>(o * in + i);  // even (in % 8 == 0): 4- and 8-byte pairs
-      if (!ok[q]) continue;
-      h[q] = *reinterpret_cast<const ushort2*>(hi + at[q]);
-      l[q] = *reinterpret_cast<const ushort2*>(lo + at[q]);
-      mm[q] = *reinterpret_cast<const float2*>(m + at[q]);
-      vv[q] = *reinterpret_cast<const float2*>(v + at[q]);
-      if (split)  // the earlier chunks' sum, from L2 (they added there)
-        asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n"
-                     : "=f"(prev[q].x), "=f"(prev[q].y)
-                     : "l"(dw_e + at[q])
-                     : "memory");
-    }
-#pragma unroll
-    for (int q = 0; q < kGroup; ++q) {
-      if (!ok[q]) continue;
-      const int p = p0 + q;
-      float g0 = acc[2 * p], g1 = acc[2 * p + 1];
-      if (split) {
-        asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g0) : "f"(prev[q].x), "f"(g0));
-        asm("add.rn.ftz.f32 %0, %1, %2;\n" : "=f"(g1) : "f"(prev[q].y), "f"(g1));
-      }
-      sq += g0 * g0 + g1 * g1;
-      adam_split_element(h[q].x, l[q].x, g0, mm[q].x, vv[q].x, scale, adam.c);
-      adam_split_element(h[q].y, l[q].y, g1, mm[q].y, vv[q].y, scale, adam.c);
-      *reinterpret_cast<ushort2*>(hi + at[q]) = h[q];
-      *reinterpret_cast<ushort2*>(lo + at[q]) = l[q];
-      *reinterpret_cast<float2*>(m + at[q]) = mm[q];
-      *reinterpret_cast<float2*>(v + at[q]) = vv[q];
-    }
-  }
-  double wsum = sq;
-  for (int off = 16; off > 0; off >>= 1) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
-  if (threadIdx.x % 32 == 0) adam.sq[u * 8 + (threadIdx.x / 32 - 4)] = wsum;
-}
-
 // Unit w's reductions into dw[w.e] ([out, in] each) at its tile, chunk w.c of w.chunks, by math
 // warpgroup g: after the tile's earlier chunks (its flag, dw_flags[w.e * tiles + w.tile], reads
 // w.c; formed only when the tile is split, where E x tiles fits the flags: launch_dw; the
@@ -208,15 +110,10 @@ __device__ __forceinline__ void dw_tile_update(const DwUnit& w, const DwAdam& ad
 // accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). overwrite: the tile's first
 // chunk stores (dw is neither zeroed before nor read), the later ones add behind it in chunk
 // order as always.
-// kAdam (the cooperative kernel only): the tile's last chunk updates the weights instead
-// (dw_tile_update from warpgroup g's accumulator acc; adam and u, the unit's index, used there
-// only).
-template <class C, bool kAdam = false, class Pairs>
+template <class C, class Pairs>
 __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, int g, bool alone,
                                                float* dw, int64_t out, int64_t in, bool overwrite,
-                                               Pairs&& pairs, const DwAdam* adam = nullptr,
-                                               int64_t u = 0,
-                                               const float (*acc)[C::kAcc] = nullptr) {
+                                               Pairs&& pairs) {
   const int c = w.c, chunks = w.chunks;
   int* flag = chunks > 1 ? &dw_flags[int64_t(w.e) * tiles + w.tile] : nullptr;
   float* dw_e = dw + int64_t(w.e) * out * in;
@@ -233,13 +130,6 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, i
     }
     named_barrier_sync(1 + g, 128);
   }
-  if constexpr (kAdam) {
-    if (c + 1 == chunks) {
-      dw_tile_update<C>(w, *adam, u, dw_e, out, in, *acc, g);
-      if (chunks > 1) dw_publish(w, g, alone, flag);
-      return;
-    }
-  }
   pairs([&](int row, int col, float v0, float v1) {
     const int64_t o = m0 + row, i = n0 + col;
     // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
@@ -254,7 +144,17 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, i
                    "f"(v1)
                    : "memory");
   });
-  if (chunks > 1) dw_publish(w, g, alone, flag);  // every thread's reductions, then the flag
+  if (chunks > 1) {  // publish: every thread's reductions, then the flag
+    __threadfence();
+    if (alone)
+      named_barrier_sync(1 + g, 128);
+    else
+      named_barrier_sync(3, 256);
+    if (threadIdx.x == (alone ? 128u * (1 + g) : 128u)) {  // the first thread of the tile's
+      const int next = c + 1 == chunks ? 0 : c + 1;
+      asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(next) : "memory");
+    }
+  }
 }
 
 // Zeroes k-rows tail..63 (tail > 0) of `blocks` 64-wide blocks of A from block `first` in a
@@ -279,22 +179,18 @@ __device__ __forceinline__ void zero_k_tail(uint32_t stage, int first, int block
 // (gather_k_rows), the other operand still by TMA.
 // kSched: pingpong (C = PingPong): a unit's 128 x kBN tile on one math warpgroup, its reductions
 // under the other's main loop (pingpong_wait_turn); no multicast form.
-// kAdam (cooperative, not gathering): each tile's last chunk updates the weights (DwAdam,
-// dw_tile_update) instead of storing its gradient; overwrite is then true.
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
-          Sched kSched = Sched::cooperative, bool kAdam = false>
+          Sched kSched = Sched::cooperative>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x,
                           const __grid_constant__ CUtensorMap map_dy2, float* dw, float* dw2,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
                           int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
-                          const T* x_src, const int32_t* row_token, int64_t tokens,
-                          const __grid_constant__ DwAdam adam) {
+                          const T* x_src, const int32_t* row_token, int64_t tokens) {
   constexpr bool kGather = kGatherDy || kGatherX;
   constexpr bool kPingPong = is_pingpong(kSched);
   static_assert(!is_multicast(kSched), "the dw kernel has no multicast form");
-  static_assert(!kAdam || (!kGather && !kPingPong), "the update rides the plain cooperative form");
   if constexpr (kHasWgmma) {
     extern __shared__ __align__(1024) unsigned char smem[];
     __shared__ __align__(8) uint64_t full[C::kStages], empty[C::kStages];
@@ -423,9 +319,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
           if (t == slices - 1 && tail != 0) zero_k_tail(stage, g, 1, tail, g);  // its own block
         });
         it += slices;
-        dw_tile_reduce<C, kAdam>(
-            w, tiles, g, false, w.second ? dw2 : dw, out, in, overwrite,
-            [&](auto&& add) { for_each_math_pair<C>(acc, g, add); }, &adam, u, &acc);
+        dw_tile_reduce<C>(w, tiles, g, false, w.second ? dw2 : dw, out, in, overwrite,
+                          [&](auto&& add) { for_each_math_pair<C>(acc, g, add); });
       }
     }
   }

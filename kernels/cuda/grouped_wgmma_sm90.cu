@@ -46,7 +46,6 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/block_sum.cuh"
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_sm90_dw.cuh"
 #include "cuda/grouped_sm90_parts.cuh"
@@ -230,60 +229,15 @@ __global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int
     d[i] = 0.0f;
 }
 
-// Units of a dw launch at most (tiles: of both stacks for a pair), for a chunk of `chunk` rows.
-int64_t dw_units_bound(int64_t tiles, int64_t rows, int64_t chunk, int experts) {
-  return tiles * ((rows + chunk - 1) / chunk + experts);
-}
-
-// Rows per chunk of a dw launch: twice the mean rows per expert (whole k-slices); no split when
-// the flags run out.
-int64_t dw_chunk_rows(int64_t tiles, int64_t rows, int experts) {
-  const int64_t mean = (rows + experts - 1) / experts;
-  return int64_t(experts) * tiles <= kDwMaxFlags
-             ? std::max<int64_t>(kBK, (2 * mean + kBK - 1) / kBK * kBK)
-             : rows;
-}
-
-// adamw_step_split's update with a zero gradient over the stacks of the experts without rows
-// (grid.y: expert), for the dw kernel that carries the rest (DwAdam).
-__global__ void adam_empty_experts_kernel(const __grid_constant__ DwAdam adam, int stack,
-                                          const int32_t* offsets, int64_t rows,
-                                          int64_t per_expert) {
-  const int e = static_cast<int>(blockIdx.y);
-  if (clamp_offset(offsets[e + 1], rows) > clamp_offset(offsets[e], rows)) return;
-  const int64_t base = int64_t(e) * per_expert;
-  uint16_t* hi = adam.state.hi[stack] + base;
-  uint16_t* lo = adam.state.lo[stack] + base;
-  float* m = adam.state.m[stack] + base;
-  float* v = adam.state.v[stack] + base;
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert; i += step)
-    adam_split_element(hi[i], lo[i], 0.0f, m[i], v[i], adam.c.grad_scale, adam.c);
-}
-
-// One block: out[0] += the sum of partial[0, count) in a fixed order (the dw update's squares).
-__global__ void add_dw_squares_kernel(double* out, const double* partial, int64_t count) {
-  double s = 0;
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) s += partial[i];
-  s = block_sum_to_thread0(s);
-  if (threadIdx.x == 0) out[0] += s;
-}
-
-struct DwSquaresTag {};
-constexpr int64_t kDwMaxSquares = int64_t(1) << 20;  // 8 MiB of partials, 131,072 units
-
 // kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
 // g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
-// launch. kAdam: the kernel carries the stacks' update (DwAdam; overwrite), the experts without
-// rows are updated by a kernel of their own first, and grad_sq_out (if not null) gets the
-// squares' partials added in order after it.
+// launch.
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
-          Sched kSched = Sched::cooperative, bool kAdam = false>
+          Sched kSched = Sched::cooperative>
 void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g = {},
-               float* dw2 = nullptr, const void* dy2 = nullptr, DwAdam adam = {},
-               double* grad_sq_out = nullptr) {
-  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kSched, kAdam>;
+               float* dw2 = nullptr, const void* dy2 = nullptr) {
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kSched>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
@@ -297,21 +251,14 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
   const CUtensorMap map_dy2 =
       dw2 != nullptr ? tile_map(t, dy2, 2, dy_dims, dy_strides, box) : map_dy;
   const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, C::kBN) * (dw2 != nullptr ? 2 : 1);
-  const int64_t chunk = dw_chunk_rows(tiles, rows, experts);
-  const int64_t most_units = dw_units_bound(tiles, rows, chunk, experts);
+  // Chunks of twice the mean rows per expert (whole k-slices); no split when the flags run out.
+  const int64_t mean = (rows + experts - 1) / experts;
+  const int64_t chunk = int64_t(experts) * tiles <= kDwMaxFlags
+                            ? std::max<int64_t>(kBK, (2 * mean + kBK - 1) / kBK * kBK)
+                            : rows;
+  const int64_t most_units = tiles * ((rows + chunk - 1) / chunk + experts);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(most_units, device_sm_count()));
-  if constexpr (kAdam) {  // (the caller checked most_units * 8 <= kDwMaxSquares)
-    adam.sq = partials_scratch<DwSquaresTag, kDwMaxSquares>();
-    MOE_CUDA_CHECK(
-        cudaMemsetAsync(adam.sq, 0, size_t(most_units) * 8 * sizeof(double), stream_of(ctx)));
-    const dim3 egrid(static_cast<unsigned>(std::min<int64_t>(blocks_for(out * in, 256), 64)),
-                     static_cast<unsigned>(experts));
-    for (int stack = 0; stack < (dw2 != nullptr ? 2 : 1); ++stack) {
-      adam_empty_experts_kernel<<<egrid, 256, 0, stream_of(ctx)>>>(adam, stack, offsets, rows,
-                                                                   out * in);
-      MOE_CUDA_LAUNCH_CHECK();
-    }
-  } else if (overwrite) {
+  if (overwrite) {
     const dim3 zgrid(static_cast<unsigned>(std::min<int64_t>(blocks_for(out * in, 256), 64)),
                      static_cast<unsigned>(experts));
     zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
@@ -323,14 +270,8 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
   }
   kernel<<<grid, kTmaThreads, C::kSmemBytes, stream_of(ctx)>>>(
       map_dy, map_x, map_dy2, dw, dw2, offsets, experts, rows, out, in, chunk, overwrite,
-      static_cast<const T*>(dy), static_cast<const T*>(x), g.row_token, g.tokens, adam);
+      static_cast<const T*>(dy), static_cast<const T*>(x), g.row_token, g.tokens);
   MOE_CUDA_LAUNCH_CHECK();
-  if constexpr (kAdam) {
-    if (grad_sq_out != nullptr) {
-      add_dw_squares_kernel<<<1, 1024, 0, stream_of(ctx)>>>(grad_sq_out, adam.sq, most_units * 8);
-      MOE_CUDA_LAUNCH_CHECK();
-    }
-  }
 }
 
 // Whether the code the device runs for C's kernels is the sm_90a code (see the top comment).
@@ -612,42 +553,6 @@ bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x
     else
       launch_dw<C, T, false, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
                                         overwrite);
-  });
-  return true;
-}
-
-bool grouped_sm90_dw_adamw(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy,
-                           const void* dy2, const void* x, const int32_t* offsets, int experts,
-                           int64_t rows, int64_t out, int64_t in, const DwUpdate& state,
-                           const AdamWArgs& a) {
-  const Mode m = mode();
-  const bool pair = dw2 != nullptr;
-  auto aligned = [](const void* p, uintptr_t n) { return reinterpret_cast<uintptr_t>(p) % n == 0; };
-  for (int s = 0; s < (pair ? 2 : 1); ++s)
-    if (!aligned(state.hi[s], 4) || !aligned(state.lo[s], 4) || !aligned(state.m[s], 8) ||
-        !aligned(state.v[s], 8))
-      return false;
-  // The cooperative dw kernel (the ping-pong settings' dw kernels carry no update); a pair's
-  // second operands as grouped_sm90_dw_pair's.
-  if (m == Mode::off || m == Mode::pingpong || m == Mode::pingpong_multicast ||
-      !sm90_available(t, m) || !dw_operands_fit(dw, dy, x, out, in, experts) ||
-      (pair && !dw_operands_fit(dw2, dy2, x, out, in, experts)) || rows == 0 || experts == 0 ||
-      !a.norm_sq.empty() || !a.compute_out.empty() || out * in >= (int64_t(1) << 31))
-    return false;
-  const int64_t bn = m == Mode::narrow ? Narrow::kBN : Wide::kBN;
-  const int64_t tiles = blocks_for(out, kBM) * blocks_for(in, bn) * (pair ? 2 : 1);
-  if (dw_units_bound(tiles, rows, dw_chunk_rows(tiles, rows, experts), experts) * 8 > kDwMaxSquares)
-    return false;
-  DwAdam adam;
-  adam.state = state;
-  adam.c = adam_consts<float>(a);
-  double* sq_out = a.grad_sq_out.empty() ? nullptr : static_cast<double*>(a.grad_sq_out.data);
-  with_config<true>(t, m, [&](auto cfg, auto zero, auto sched) {
-    using C = decltype(cfg);
-    using T = decltype(zero);
-    if constexpr (decltype(sched)::value == Sched::cooperative)
-      launch_dw<C, T, false, false, Sched::cooperative, true>(
-          ctx, t, dw, dy, x, offsets, experts, rows, out, in, true, {}, dw2, dy2, adam, sq_out);
   });
   return true;
 }

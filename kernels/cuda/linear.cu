@@ -537,12 +537,9 @@ void require_dx2(const Tensor& dx2, const char* op) {
 // weight gradients by one dw launch (x's rows gathered in its loads when row_token is given),
 // else each apart (from x, or gathering, from a permuted copy). False, launching nothing, where
 // the one product does not apply (the caller sums the two products apart).
-// With `update` (not gathering; dw_overwrite), the dw launch carries the experts' update
-// (grouped_sm90_dw_adamw) where it can, and *updated says whether it did.
 bool pair_one_product(Ctx& ctx, const GroupedDims& s, Tensor dx, Tensor dw1, Tensor dw3, Tensor dy1,
                       Tensor dy3, Tensor x, Tensor row_token, Tensor w1, Tensor w3, Tensor offsets,
-                      bool dw_overwrite, const DwUpdate* update = nullptr,
-                      const AdamWArgs* args = nullptr, bool* updated = nullptr) {
+                      bool dw_overwrite) {
   const int32_t* off = data_of<int32_t>(offsets);
   const bool gather = !row_token.empty();
   // (the sizes' decision is the one grouped_linear_backward_pair_needs_dx2 gave the caller)
@@ -550,13 +547,6 @@ bool pair_one_product(Ctx& ctx, const GroupedDims& s, Tensor dx, Tensor dw1, Ten
       !grouped_sm90_rows_pair(ctx, x.dtype, dx.data, dy1.data, dy3.data, w1.data, w3.data, off,
                               static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in))
     return false;
-  if (update != nullptr && !gather &&
-      grouped_sm90_dw_adamw(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
-                            dy3.data, x.data, off, static_cast<int>(s.experts), s.rows, s.out, s.in,
-                            *update, *args)) {
-    *updated = true;
-    return true;
-  }
   const DwGather g =
       gather ? DwGather{data_of<int32_t>(row_token), x.size(0), false, true} : DwGather{};
   if (grouped_sm90_dw_pair(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
@@ -661,84 +651,6 @@ void grouped_swiglu_down_backward_gathered_cuda(Ctx& ctx, Tensor dgate, Tensor d
   cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
 }
 
-// ---- the experts' update fused into their backward (train.fuse_expert_update) ---------------
-
-DwUpdate dw_update(const SplitSlab& a, const SplitSlab* b = nullptr) {
-  DwUpdate u;
-  const SplitSlab* slabs[2] = {&a, b};
-  for (int i = 0; i < (b != nullptr ? 2 : 1); ++i) {
-    u.hi[i] = static_cast<uint16_t*>(slabs[i]->hi.data);
-    u.lo[i] = static_cast<uint16_t*>(slabs[i]->lo.data);
-    u.m[i] = data_of<float>(slabs[i]->m);
-    u.v[i] = data_of<float>(slabs[i]->v);
-  }
-  return u;
-}
-
-// dh = dy w2[e] first (it reads w2, which the update may rewrite), then dw2 with the update in
-// its epilogue where the sm_90 kernel carries it, else the dw product and the update in turn;
-// then the SwiGLU backward as grouped_swiglu_down_backward.
-void grouped_swiglu_down_backward_adamw_cuda(Ctx& ctx, Tensor dgate, Tensor dup, Tensor drow_w,
-                                             Tensor dw2, Tensor dy, Tensor h, Tensor w2,
-                                             Tensor gate, Tensor up, Tensor row_w, Tensor offsets,
-                                             const SplitSlab& s2, const AdamWArgs& a) {
-  constexpr const char* op = "grouped_swiglu_down_backward_adamw";
-  const GroupedDims s = grouped_dims(h, w2, offsets, op);
-  check_grouped_swiglu_down_backward_args(s, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w);
-  check_expert_update_args(
-      s2, dw2, a, {&dgate, &dup, &drow_w, &dw2, &dy, &h, &w2, &gate, &up, &row_w, &offsets}, w2,
-      op);
-  check_on_gpu({&s2.hi, &s2.lo, &s2.m, &s2.v}, op);
-  const Tensor g2 = dw2.view({dw2.numel()});
-  if (s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 && grouped_mma_available(h.dtype)) {
-    const int32_t* off = data_of<int32_t>(offsets);
-    const int experts = static_cast<int>(s.experts);
-    grouped_mma_rows(ctx, h.dtype, dgate.data, dy.data, w2.data, off, experts, s.rows, s.in, s.out,
-                     s.out * s.in, false);
-    if (!grouped_sm90_dw_adamw(ctx, h.dtype, data_of<float>(dw2), nullptr, dy.data, nullptr, h.data,
-                               off, experts, s.rows, s.out, s.in, dw_update(s2), a)) {
-      grouped_mma_dw(ctx, h.dtype, data_of<float>(dw2), dy.data, h.data, off, experts, s.rows,
-                     s.out, s.in, true);
-      adamw_step_split(ctx, s2.hi, s2.lo, g2, s2.m, s2.v, a);
-    }
-    cuda::swiglu_weighted_backward(ctx, dgate, dup, drow_w, dgate, gate, up, row_w);
-    return;
-  }
-  grouped_swiglu_down_backward_cuda(ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w,
-                                    offsets, true);
-  adamw_step_split(ctx, s2.hi, s2.lo, g2, s2.m, s2.v, a);
-}
-
-// The pair's one product with both updates in its dw launch where it can, else the pair and the
-// updates in turn.
-void grouped_linear_backward_pair_adamw_cuda(Ctx& ctx, Tensor dx, Tensor dx2, Tensor dw1,
-                                             Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
-                                             Tensor w1, Tensor w3, Tensor offsets,
-                                             const SplitSlab& s1, const SplitSlab& s3,
-                                             const AdamWArgs& a) {
-  constexpr const char* op = "grouped_linear_backward_pair_adamw";
-  const GroupedDims s = grouped_dims(x, w1, offsets, op);
-  check_grouped_linear_backward_pair_args(s, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3);
-  check_on_gpu({&dw3, &dy3, &w3, &s1.hi, &s1.lo, &s1.m, &s1.v, &s3.hi, &s3.lo, &s3.m, &s3.v}, op);
-  if (!dx2.empty()) check_on_gpu({&dx2}, op);
-  check_expert_update_args(s1, dw1, a, {&dx, &dx2, &dw1, &dw3, &dy1, &dy3, &x, &w1, &w3, &offsets},
-                           w1, op);
-  check_expert_update_args(s3, dw3, a, {&dx, &dx2, &dw1, &dw3, &dy1, &dy3, &x, &w1, &w3, &offsets},
-                           w3, op);
-  const DwUpdate state = dw_update(s1, &s3);
-  bool updated = false;
-  if (!pair_one_product(ctx, s, dx, dw1, dw3, dy1, dy3, x, Tensor(), w1, w3, offsets, true, &state,
-                        &a, &updated)) {
-    require_dx2(dx2, op);
-    grouped_linear_backward_cuda(ctx, dx, dw1, dy1, x, w1, offsets, true);
-    grouped_linear_backward_cuda(ctx, dx2, dw3, dy3, x, w3, offsets, true);
-    cuda::add(ctx, dx, dx, dx2);
-  }
-  if (updated) return;
-  adamw_step_split(ctx, s1.hi, s1.lo, dw1.view({dw1.numel()}), s1.m, s1.v, a);
-  adamw_step_split(ctx, s3.hi, s3.lo, dw3.view({dw3.numel()}), s3.m, s3.v, a);
-}
-
 }  // namespace
 }  // namespace moe::cuda_detail
 
@@ -761,10 +673,6 @@ MOE_REGISTER_CUDA_OP(grouped_swiglu_forward, &cuda_detail::grouped_swiglu_forwar
 MOE_REGISTER_CUDA_OP(grouped_swiglu_forward_gathered,
                      &cuda_detail::grouped_swiglu_forward_gathered_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward, &cuda_detail::grouped_swiglu_down_backward_cuda);
-MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward_adamw,
-                     &cuda_detail::grouped_swiglu_down_backward_adamw_cuda);
-MOE_REGISTER_CUDA_OP(grouped_linear_backward_pair_adamw,
-                     &cuda_detail::grouped_linear_backward_pair_adamw_cuda);
 MOE_REGISTER_CUDA_OP(grouped_swiglu_down_backward_gathered,
                      &cuda_detail::grouped_swiglu_down_backward_gathered_cuda);
 }  // namespace moe

@@ -346,38 +346,6 @@ std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_
     }
   }
 
-  // ---- the experts' AdamW in the backward (train.fuse_expert_update): the gate and up pair's
-  // backward (dx, dw1, dw3) with both stacks' split updates, in turn against carried by the dw
-  // kernel's epilogue (the fp32 gradients neither written nor read back), even routing ----
-  if (dt == DType::bf16 && selected("expert_update", opt.families)) {
-    Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));
-    const int64_t stack = e * f * d;
-    Tensor dy1 = pool.random(dt, {r, f}), dy3 = pool.random(dt, {r, f});
-    Tensor dxp = pool.zeros(dt, {r, d}), dxp2 = pool.zeros(dt, {r, d});
-    Tensor dw1 = pool.zeros(acc, {e, f, d}), dw3 = pool.zeros(acc, {e, f, d});
-    SplitSlab slabs[2];
-    for (SplitSlab& sl : slabs)
-      sl = {pool.random(DType::bf16, {stack}, -0.05f, 0.05f), pool.zeros(DType::u16, {stack}),
-            pool.zeros(DType::f32, {stack}), pool.zeros(DType::f32, {stack})};
-    auto w_of = [&](int i) { return slabs[i].hi.view({e, f, d}); };
-    AdamWArgs ua;
-    ua.grad_sq_out = grad_sq;
-    const std::string what = shape({r, f}) + " x 2 [" + std::to_string(e) + ", " +
-                             std::to_string(f) + ", " + std::to_string(d) +
-                             "] (dx, dw1, dw3) + adamw_split 2 x " + shape({stack});
-    add("expert_update", what + ", in turn", 0, false, 0, 0, [&] {
-      grouped_linear_backward_pair(ctx, dxp, dxp2, dw1, dw3, dy1, dy3, x, w_of(0), w_of(1), off,
-                                   true);
-      for (int i = 0; i < 2; ++i)
-        adamw_step_split(ctx, slabs[i].hi, slabs[i].lo, (i == 0 ? dw1 : dw3).view({stack}),
-                         slabs[i].m, slabs[i].v, ua);
-    });
-    add("expert_update", what + ", fused", 0, false, 0, 0, [&] {
-      grouped_linear_backward_pair_adamw(ctx, dxp, dxp2, dw1, dw3, dy1, dy3, x, w_of(0), w_of(1),
-                                         off, slabs[0], slabs[1], ua);
-    });
-  }
-
   // ---- the experts' gate and up GEMMs with SwiGLU (fused on sm_90), even routing ----
   {
     Tensor off = pool.ints({e + 1}, skewed_offsets(r, e, 0));

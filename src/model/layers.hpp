@@ -94,10 +94,6 @@ class MoeFfn {
   int moe_index_;
   int64_t rows_ = 0;
   ParamView gate_, w1_, w3_, w2_;
-  // Where w1's, w3's and w2's stacks start in the parameter buffer (Model::ExpertUpdate's slabs).
-  size_t w1_at_ = 0, w3_at_ = 0, w2_at_ = 0;
-  // The update's state for the stack at `at` with weights w (Model::ExpertUpdate).
-  SplitSlab update_slab(const Model::ExpertUpdate& u, size_t at, const Tensor& w) const;
   std::vector<std::unique_ptr<DenseFfn>> shared_;
   // Router, statistics and routing weights in the accumulation dtype (fp32 in mixed precision).
   Tensor bias_, load_;                         // aux-loss-free bias; slots per expert since reset

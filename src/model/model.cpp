@@ -194,14 +194,6 @@ Tensor Model::master_low() const {
   if (!memory_.split_master || !allocated_) return Tensor();
   return low_buf_.as(DType::u16, {static_cast<int64_t>(table_.total)});
 }
-std::vector<std::pair<size_t, size_t>> Model::expert_stack_ranges() const {
-  std::vector<std::pair<size_t, size_t>> ranges;
-  for (const ParamInfo& p : table_.params)
-    if (p.name.find(".block_sparse_moe.experts.") != std::string::npos)
-      ranges.emplace_back(p.offset, p.offset + p.numel());
-  return ranges;
-}
-
 Tensor Model::grads() const {
   if (sharded_) return sharded_->grad_shard();
   return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});

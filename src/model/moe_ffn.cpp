@@ -14,13 +14,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
-#include <utility>
 
 #include "model/layers.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
-#include "moe/ops/optim.hpp"
 #include "moe/ops/permute.hpp"
 #include "moe/ops/router.hpp"
 #include "moe/ops/swiglu.hpp"
@@ -33,9 +31,6 @@ MoeFfn::MoeFfn(const LayerEnv& env, int layer, int moe_index) : env_(env), moe_i
   w1_ = env.param(p + "experts.{j}.w1.weight");
   w3_ = env.param(p + "experts.{j}.w3.weight");
   w2_ = env.param(p + "experts.{j}.w2.weight");
-  w1_at_ = env.model.table().find(p + "experts.{j}.w1.weight").offset;
-  w3_at_ = env.model.table().find(p + "experts.{j}.w3.weight").offset;
-  w2_at_ = env.model.table().find(p + "experts.{j}.w2.weight").offset;
   for (int s = 0; s < env.cfg.num_shared_experts; ++s)
     shared_.push_back(std::make_unique<DenseFfn>(
         env, p + "shared_experts." + std::to_string(s) + ".", "w1", "w3", "w2"));
@@ -140,11 +135,6 @@ void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual) {
   add_counts(ctx, load_, counts_);
 }
 
-SplitSlab MoeFfn::update_slab(const Model::ExpertUpdate& u, size_t at, const Tensor& w) const {
-  const auto b = static_cast<int64_t>(at), e = b + w.numel();
-  return SplitSlab{w.view({w.numel()}), u.low.rows(b, e), u.m.rows(b, e), u.v.rows(b, e)};
-}
-
 void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scale) {
   const auto& c = env_.cfg;
   Arena& s = env_.scratch;
@@ -184,32 +174,11 @@ void MoeFfn::backward(Ctx& ctx, Tensor dx, Tensor dy, Tensor x, double grad_scal
   // gathering, the expert GEMMs read dy's and x's rows themselves); experts (the SwiGLU backward
   // gives the routing weights' gradient too)
   const bool dw_overwrite = env_.model.backward_writes_expert_grads();
-  // train.fuse_expert_update: the expert stacks' AdamW update within their weight-gradient
-  // products (the gathering forms: the products, then the updates)
-  const Model::ExpertUpdate* update = env_.model.expert_update();
-  MOE_CHECK(update == nullptr || dw_overwrite,
-            "MoeFfn: the experts' update in the backward needs the backward to write their "
-            "gradients (one micro-batch a step)");
   if (gather) {
     grouped_swiglu_down_backward_gathered(ctx, dgate, dup, drow_w, w2_.g, dy, row_token_, in.hact,
                                           w2_.w, hgate_, hup_, row_w_, offsets_, dw_overwrite);
     grouped_linear_backward_pair_gathered(ctx, dxp, dxp_up, w1_.g, w3_.g, dgate, dup, x, row_token_,
                                           w1_.w, w3_.w, offsets_, dw_overwrite);
-    const std::pair<const ParamView*, size_t> stacks[] = {
-        {&w1_, w1_at_}, {&w3_, w3_at_}, {&w2_, w2_at_}};
-    if (update != nullptr)
-      for (const auto& [p, at] : stacks) {
-        const SplitSlab sl = update_slab(*update, at, p->w);
-        adamw_step_split(ctx, sl.hi, sl.lo, p->g.view({p->g.numel()}), sl.m, sl.v, update->args);
-      }
-  } else if (update != nullptr) {
-    permute_forward(ctx, dyp, dy, row_token_);
-    grouped_swiglu_down_backward_adamw(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_,
-                                       hup_, row_w_, offsets_, update_slab(*update, w2_at_, w2_.w),
-                                       update->args);
-    grouped_linear_backward_pair_adamw(ctx, dxp, dxp_up, w1_.g, w3_.g, dgate, dup, in.xp, w1_.w,
-                                       w3_.w, offsets_, update_slab(*update, w1_at_, w1_.w),
-                                       update_slab(*update, w3_at_, w3_.w), update->args);
   } else {
     permute_forward(ctx, dyp, dy, row_token_);
     grouped_swiglu_down_backward(ctx, dgate, dup, drow_w, w2_.g, dyp, in.hact, w2_.w, hgate_, hup_,

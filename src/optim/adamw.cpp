@@ -265,81 +265,34 @@ void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, T
   // (the model then skips its convert: writes_compute_copy). ZeRO-1/2 keep the model's convert:
   // the other ranks' chunks arrive after the step, by the fp32 all_gather of the master weights.
   const Tensor compute = writes_compute_copy(model) && !split ? model.compute_params() : Tensor();
-  // Every (owned range x decay segment) intersection within [begin, end), less the ranges the
-  // backward updated, is one fused update.
+  // Every (owned range x decay segment) intersection within [begin, end) is one fused update.
   for (const auto& r : part_.ranges())
-    for (const auto& s : segments_)
-      for (const auto& [b, e] :
-           without_in_backward(std::max({r.global, s.offset, begin}),
-                               std::min({r.global + r.count, s.offset + s.numel, end}))) {
-        AdamWArgs a;
-        a.lr = lr;
-        a.beta1 = cfg_.beta1;
-        a.beta2 = cfg_.beta2;
-        a.eps = cfg_.eps;
-        a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
-        a.step = step_;
-        a.grad_scale = grad_scale;
-        a.norm_sq = norm_sq;
-        a.max_norm = max_norm;
-        a.grad_sq_out = norm_out;
-        // The moments are local; the weights and gradients local too under ZeRO-3.
-        const auto n = static_cast<int64_t>(e - b);
-        const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;
-        const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
-        if (!compute.empty()) a.compute_out = compute.rows(pb, pe);
-        if (split)
-          adamw_step_split(ctx, p.rows(pb, pe), low.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le),
-                           v.rows(lb, le), a);
-        else
-          adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
-      }
-}
-
-std::vector<std::pair<size_t, size_t>> AdamW::without_in_backward(size_t begin, size_t end) const {
-  std::vector<std::pair<size_t, size_t>> kept;
-  if (begin >= end) return kept;
-  for (const auto& [b, e] : in_backward_) {
-    if (b >= end) break;
-    if (e <= begin) continue;
-    if (b > begin) kept.emplace_back(begin, b);
-    begin = std::max(begin, e);
-  }
-  if (begin < end) kept.emplace_back(begin, end);
-  return kept;
-}
-
-void AdamW::set_updated_in_backward(std::vector<std::pair<size_t, size_t>> ranges) {
-  MOE_CHECK(updates_whole_on_device() && part_.world == 1,
-            "AdamW: an update in the backward needs the whole update on one device");
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const auto [b, e] = ranges[i];
-    MOE_CHECK(b < e && e <= part_.total && (i == 0 || ranges[i - 1].second <= b),
-              "AdamW: the ranges updated in the backward must be disjoint and within the buffer");
-    bool inside = false;
-    for (const auto& s : segments_)
-      if (b >= s.offset && e <= s.offset + s.numel) {
-        inside = true;
-        MOE_CHECK(s.decay == segment_decay(ranges.front().first),
-                  "AdamW: the ranges updated in the backward must share one weight decay");
-      }
-    MOE_CHECK(inside, "AdamW: a range updated in the backward spans weight-decay segments");
-  }
-  in_backward_ = std::move(ranges);
-}
-
-bool AdamW::segment_decay(size_t at) const {
-  for (const auto& s : segments_)
-    if (at >= s.offset && at < s.offset + s.numel) return s.decay;
-  throw InternalError("AdamW: no segment holds element " + std::to_string(at));
-}
-
-AdamWArgs AdamW::backward_update_args(double lr, double grad_scale) const {
-  MOE_CHECK(!in_backward_.empty(), "AdamW: no ranges are updated in the backward");
-  AdamWArgs a = host_args(lr, step_ + 1, grad_scale);
-  a.weight_decay = segment_decay(in_backward_.front().first) ? cfg_.weight_decay : 0.0;
-  return a;
+    for (const auto& s : segments_) {
+      const size_t b = std::max({r.global, s.offset, begin});
+      const size_t e = std::min({r.global + r.count, s.offset + s.numel, end});
+      if (b >= e) continue;
+      AdamWArgs a;
+      a.lr = lr;
+      a.beta1 = cfg_.beta1;
+      a.beta2 = cfg_.beta2;
+      a.eps = cfg_.eps;
+      a.weight_decay = s.decay ? cfg_.weight_decay : 0.0;
+      a.step = step_;
+      a.grad_scale = grad_scale;
+      a.norm_sq = norm_sq;
+      a.max_norm = max_norm;
+      a.grad_sq_out = norm_out;
+      // The moments are local; the weights and gradients local too under ZeRO-3.
+      const auto n = static_cast<int64_t>(e - b);
+      const auto lb = static_cast<int64_t>(b - r.global + r.local), le = lb + n;
+      const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
+      if (!compute.empty()) a.compute_out = compute.rows(pb, pe);
+      if (split)
+        adamw_step_split(ctx, p.rows(pb, pe), low.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le),
+                         v.rows(lb, le), a);
+      else
+        adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
+    }
 }
 
 AdamWArgs AdamW::host_args(double lr, long step, double grad_scale) const {

@@ -24,7 +24,6 @@
 #include "moe/cuda_runtime.hpp"
 #include "moe/metrics.hpp"
 #include "moe/model.hpp"
-#include "moe/ops/elementwise.hpp"
 #include "moe/optim.hpp"
 #include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
@@ -198,17 +197,6 @@ Device rank_device(const Config& cfg, const RankInfo& ranks) {
   return dev;
 }
 
-// Whether train.fuse_expert_update applies (Model::ExpertUpdate): each step's gradient is final
-// when its one backward makes it (one micro-batch, one rank: nothing added or reduced after),
-// the update needs nothing from the whole gradient (norm_from_update: no clipping or loss scale,
-// the whole update on the device), the master is split (the products' epilogue updates hi and
-// lo in place) and the model is on a GPU with routed experts.
-bool fuses_expert_update(const Config& cfg, const Model& model, bool norm_from_update, int world) {
-  return cfg.train.fuse_expert_update && norm_from_update && world == 1 &&
-         cfg.gradient_accumulation_steps == 1 && model.splits_master() &&
-         model.grads().device.type == DeviceType::cuda && !model.expert_stack_ranges().empty();
-}
-
 void check_global_batch(const Config& cfg, int world) {
   const int64_t per_rank =
       int64_t{cfg.train_micro_batch_size_per_gpu} * cfg.gradient_accumulation_steps;
@@ -373,25 +361,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   Buffer eval_sums(dev, 2 * sizeof(double));
   const Tensor eval_sums_t = eval_sums.as(DType::f64, {2});
   LossScaler scaler(cfg.fp16);
-  // Nothing clipped or skipped (no clipping, no loss scale) and the whole update on the device:
-  // the gradient norm, then only logged, comes out of the update's own read of the gradients
-  // (AdamW::step's norm_out) instead of a pass of its own, and is read at log steps. A
-  // non-finite gradient then shows as a non-finite loss at the next step.
-  const bool norm_from_update =
-      cfg.gradient_clipping <= 0 && !scaler.enabled() && optimizer.updates_whole_on_device();
-  // train.fuse_expert_update: the routed experts' update inside the backward (the gradient of
-  // one micro-batch on one rank is final there); its part of the gradient norm accumulates in
-  // expert_sq (zeroed on ctx's stream at each step's start, read after it at log steps).
-  const bool fuse_experts = fuses_expert_update(cfg, model, norm_from_update, world);
-  Model::ExpertUpdate expert_update;
-  Buffer expert_sq(dev, sizeof(double));
-  const Tensor expert_sq_t = expert_sq.as(DType::f64, {1});
-  if (fuse_experts) {
-    optimizer.set_updated_in_backward(model.expert_stack_ranges());
-    expert_update.low = model.master_low();
-    expert_update.m = optimizer.moment1();
-    expert_update.v = optimizer.moment2();
-  }
 
   TrainResult result;
   TrainerState state;
@@ -479,9 +448,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         << "\n";
   if (optimizer.overlaps_forward())
     out << "optimizer: AdamW on the GPU's side stream behind the next forward, layer by layer\n";
-  if (fuse_experts)
-    out << "optimizer: the routed experts' AdamW inside the backward, in their weight-gradient "
-           "products\n";
   MOE_CHECK(!optimizer.overlaps_backward() || dp.overlaps(),
             "trainer: the overlapped offload step needs gradient buckets");
   out << std::flush;
@@ -495,6 +461,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   int skipped = 0;  // fp16 overflow steps since the last log line
   bool warned_no_eval = false;
   const int max_steps = cfg.train.max_steps;
+  // Nothing clipped or skipped (no clipping, no loss scale) and the whole update on the device:
+  // the gradient norm, then only logged, comes out of the update's own read of the gradients
+  // (AdamW::step's norm_out) instead of a pass of its own, and is read at log steps. A
+  // non-finite gradient then shows as a non-finite loss at the next step.
+  const bool norm_from_update =
+      cfg.gradient_clipping <= 0 && !scaler.enabled() && optimizer.updates_whole_on_device();
   if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
@@ -506,12 +478,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     model.reset_stats(ctx);
     const double loss_scale = scaler.scale();
     const double lr = learning_rate(cfg.scheduler, cfg.optimizer.lr, step, max_steps);
-    if (fuse_experts) {
-      fill(ctx, expert_sq_t, 0.0);
-      expert_update.args = optimizer.backward_update_args(lr, 1.0 / loss_scale);
-      expert_update.args.grad_sq_out = expert_sq_t;
-      model.set_expert_update(&expert_update);
-    }
     // Every rank draws the global batch's accum * world micro-batches in order and trains on
     // its own run of `accum` of them (rank r: r * accum ..); 1/world of the mean is folded into
     // the gradient scale, so the reduced gradient is the global batch's mean.
@@ -539,7 +505,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       }
       phase.forward_backward += seconds_since(t0);
     }
-    model.set_expert_update(nullptr);
     auto t0 = Clock::now();
     dp.reduce_gradients_and_stats(model);
     if (dp.gradients_on_host()) optimizer.gradients_on_host();
@@ -564,11 +529,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     if (!norm_from_update || log_now) {
       if (norm_from_update) optimizer.join(ctx);  // an overlapped update writes it
       copy_to_host(ctx, &gnorm_sq, norm_sq_t);
-      if (fuse_experts) {
-        double experts_sq = 0;
-        copy_to_host(ctx, &experts_sq, expert_sq_t);
-        gnorm_sq += experts_sq;
-      }
     }
     const double gnorm = std::sqrt(gnorm_sq) / loss_scale;
     phase.optimizer += seconds_since(t0);

@@ -128,29 +128,6 @@ MOE_OP(grouped_swiglu_down_backward,
        (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
         Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets, bool dw_overwrite = false),
        (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets, dw_overwrite))
-// The experts' AdamW update fused into their backward (train.fuse_expert_update: one GPU, one
-// micro-batch, nothing clipped or scaled): grouped_swiglu_down_backward with dw_overwrite, then
-// adamw_step_split(s2.hi, s2.lo, dw2 flat, s2.m, s2.v, a): bitwise the two ops in turn for every
-// output, the weights and moments included (a.grad_sq_out gets the same sum, added in another
-// order). s2.hi may be w2 itself (the update runs after every read of it); lo, m, v overlap no
-// operand. dw2 is then a workspace: its contents afterwards are unspecified. a.norm_sq must be
-// empty. The CUDA backend carries the update in the sm_90 dw kernel's epilogue (the fp32
-// gradient neither written nor read back, but where a hot expert's rows are split into chunks);
-// elsewhere it runs the ops in turn.
-MOE_OP(grouped_swiglu_down_backward_adamw,
-       (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
-        Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets, const SplitSlab& s2,
-        const AdamWArgs& a),
-       (ctx, dgate, dup, drow_w, dw2, dy, h, w2, gate, up, row_w, offsets, s2, a))
-// grouped_linear_backward_pair with dw_overwrite, then adamw_step_split over w1's stack (s1,
-// gradient dw1) and w3's (s3, dw3), as grouped_swiglu_down_backward_adamw: s1.hi / s3.hi may be
-// w1 / w3 themselves, dw1 and dw3 are workspaces. The CUDA backend carries both updates in the
-// pair's one sm_90 dw launch.
-MOE_OP(grouped_linear_backward_pair_adamw,
-       (Ctx & ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
-        Tensor w1, Tensor w3, Tensor offsets, const SplitSlab& s1, const SplitSlab& s3,
-        const AdamWArgs& a),
-       (ctx, dx, dx2, dw1, dw3, dy1, dy3, x, w1, w3, offsets, s1, s3, a))
 // grouped_swiglu_down_backward on the MoE layer's output gradient without its permuted copy: row
 // r of its dy is row row_token[r] of dy [N, d] (bitwise permute_forward into a buffer, then
 // grouped_swiglu_down_backward; the CUDA backend fuses the gather into the sm_90 dh and dw

@@ -36,12 +36,6 @@ struct AdamWArgs {
   Tensor grad_sq_out;
 };
 
-// One parameter stack's state for an update fused into an op (the *_adamw ops of linear.hpp):
-// the split master (hi, the bf16 compute copy, and lo) and the f32 moments, flat, of one count.
-struct SplitSlab {
-  Tensor hi, lo, m, v;
-};
-
 // p, g, m, v: same element count and float dtype (m, v start at 0); step >= 1. The trainer runs it
 // over fp32 master weights, gradients and moments.
 MOE_OP(adamw_step, (Ctx & ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArgs& a),
