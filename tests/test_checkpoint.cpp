@@ -849,11 +849,13 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
 
 namespace {
 
-// The ranks of one process's threads: only barrier() is needed by save_checkpoint.
+// The ranks of one process's threads: save_checkpoint needs barrier() and all_gather() (of host
+// tensors: the ranks' outcomes).
 struct ThreadBarrier {
   std::mutex mu;
   std::condition_variable cv;
   int waiting = 0, generation = 0, world = 1;
+  std::vector<char> gathered;  // all_gather's staging: each rank's bytes at rank * count
 };
 
 class ThreadComm : public Comm {
@@ -863,7 +865,21 @@ class ThreadComm : public Comm {
   void all_reduce_sum(Tensor) override { unused(); }
   void reduce_sum(Tensor, int) override { unused(); }
   void reduce_scatter_sum(Tensor, Tensor) override { unused(); }
-  void all_gather(Tensor, Tensor) override { unused(); }
+  void all_gather(Tensor out, Tensor in) override {
+    const size_t n = in.nbytes(), world = static_cast<size_t>(b_.world);
+    if (out.nbytes() != n * world) throw std::logic_error("ThreadComm::all_gather: sizes");
+    {
+      std::lock_guard<std::mutex> lock(b_.mu);
+      if (b_.gathered.size() < n * world) b_.gathered.resize(n * world);
+      std::memcpy(b_.gathered.data() + n * static_cast<size_t>(rank()), in.data, n);
+    }
+    barrier();  // every rank's bytes are in
+    {
+      std::lock_guard<std::mutex> lock(b_.mu);
+      std::memcpy(out.data, b_.gathered.data(), n * world);
+    }
+    barrier();  // every rank has read them: the staging may be written again
+  }
   void all_to_all_v(Tensor, const std::vector<int64_t>&, Tensor,
                     const std::vector<int64_t>&) override {
     unused();
@@ -933,12 +949,14 @@ struct ShardedTrainee {
   }
 };
 
-// `world` threads save one checkpoint together (ZeRO `stage`); returns the step directory.
-std::string save_on_ranks(const std::string& run, int stage, int world) {
+// `world` threads save one checkpoint together (ZeRO `stage`); each rank's step directory or
+// error. Rank `failing` (if any) fails its first write ("disk full (test)").
+void run_save_on_ranks(const std::string& run, int stage, int world, int failing,
+                       std::vector<std::string>& dirs, std::vector<std::exception_ptr>& errors) {
   ThreadBarrier barrier;
   barrier.world = world;
-  std::vector<std::string> dirs(world);
-  std::vector<std::exception_ptr> errors(world);
+  dirs.assign(world, "");
+  errors.assign(world, nullptr);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
@@ -951,16 +969,34 @@ std::string save_on_ranks(const std::string& run, int stage, int world) {
         o.world = world;
         o.zero_stage = stage;
         o.comm = &comm;
+        if (r == failing)
+          o.hook = [](const std::string&, size_t) { throw std::runtime_error("disk full (test)"); };
         dirs[r] = save_checkpoint(o, t.cfg, t.model, t.opt, sample_state(9));
       } catch (...) {
         errors[r] = std::current_exception();
       }
     });
   for (auto& th : threads) th.join();
+}
+
+// `world` threads save one checkpoint together (ZeRO `stage`); returns the step directory.
+std::string save_on_ranks(const std::string& run, int stage, int world) {
+  std::vector<std::string> dirs;
+  std::vector<std::exception_ptr> errors;
+  run_save_on_ranks(run, stage, world, -1, dirs, errors);
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
   for (const auto& d : dirs) REQUIRE(d == dirs[0]);
   return dirs[0];
+}
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    if (e) std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  }
+  return "";
 }
 
 }  // namespace
@@ -994,6 +1030,30 @@ TEST_CASE("a checkpoint written by N ranks loads on M ranks", "[checkpoint][zero
         }
       }
     }
+  }
+}
+
+TEST_CASE("a rank whose part of a save fails stops every rank; nothing is published",
+          "[checkpoint][zero]") {
+  TempDir dir;
+  for (const int failing : {0, 2}) {
+    INFO("rank " << failing << " of 3 fails");
+    const std::string run = dir.file("run_fail" + std::to_string(failing));
+    std::vector<std::string> dirs;
+    std::vector<std::exception_ptr> errors;
+    run_save_on_ranks(run, 1, 3, failing, dirs, errors);  // (a hang here is the bug)
+    for (int r = 0; r < 3; ++r) {
+      INFO("rank " << r);
+      REQUIRE(errors[r] != nullptr);
+      const std::string what = message_of(errors[r]);
+      if (r == failing)
+        CHECK(what.find("disk full (test)") != std::string::npos);
+      else
+        CHECK(what.find("rank " + std::to_string(failing) + " could not write its part") !=
+              std::string::npos);
+    }
+    CHECK(find_latest_checkpoint(run, nullptr).empty());
+    CHECK_FALSE(fs::exists(run + "/step_00000009.tmp"));
   }
 }
 

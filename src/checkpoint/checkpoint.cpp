@@ -11,6 +11,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <filesystem>
 #include <memory>
 #include <ostream>
@@ -239,11 +240,28 @@ void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir
 
 }  // namespace checkpoint_internal
 
+// Every rank's outcome of writing its part of a checkpoint (kWritten, kWriteFailed,
+// kNonFinite), gathered on every rank.
+enum : int32_t { kWritten = 0, kWriteFailed = 1, kNonFinite = 2 };
+std::vector<int32_t> gather_write_outcomes(Comm& comm, int32_t mine) {
+  const int64_t world = comm.world();
+  Buffer one(comm.device(), sizeof(int32_t)), all(comm.device(), world * sizeof(int32_t));
+  const Tensor t_one = one.as(DType::i32, {1}), t_all = all.as(DType::i32, {world});
+  copy_from_host(t_one, &mine);
+  comm.all_gather(t_all, t_one);
+  std::vector<int32_t> outcomes(static_cast<size_t>(world));
+  copy_to_host(outcomes.data(), t_all);
+  return outcomes;
+}
+
 // Several ranks: rank 0 prepares step_N.tmp/, every rank writes into it (one shared directory:
-// on several nodes the run directory must be on a shared filesystem), a barrier, then rank 0
-// alone publishes it; a second barrier keeps the others from going on before it is complete.
-// A rank whose write fails throws; the others then wait in the barrier until the launcher ends
-// the job (the failing rank exits) or the comm watchdog fires.
+// on several nodes the run directory must be on a shared filesystem), then the ranks learn each
+// other's outcome: where every rank wrote its part, a barrier, then rank 0 alone publishes it
+// and a second barrier keeps the others from going on before it is complete. Where a rank's
+// write failed (or, rank 0, met a weight that is not finite), that rank throws its own error and
+// every other rank one that names it (a NonFiniteError for a non-finite weight), nothing is
+// published and rank 0 removes the partial directory: no rank is left waiting in a barrier until
+// the launcher ends the job.
 std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Model& model,
                             const AdamW& optimizer, const TrainerState& state) {
   MOE_CHECK(state.step >= 0, "save_checkpoint: negative step");
@@ -264,12 +282,31 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
   }
   barrier();
   std::string done_lines;
+  std::exception_ptr failure;
+  int32_t outcome = kWritten;
   try {
     done_lines = write_step_files(tmp, opt, cfg, model, optimizer, state);
+  } catch (const NonFiniteError&) {
+    failure = std::current_exception();
+    outcome = kNonFinite;
   } catch (...) {
+    failure = std::current_exception();
+    outcome = kWriteFailed;
+  }
+  std::vector<int32_t> outcomes(1, outcome);
+  if (opt.world > 1) outcomes = gather_write_outcomes(*opt.comm, outcome);
+  const auto failed =
+      std::find_if(outcomes.begin(), outcomes.end(), [](int32_t o) { return o != kWritten; });
+  if (failed != outcomes.end()) {
     std::error_code ec;
-    if (opt.world == 1) fs::remove_all(tmp, ec);  // frees the space a full disk needs back
-    throw;
+    if (opt.rank == 0) fs::remove_all(tmp, ec);  // frees the space a full disk needs back
+    if (failure) std::rethrow_exception(failure);
+    const std::string who =
+        "checkpoint " + tmp.string() + ": rank " + std::to_string(failed - outcomes.begin());
+    if (*failed == kNonFinite)
+      throw NonFiniteError(who + " found a weight that is not finite (NaN or Inf)");
+    throw std::runtime_error(who + " could not write its part (its own error says why); " +
+                             "nothing was saved");
   }
   barrier();
   if (opt.rank == 0) {

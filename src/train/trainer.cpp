@@ -638,8 +638,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         // The update made a weight NaN or Inf (without clipping the norm is read at log steps
         // only, and the loss shows it a step later): stopped as divergence, the checkpoint not
         // published, the earlier ones kept. (With several ranks, rank 0 writes the weights and
-        // stops here; the others wait in the save's barrier until the launcher ends the job,
-        // as after a failed write.)
+        // meets it; the others learn it from the save's exchange of outcomes and stop too.)
         throw_diverged(step + 1, std::string(e.what()) + "; this step's checkpoint was not saved",
                        "the weights");
       }

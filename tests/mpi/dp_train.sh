@@ -28,6 +28,9 @@
 #               model shape (which crashed a rank in the collectives' size mismatch) and another
 #               ZeRO stage (which hung until the watchdog) each stop the job at start-up with exit
 #               2 within 15 s and one message naming the key and both ranks' values
+#   diverged    2 ranks whose first update makes the weights non-finite, saving at step 1: rank 0
+#               (which writes the weights) stops as diverged naming the tensor, rank 1 stops
+#               naming rank 0's finding (no rank waits in the save's barrier), nothing published
 #   kill        rank 1 of 2 is killed with SIGKILL mid-run (train.comm_timeout_s 60): the job
 #               exits non-zero within 30 s with mpirun's message naming the rank (or the
 #               watchdog's line, should mpirun not end the job first)
@@ -287,6 +290,26 @@ EOS
     grep -Eq "exited on signal 9|did not complete within|rank 1.*(Killed|signal)" "$work/kill.log" ||
       fail "no message names the dead rank"
     awk -v e="$elapsed" 'BEGIN { exit !(e < 30) }' || fail "took $elapsed s"
+    ;;
+  diverged)
+    # lr 1e300: the first update makes the weights non-finite; the save at step 1 meets it on
+    # rank 0 (which writes the weights), and rank 1 learns it from the save's exchange of
+    # outcomes instead of waiting in its barrier until mpirun ends the job
+    start=$(date +%s.%N)
+    timeout -k 5 60 "${launch[@]}" -np 2 "$bin" train "${common[@]}" \
+      --set optimizer.params.lr=1e300 --set gradient_accumulation_steps=1 \
+      --set train.save_interval=1 --set "train.out_dir=\"$work/diverged\"" \
+      >"$work/diverged.log" 2>&1
+    rc=$?
+    elapsed=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    grep "error" "$work/diverged.log"
+    echo "exit $rc after $elapsed s"
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ] || fail "exit $rc (124: the job hung)"
+    grep -q "error: the weights became non-finite at step 1 (.* holds a non-finite value" \
+      "$work/diverged.log" || fail "rank 0 does not name the tensor"
+    grep -q "error: the weights became non-finite at step 1 (checkpoint .*: rank 0 found a weight that is not finite" \
+      "$work/diverged.log" || fail "rank 1 does not say that rank 0 found a non-finite weight"
+    [ -z "$(ls -A "$work/diverged" | grep step_)" ] || fail "a checkpoint was published"
     ;;
   *) fail "unknown mode $mode" ;;
 esac

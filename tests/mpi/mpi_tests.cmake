@@ -49,8 +49,10 @@ add_test(NAME mpi_dp_shards COMMAND ${MOE_DP_TRAIN} shards)
 add_test(NAME mpi_dp_kill COMMAND ${MOE_DP_TRAIN} kill)
 # Ranks given different configs stop at start-up with one message naming the key.
 add_test(NAME mpi_dp_mismatch COMMAND ${MOE_DP_TRAIN} mismatch)
-set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill mpi_dp_mismatch PROPERTIES
-                     PROCESSORS 2)
+# A save that meets non-finite weights on rank 0 stops both ranks, each with its own message.
+add_test(NAME mpi_dp_diverged COMMAND ${MOE_DP_TRAIN} diverged)
+set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill mpi_dp_mismatch mpi_dp_diverged
+                     PROPERTIES PROCESSORS 2)
 set_tests_properties(mpi_dp_equal_np4 mpi_dp_resume PROPERTIES PROCESSORS 4)
 
 # The same equivalences on 2 GPU ranks over NCCL (label gpu: skipped, exit 77, without 2 GPUs).
@@ -64,7 +66,7 @@ endif()
 set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_hang_serialized
                   mpi_comm_serialized_np2 mpi_comm_rank_exit mpi_comm_mpi_error
                   mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill
-                  mpi_dp_mismatch)
+                  mpi_dp_mismatch mpi_dp_diverged)
 set_tests_properties(${MOE_MPI_TESTS} PROPERTIES LABELS "cpu;mpi" TIMEOUT 150)
 set_tests_properties(mpi_comm_hang mpi_comm_rank_exit PROPERTIES PROCESSORS 4)
 set_tests_properties(mpi_comm_mpi_error PROPERTIES PROCESSORS 2)
