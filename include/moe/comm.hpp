@@ -151,4 +151,8 @@ class Comm {
 std::unique_ptr<Comm> make_comm(const RankInfo& info, Device dev,
                                 double timeout_s = kDefaultCommTimeoutS);
 
+// Every rank's `mine` (the same count on every rank), rank after rank, on every rank: a
+// collective for small host values (src/parallel/host_ints.cpp).
+std::vector<int32_t> all_gather_ints(Comm& comm, const std::vector<int32_t>& mine);
+
 }  // namespace moe

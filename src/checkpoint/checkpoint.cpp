@@ -240,19 +240,8 @@ void copy_tokenizer_files(const std::string& from_dir, const std::string& to_dir
 
 }  // namespace checkpoint_internal
 
-// Every rank's outcome of writing its part of a checkpoint (kWritten, kWriteFailed,
-// kNonFinite), gathered on every rank.
+// Every rank's outcome of writing its part of a checkpoint, exchanged by all_gather_ints.
 enum : int32_t { kWritten = 0, kWriteFailed = 1, kNonFinite = 2 };
-std::vector<int32_t> gather_write_outcomes(Comm& comm, int32_t mine) {
-  const int64_t world = comm.world();
-  Buffer one(comm.device(), sizeof(int32_t)), all(comm.device(), world * sizeof(int32_t));
-  const Tensor t_one = one.as(DType::i32, {1}), t_all = all.as(DType::i32, {world});
-  copy_from_host(t_one, &mine);
-  comm.all_gather(t_all, t_one);
-  std::vector<int32_t> outcomes(static_cast<size_t>(world));
-  copy_to_host(outcomes.data(), t_all);
-  return outcomes;
-}
 
 // Several ranks: rank 0 prepares step_N.tmp/, every rank writes into it (one shared directory:
 // on several nodes the run directory must be on a shared filesystem), then the ranks learn each
@@ -294,7 +283,7 @@ std::string save_checkpoint(const SaveOptions& opt, const Config& cfg, const Mod
     outcome = kWriteFailed;
   }
   std::vector<int32_t> outcomes(1, outcome);
-  if (opt.world > 1) outcomes = gather_write_outcomes(*opt.comm, outcome);
+  if (opt.world > 1) outcomes = all_gather_ints(*opt.comm, {outcome});
   const auto failed =
       std::find_if(outcomes.begin(), outcomes.end(), [](int32_t o) { return o != kWritten; });
   if (failed != outcomes.end()) {

@@ -115,14 +115,10 @@ void check_same_on_all_ranks(Comm& comm, const RankFacts& facts) {
   const std::string text = encode(facts);
   const uint64_t hash = hash_name(text, 0);
   // [hash low, hash high, byte count] of every rank
-  int32_t mine[3];
-  std::memcpy(mine, &hash, sizeof hash);
+  std::vector<int32_t> mine(3);
+  std::memcpy(mine.data(), &hash, sizeof hash);
   mine[2] = static_cast<int32_t>(text.size());
-  Ints one(comm.device(), 3), all(comm.device(), 3 * int64_t{world});
-  copy_from_host(one.t, mine);
-  comm.all_gather(all.t, one.t);
-  std::vector<int32_t> table(3 * static_cast<size_t>(world));
-  copy_to_host(table.data(), all.t);
+  const std::vector<int32_t> table = all_gather_ints(comm, mine);
   int first = -1, differing = 0;
   for (int r = 1; r < world; ++r) {
     const int32_t* row = &table[3 * static_cast<size_t>(r)];
