@@ -41,8 +41,8 @@ bool contains(const std::string& haystack, const std::string& needle) {
 }
 
 // Every key set to a non-default value (only the HF keys that are never printed are left out;
-// train.split_master keeps its default, as true needs bf16 and ZeRO stage 0: the bad and fixed
-// cases below set it).
+// train.split_master and train.bf16_expert_grads keep their defaults, as true needs bf16 and
+// ZeRO stage 0 (and one micro-batch): the bad and fixed cases below set them).
 const char* kFullConfig = R"({
   "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3, "train_batch_size": 12,
   "gradient_clipping": 0.5,
@@ -76,7 +76,8 @@ const char* kFullConfig = R"({
             "save_interval": 5, "save_at_end": false, "keep_checkpoints": 2, "resume": "auto",
             "comm_timeout_s": 30.5, "recompute_layers": true,
             "recompute_expert_inputs": true, "recompute_expert_rows": true,
-            "head_chunk_tokens": 512, "split_master": false, "overlap_optimizer": false,
+            "head_chunk_tokens": 512, "split_master": false, "bf16_expert_grads": false,
+            "overlap_optimizer": false,
             "gpu_memory_limit_gib": 15.5}
 })";
 
@@ -717,6 +718,17 @@ const std::vector<BadCase>& bad_cases() {
        {},
        "train.split_master",
        {"stage 0", "stage 1"}},
+      {"bf16 expert gradients without a split master",
+       R"({"bf16": {"enabled": true}, "train": {"bf16_expert_grads": true}})",
+       {},
+       "train.bf16_expert_grads",
+       {"train.split_master"}},
+      {"bf16 expert gradients over micro-batches",
+       R"({"bf16": {"enabled": true}, "gradient_accumulation_steps": 2,
+          "train": {"split_master": true, "bf16_expert_grads": true}})",
+       {},
+       "train.bf16_expert_grads",
+       {"gradient_accumulation_steps 1", "got 2"}},
       // Robustness: values that once crashed, hung or ran silently wrong.
       {"a key given twice",
        R"({"train": {"max_steps": 5, "max_steps": 7}})",
@@ -798,6 +810,8 @@ TEST_CASE("config: the bad cases are good once the offending value is fixed") {
   CHECK_NOTHROW(parse(R"({"train": {"comm_timeout_s": 0}})"));
   CHECK_NOTHROW(parse(R"({"train": {"device": "cuda:12"}})"));
   CHECK_NOTHROW(parse(R"({"bf16": {"enabled": true}, "train": {"split_master": true}})"));
+  CHECK_NOTHROW(parse(
+      R"({"bf16": {"enabled": true}, "train": {"split_master": true, "bf16_expert_grads": true}})"));
   CHECK_NOTHROW(parse(model(R"("hidden_size": 1000, "num_attention_heads": 8,
                                "num_key_value_heads": 8, "head_dim": 124)")));
   CHECK_NOTHROW(parse(R"({"train": {"max_steps": 5}, "model": {"mod": {"every": 2}}})"));

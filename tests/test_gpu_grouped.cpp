@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <random>
 #include <string>
 #include <utility>
@@ -619,6 +620,221 @@ TEST_CASE("gpu grouped_swiglu_down_backward_gathered: the permute and the backwa
   clear_grouped_sm90();
 }
 
+// ---- the bf16 weight gradient (linear.hpp's bf16 form) -----------------------------------------
+namespace {
+
+// The largest |running sum| of dy_e^T x_e over each expert's rows, element by element: how large
+// a chunked sum's partial results get. dy: [R, out], x: [R, in]; returns [E, out, in].
+std::vector<double> running_sum_bound(const std::vector<double>& dy, const std::vector<double>& x,
+                                      const std::vector<int32_t>& offsets, int64_t in,
+                                      int64_t out) {
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1, per = out * in;
+  std::vector<double> bound(static_cast<size_t>(experts * per), 0.0), run(per);
+  for (int64_t e = 0; e < experts; ++e) {
+    std::fill(run.begin(), run.end(), 0.0);
+    double* b = bound.data() + e * per;
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r)
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t i = 0; i < in; ++i) {
+          double& v = run[o * in + i];
+          v += dy[r * out + o] * x[r * in + i];
+          b[o * in + i] = std::max(b[o * in + i], std::fabs(v));
+        }
+  }
+  return bound;
+}
+
+double round_bf16(double v) {
+  return bf16_to_float(float_to_bf16(static_cast<float>(v)));
+}
+
+// The expected bf16 dw of one op run. dw0: where it started (zeros under overwrite); f32_dw: the
+// same op's dw in f32 from float(dw0); want: the CPU op's f64 dw; running: running_sum_bound.
+struct Bf16DwWant {
+  const std::vector<double>& dw0;
+  const std::vector<double>& f32_dw;
+  const std::vector<double>& want;
+  const std::vector<double>& running;
+};
+
+// A bf16 dw from the GPU against the f32 dw rounded once, bit for bit, in experts of at most twice
+// the mean rows (the sm_90 dw kernel's chunk: never split), and against the CPU op everywhere:
+// fp32 accumulation error (sum_tol) plus a bf16 rounding per chunk, ulp(bf16) (|want| + (chunks -
+// 1) (|dw0| + running)), chunks at most ceil(rows_e E / 2R) (a chunk holds at least twice the mean
+// rows). An expert without rows: zeros under overwrite, else dw0 bit for bit.
+void check_bf16_dw(const std::string& what, const std::vector<double>& got, const Bf16DwWant& w,
+                   const std::vector<int32_t>& offsets, bool overwrite) {
+  const int64_t experts = static_cast<int64_t>(offsets.size()) - 1, rows = offsets.back();
+  const int64_t per = static_cast<int64_t>(got.size()) / experts;
+  REQUIRE(got.size() == w.want.size());
+  int64_t max_rows = 1;
+  for (int64_t e = 0; e < experts; ++e)
+    max_rows = std::max<int64_t>(max_rows, offsets[e + 1] - offsets[e]);
+  const Tol tol = sum_tol(DType::f32, max_rows);
+  double worst = 0;
+  int64_t inexact = 0, untouched_wrong = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    const int64_t chunks = std::max<int64_t>(1, (n * experts + 2 * rows - 1) / (2 * rows));
+    for (int64_t i = e * per; i < (e + 1) * per; ++i) {
+      if (n == 0) {
+        untouched_wrong += got[i] != (overwrite ? 0.0 : w.dw0[i]);
+        continue;
+      }
+      if (n * experts <= 2 * rows) inexact += got[i] != round_bf16(w.f32_dw[i]);
+      const double bound =
+          tol.atol + tol.rtol * std::fabs(w.want[i]) +
+          ulp(DType::bf16) *
+              (std::fabs(w.want[i]) + double(chunks - 1) * (std::fabs(w.dw0[i]) + w.running[i]));
+      worst = std::max(worst, std::isnan(got[i]) ? 1e300 : std::fabs(got[i] - w.want[i]) / bound);
+    }
+  }
+  INFO(what << ": worst error / bound " << worst << ", " << inexact
+            << " unsplit elements not the f32 dw rounded, " << untouched_wrong
+            << " wrong in experts without rows");
+  CHECK(worst <= 1.0);
+  CHECK(inexact == 0);
+  CHECK(untouched_wrong == 0);
+}
+
+// An op that writes `count` weight gradients (the pair: from dy, then from dy3), each [E, out, in]
+// over x; run(dws, overwrite).
+struct DwOp {
+  std::string name;
+  int count;
+  std::function<void(const std::vector<Tensor>&, bool)> run;
+};
+
+// Balanced routing with an empty expert (no split anywhere); one expert of 8 with 80% of the rows
+// (the sm_90 dw kernel cuts it into 4 chunks of 1024 rows, the last ragged; out = 136: a dw tile
+// row block of 8 rows); features the sm_90 and sm_80 kernels decline (not multiples of 8: the
+// WMMA kernel into the fp32 temporary).
+const GroupedCase kBf16DwCases[] = {
+    {1000, 128, 192, {0, 130, 260, 260, 400, 530, 660, 800, 1000}},
+    {4000, 128, 136, {0, 100, 100, 3300, 3440, 3580, 3720, 3860, 4000}},
+    {300, 52, 70, {0, 130, 130, 300}},
+};
+
+}  // namespace
+
+// Every op that takes a weight gradient, with a bf16 one (beside bf16 inputs), dw overwritten and
+// added to: the f32 gradient rounded once per element (per chunk where the sm_90 kernel splits a
+// hot expert, in a fixed order: the same bits run after run), against the CPU op; sm_90's native
+// bf16 epilogue (256- and 128-column tiles, ping-pong) and the sm_80 / WMMA kernels' fp32
+// temporary ("sm80-k32": the sm_90 kernels off).
+TEST_CASE("gpu grouped backward ops with a bf16 dw: the f32 dw rounded, per chunk on sm_90",
+          "[gpu]") {
+  Ctx gpu = gpu_ctx(), cpu = cpu_ctx();
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-n256", "sm90-n128", "sm90-pingpong", "sm80-k32");
+  select_grouped_kernel(kernel);
+  const DType dt = DType::bf16;
+  int case_index = 0;
+  for (const GroupedCase& gc : kBf16DwCases) {
+    const int64_t e = gc.experts(), r = gc.rows, in = gc.in, out = gc.out;
+    const std::string tag = " [case " + std::to_string(case_index++) + ", " + kernel + "]";
+    const auto x = rounded_random_values(dt, r * in, 110),
+               w = rounded_random_values(dt, e * out * in, 111),
+               w3 = rounded_random_values(dt, e * out * in, 112);
+    const auto dy = rounded_random_values(dt, r * out, 113),
+               dy3 = rounded_random_values(dt, r * out, 114);
+    const auto gate = rounded_random_values(dt, r * in, 115),
+               up = rounded_random_values(dt, r * in, 116);
+    const auto row_w = rounded_random_values(DType::f32, r, 117, 0.05, 1.0);
+    const auto dw0 = rounded_random_values(dt, e * out * in, 118);
+    const std::vector<double> zeros(dw0.size(), 0.0);
+    // The gathered ops' token tables: x's and dy's rows reversed (row i is token r - 1 - i).
+    std::vector<double> xt(x.size()), dyt(dy.size());
+    std::vector<int32_t> row_token(static_cast<size_t>(r));
+    for (int64_t i = 0; i < r; ++i) {
+      row_token[i] = static_cast<int32_t>(r - 1 - i);
+      std::copy(x.begin() + i * in, x.begin() + (i + 1) * in, xt.begin() + (r - 1 - i) * in);
+      std::copy(dy.begin() + i * out, dy.begin() + (i + 1) * out, dyt.begin() + (r - 1 - i) * out);
+    }
+    DeviceTensor gx = on_device(dt, {r, in}, x), gw = on_device(dt, {e, out, in}, w),
+                 gw3 = on_device(dt, {e, out, in}, w3), gdy = on_device(dt, {r, out}, dy),
+                 gdy3 = on_device(dt, {r, out}, dy3), goff = ids_on_device(gc.offsets),
+                 gxt = on_device(dt, {r, in}, xt), gdyt = on_device(dt, {r, out}, dyt),
+                 grt = ids_on_device(row_token), ggate = on_device(dt, {r, in}, gate),
+                 gup = on_device(dt, {r, in}, up), grw = on_device(DType::f32, {r}, row_w);
+    DeviceTensor gdx = poisoned(dt, {r, in}), gdx2 = poisoned(dt, {r, in}),
+                 dgate = poisoned(dt, {r, in}), dup = poisoned(dt, {r, in}),
+                 drow = poisoned(DType::f32, {r});
+    const std::vector<DwOp> ops = {
+        {"grouped_linear_backward", 1,
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_linear_backward(gpu, gdx, d[0], gdy, gx, gw, goff, ow);
+         }},
+        {"grouped_linear_backward_gathered", 1,
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_linear_backward_gathered(gpu, gdx, d[0], gdy, gxt, grt, gw, goff, ow);
+         }},
+        {"grouped_linear_backward_pair", 2,
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_linear_backward_pair(gpu, gdx, gdx2, d[0], d[1], gdy, gdy3, gx, gw, gw3, goff,
+                                        ow);
+         }},
+        {"grouped_linear_backward_pair_gathered", 2,
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_linear_backward_pair_gathered(gpu, gdx, gdx2, d[0], d[1], gdy, gdy3, gxt, grt,
+                                                 gw, gw3, goff, ow);
+         }},
+        {"grouped_swiglu_down_backward", 1,  // h = x, w2 = w
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_swiglu_down_backward(gpu, dgate, dup, drow, d[0], gdy, gx, gw, ggate, gup, grw,
+                                        goff, ow);
+         }},
+        {"grouped_swiglu_down_backward_gathered", 1,
+         [&](const std::vector<Tensor>& d, bool ow) {
+           grouped_swiglu_down_backward_gathered(gpu, dgate, dup, drow, d[0], gdyt, grt, gx, gw,
+                                                 ggate, gup, grw, goff, ow);
+         }},
+    };
+    // The CPU's f64 gradients (from zero and onto dw0) and running sums, from dy and dy3.
+    Buf<double> hx = host({r, in}, x), hw = host({e, out, in}, w);
+    Buf<int32_t> hoff = host_i32(gc.offsets);
+    std::vector<double> want_zero[2], want_dw0[2], running[2];
+    for (int k = 0; k < 2; ++k) {
+      const std::vector<double>& g = k == 0 ? dy : dy3;
+      Buf<double> hdy = host({r, out}, g), hdx({r, in});
+      Buf<double> from_zero({e, out, in}), onto = host({e, out, in}, dw0);
+      cpu::grouped_linear_backward(cpu, hdx, from_zero, hdy, hx, hw, hoff, true);
+      cpu::grouped_linear_backward(cpu, hdx, onto, hdy, hx, hw, hoff);
+      want_zero[k] = from_zero.v, want_dw0[k] = onto.v;
+      running[k] = running_sum_bound(g, x, gc.offsets, in, out);
+    }
+    for (const DwOp& op : ops)
+      for (bool overwrite : {true, false}) {
+        INFO(op.name << tag << " overwrite " << overwrite);
+        const std::vector<double>& start = overwrite ? zeros : dw0;
+        // (overwrite: over poisoned gradients)
+        auto fresh = [&](DType t) {
+          std::vector<DeviceTensor> d;
+          for (int k = 0; k < op.count; ++k)
+            d.push_back(overwrite ? poisoned(t, {e, out, in}) : on_device(t, {e, out, in}, dw0));
+          return d;
+        };
+        auto tensors = [](const std::vector<DeviceTensor>& d) {
+          return std::vector<Tensor>(d.begin(), d.end());
+        };
+        std::vector<DeviceTensor> f32 = fresh(DType::f32), b16 = fresh(dt), again = fresh(dt);
+        op.run(tensors(f32), overwrite);
+        op.run(tensors(b16), overwrite);
+        op.run(tensors(again), overwrite);
+        for (int k = 0; k < op.count; ++k) {
+          const std::string what = op.name + " dw" + std::to_string(k) + tag;
+          const std::vector<double> f32_dw = download(f32[k]);
+          check_bf16_dw(what, download(b16[k]),
+                        {start, f32_dw, overwrite ? want_zero[k] : want_dw0[k], running[k]},
+                        gc.offsets, overwrite);
+          CHECK(bytes_of(b16[k]) == bytes_of(again[k]));  // a fixed order
+        }
+      }
+  }
+  unsetenv("MOE_GROUPED_TILE_K");
+  clear_grouped_sm90();
+}
+
 TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   Ctx gpu = gpu_ctx();
   DeviceTensor x(DType::f32, {10, 8}), w(DType::f32, {2, 6, 8}), y(DType::f32, {10, 6});
@@ -627,11 +843,15 @@ TEST_CASE("gpu grouped_linear: bad shapes and offsets dtype throw", "[gpu]") {
   CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_bad_len));
   CHECK_THROWS(grouped_linear_forward(gpu, y, x, w, off_f32));
   CHECK_THROWS(grouped_linear_forward(gpu, y_bad, x, w, off));
-  // dw must be in acc_dtype(x): f32 for bf16 x, not bf16.
+  // A grouped dw in acc_dtype(x) or, beside bf16 x only, bf16; the plain linear's in acc_dtype.
   DeviceTensor x16(DType::bf16, {10, 8}), w16(DType::bf16, {2, 6, 8}), dy16(DType::bf16, {10, 6});
-  DeviceTensor dx16(DType::bf16, {10, 8}), dw16(DType::bf16, {2, 6, 8});
-  CHECK_THROWS_WITH(grouped_linear_backward(gpu, dx16, dw16, dy16, x16, w16, off),
-                    Catch::Contains("grouped_linear_backward: dw: dtype bf16, expected f32"));
+  DeviceTensor dx16(DType::bf16, {10, 8}), dw16(DType::bf16, {2, 6, 8}), dwh(DType::f16, {2, 6, 8});
+  CHECK_THROWS_WITH(grouped_linear_backward(gpu, dx16, dwh, dy16, x16, w16, off),
+                    Catch::Contains("grouped_linear_backward: dw: dtype f16, expected f32"));
+  DeviceTensor xh(DType::f16, {10, 8}), wh(DType::f16, {2, 6, 8}), dyh(DType::f16, {10, 6});
+  DeviceTensor dxh(DType::f16, {10, 8});
+  CHECK_THROWS_WITH(grouped_linear_backward(gpu, dxh, dw16, dyh, xh, wh, off),
+                    Catch::Contains("grouped_linear_backward: dw: dtype bf16 needs bf16 inputs"));
   DeviceTensor lw16(DType::bf16, {6, 8}), ldw16(DType::bf16, {6, 8});
   CHECK_THROWS_WITH(linear_backward(gpu, Tensor{}, ldw16, dy16, x16, lw16, false),
                     Catch::Contains("linear_backward: dw: dtype bf16, expected f32"));

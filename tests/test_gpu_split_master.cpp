@@ -10,7 +10,10 @@
 //    bitwise the plain model's (loss, master, moments), later steps track it, and
 //    master_to_host / master_from_host move it exactly into a fresh split model and a plain one;
 //  - a training run with a split master tracks the plain bf16 run and resumes from its checkpoint
-//    bitwise.
+//    bitwise;
+//  - with bf16 expert gradients (train.bf16_expert_grads) AdamW takes a bf16 g as that g in f32,
+//    a backward's expert gradients are the f32 ones rounded and every other gradient and the
+//    loss are bitwise the f32 model's; a run tracks the f32 one and resumes bitwise.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -128,6 +131,40 @@ TEST_CASE("gpu adamw_step_split: the CUDA adamw_step's master bit for bit", "[gp
       const std::vector<float> gpu_p = s.decoded();
       CHECK(worst_ratio(std::vector<double>(gpu_p.begin(), gpu_p.end()), cpu_p, 1e-6, 1e-9) <= 1);
     }
+  }
+}
+
+TEST_CASE("gpu adamw_step_split: a bf16 g updates as the same g in f32", "[gpu][optim]") {
+  // train.bf16_expert_grads: the experts' gradients arrive in bf16 (8-byte quads of g).
+  const int64_t n = 4099;
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 3, a.grad_scale = 0.5;
+  const std::vector<double> p0 = round_to(DType::f32, random_values(n, 181, -2.0, 2.0));
+  const std::vector<double> g = round_to(DType::bf16, random_values(n, 182, -3.0, 3.0));
+  const std::vector<double> m0 = round_to(DType::f32, random_values(n, 183, -0.1, 0.1));
+  const std::vector<double> v0 = round_to(DType::f32, random_values(n, 184, 1e-3, 0.1));
+  for (int64_t shift : {0, 1}) {  // vectorised (+ tail), one element per thread
+    INFO("shift " << shift);
+    Ctx ctx = gpu_ctx();
+    DeviceTensor g32 = on_device(DType::f32, {n}, g), g16 = on_device(DType::bf16, {n}, g);
+    DeviceTensor m = on_device(DType::f32, {n}, m0), v = on_device(DType::f32, {n}, v0);
+    DeviceTensor m16 = on_device(DType::f32, {n}, m0), v16 = on_device(DType::f32, {n}, v0);
+    DeviceTensor sq32 = on_device(DType::f64, {1}, {0.0}), sq16 = on_device(DType::f64, {1}, {0.0});
+    DeviceSplit s32(as_floats(p0), shift), s16(as_floats(p0), shift);
+    AdamWArgs a32 = a, a16 = a;
+    a32.grad_sq_out = sq32;
+    a16.grad_sq_out = sq16;
+    adamw_step_split(ctx, s32.hi, s32.lo, g32, m, v, a32);
+    adamw_step_split(ctx, s16.hi, s16.lo, g16, m16, v16, a16);
+    gpu::synchronize();
+    CHECK(s16.decoded() == s32.decoded());
+    CHECK(s16.decoded() != as_floats(p0));  // the update ran
+    CHECK(download(m16) == download(m));
+    CHECK(download(v16) == download(v));
+    double want = 0;
+    for (double x : g) want += x * x;
+    CHECK(download(sq16)[0] == Approx(want).epsilon(1e-12));
+    CHECK(download(sq32)[0] == Approx(want).epsilon(1e-12));
   }
 }
 
@@ -431,5 +468,117 @@ TEST_CASE("gpu train: a split master tracks the plain bf16 run and resumes bitwi
   for (int i = 0; i < 4; ++i) {
     INFO("step " << i + 5);
     CHECK(resumed.losses[i] == rs.losses[i + 4]);  // bitwise
+  }
+}
+
+TEST_CASE("gpu model: bf16 expert gradients are the f32 ones rounded; the rest bitwise",
+          "[gpu][model][mixed]") {
+  // train.bf16_expert_grads: only the expert stacks' gradients change (to bf16); nothing in the
+  // backward reads them, so every other gradient, and the loss, is bitwise the f32 model's.
+  const ModelConfig m = tiny_model();
+  const int b = 2, t = 32;
+  MemoryPlan f32_plan, bf16_plan;
+  f32_plan.split_master = bf16_plan.split_master = true;
+  bf16_plan.bf16_expert_grads = true;
+  Ctx ctx = gpu_ctx();
+  Model wide(m, DType::bf16, gpu0(), b, t, true, f32_plan),
+      narrow(m, DType::bf16, gpu0(), b, t, true, bf16_plan);
+  wide.init_weights(7);
+  narrow.init_weights(7);
+  CHECK(narrow.grad_bytes() < wide.grad_bytes());
+  CHECK_THROWS_WITH(narrow.grads(), Catch::Contains("train.bf16_expert_grads"));
+  size_t stacks = 0;
+  for (const ParamInfo& p : narrow.table().params) {
+    CHECK(narrow.grad_dtype(p) == (p.stack > 1 ? DType::bf16 : DType::f32));
+    stacks += p.stack > 1;
+  }
+  REQUIRE(stacks > 0);
+  OptimizerConfig oc;
+  AdamW wide_opt(oc, wide), narrow_opt(oc, narrow);
+  Buffer norm_w(gpu0(), sizeof(double)), norm_n(gpu0(), sizeof(double));
+  for (int step = 0; step < 3; ++step) {
+    const auto ids = tokens(b * t, m.vocab_size, 60 + step);
+    const auto tg = tokens(b * t, m.vocab_size, 70 + step);
+    // Step 0 clears every gradient first (the experts' too: their backward then adds onto
+    // zeros); later steps leave the expert stacks to the backward to write, as training does.
+    auto run = [&](Model& model, AdamW& opt, Buffer& norm) {
+      model.zero_grads(ctx, /*experts_by_backward=*/step > 0);
+      model.reset_stats(ctx);
+      model.upload_batch(ctx, ids.data(), tg.data());
+      model.queue_forward_backward(ctx, 1.0);
+      return model.read_stats(ctx);
+    };
+    const Losses lw = run(wide, wide_opt, norm_w), ln = run(narrow, narrow_opt, norm_n);
+    INFO("step " << step << ": loss " << ln.lm << " vs " << lw.lm);
+    if (step == 0) {
+      CHECK(ln.lm == lw.lm);
+      size_t exact = 0, count = 0;
+      for (const ParamInfo& p : narrow.table().params) {
+        INFO(p.name);
+        const std::vector<double> gw = download(wide.grad(p)), gn = download(narrow.grad(p));
+        if (p.stack == 1) {
+          CHECK(gn == gw);
+          continue;
+        }
+        // One rounding of the f32 sum (a tile split into chunks rounds once per chunk).
+        double worst = 0, scale = 0;
+        for (double x : gw) scale = std::max(scale, std::fabs(x));
+        REQUIRE(scale > 0);
+        for (size_t i = 0; i < gw.size(); ++i) {
+          worst = std::max(worst, std::fabs(gn[i] - gw[i]) / (std::fabs(gw[i]) + 1e-3 * scale));
+          exact += gn[i] == round_to(DType::bf16, {gw[i]})[0];
+          ++count;
+        }
+        CHECK(worst <= 1.0 / 128);
+      }
+      CHECK(exact >= count * 9 / 10);
+    } else {
+      CHECK(std::fabs(ln.lm - lw.lm) <= 5e-3 * lw.lm);
+    }
+    queue_grad_norm_sq(ctx, wide, norm_w.as(DType::f64, {1}));
+    queue_grad_norm_sq(ctx, narrow, norm_n.as(DType::f64, {1}));
+    double nw = 0, nn = 0;
+    copy_to_host(&nw, norm_w.as(DType::f64, {1}));
+    copy_to_host(&nn, norm_n.as(DType::f64, {1}));
+    CHECK(std::sqrt(nn) == Approx(std::sqrt(nw)).epsilon(1e-2));
+    wide_opt.step(ctx, wide, 1e-3, 1.0, norm_w.as(DType::f64, {1}), 1.0);
+    narrow_opt.step(ctx, narrow, 1e-3, 1.0, norm_n.as(DType::f64, {1}), 1.0);
+    wide.weights_changed(ctx, wide_opt.writes_compute_copy(wide));
+    narrow.weights_changed(ctx, narrow_opt.writes_compute_copy(narrow));
+  }
+}
+
+TEST_CASE("gpu train: bf16 expert gradients track the f32 ones and resume bitwise",
+          "[gpu][train][mixed]") {
+  TempDir wide_dir, narrow_dir, resumed_dir;
+  std::ostringstream log;
+  auto narrow_run = [](const std::string& dir) {
+    Config c = split_run(dir, true);
+    c.train.bf16_expert_grads = true;
+    return c;
+  };
+  const TrainResult rw = train(split_run(wide_dir.path.string(), true), log);
+  const TrainResult rn = train(narrow_run(narrow_dir.path.string()), log);
+  REQUIRE(rw.losses.size() == 8);
+  REQUIRE(rn.losses.size() == 8);
+  CHECK(rn.losses[0] == rw.losses[0]);  // the first forward sees the same weights
+  double worst = 0;
+  for (size_t i = 0; i < 8; ++i)
+    worst = std::max(worst, std::fabs(rn.losses[i] - rw.losses[i]) / rw.losses[i]);
+  INFO("worst relative loss difference " << worst << "\n" << log.str());
+  CHECK(worst < 5e-3);
+  CHECK(rn.losses.back() < rn.losses.front() - 0.02);  // it learns
+
+  TrainOptions stop;
+  stop.stop_after_step = 4;
+  train(narrow_run(resumed_dir.path.string()), log, stop);
+  Config again = narrow_run(resumed_dir.path.string());
+  again.train.resume = "auto";
+  const TrainResult resumed = train(again, log);
+  CHECK(resumed.resumed_from == 4);
+  REQUIRE(resumed.losses.size() == 4);
+  for (int i = 0; i < 4; ++i) {
+    INFO("step " << i + 5);
+    CHECK(resumed.losses[i] == rn.losses[i + 4]);  // bitwise
   }
 }

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -571,4 +573,111 @@ TEST_CASE("routing ops reject bad indices and shapes") {
                   NonFiniteError);
   logits[0] = 0;
   CHECK_NOTHROW(router_topk_forward(ctx, probs_ok, idx, w, counts, logits, Tensor(), true));
+}
+
+// ---- the grouped backward's bf16 weight gradient --------------------------------------------
+
+namespace {
+
+// Round to nearest even, written here apart from the ops' own conversion (finite values only).
+uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float bf16_value(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// A host bf16 tensor of raw bits.
+struct Bf16Buf {
+  std::vector<uint16_t> v;
+  Tensor t;
+  Bf16Buf(std::initializer_list<int64_t> dims, std::vector<uint16_t> bits) : v(std::move(bits)) {
+    t = Tensor(v.data(), DType::bf16, Device{}, dims);
+    REQUIRE(static_cast<int64_t>(v.size()) == t.numel());
+  }
+  Bf16Buf(const Bf16Buf&) = delete;
+  operator Tensor() const { return t; }
+};
+
+std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
+  const Buf<double> r = random_buf({static_cast<int64_t>(n)}, seed);
+  std::vector<uint16_t> bits(n);
+  for (size_t i = 0; i < n; ++i) bits[i] = bf16_bits(static_cast<float>(r.v[i]));
+  return bits;
+}
+
+// The bf16 form's want: the f32 gradient from zero rounded once, onto dw0 unless overwrite; an
+// expert without rows keeps dw0's bits (zeros with overwrite).
+std::vector<uint16_t> rounded_dw(const std::vector<float>& sums, const std::vector<uint16_t>& dw0,
+                                 const std::vector<int32_t>& offsets, bool overwrite) {
+  const size_t experts = offsets.size() - 1, per_expert = sums.size() / experts;
+  std::vector<uint16_t> want(sums.size());
+  for (size_t i = 0; i < sums.size(); ++i) {
+    const size_t e = i / per_expert;
+    const bool empty = offsets[e] == offsets[e + 1];
+    want[i] = overwrite ? bf16_bits(sums[i])
+              : empty   ? dw0[i]
+                        : bf16_bits(bf16_value(dw0[i]) + sums[i]);
+  }
+  return want;
+}
+
+}  // namespace
+
+TEST_CASE("grouped backward ops with a bf16 dw: the f32 gradient rounded once per element") {
+  Ctx ctx = cpu_ctx();
+  const int64_t e = 4, r = 9, in = 6, out = 5;
+  const auto offsets = make<int32_t>({e + 1}, {0, 2, 2, 7, 9});  // expert 1 has no rows
+  const auto x = to_f32(random_buf({r, in}, 81)), w = to_f32(random_buf({e, out, in}, 82)),
+             w3 = to_f32(random_buf({e, out, in}, 83)), dy = to_f32(random_buf({r, out}, 84)),
+             dy3 = to_f32(random_buf({r, out}, 85));
+  // the f32 gradients from zero (and dx) the bf16 form rounds
+  Buf<float> dx({r, in}), sums({e, out, in}), sums3({e, out, in});
+  grouped_linear_backward(ctx, dx, sums, dy, x, w, offsets, true);
+  for (bool overwrite : {true, false}) {
+    INFO("overwrite " << overwrite);
+    const std::vector<uint16_t> dw0 = random_bf16(static_cast<size_t>(e * out * in), 86);
+    Bf16Buf dw({e, out, in}, dw0);
+    Buf<float> dx16({r, in});
+    grouped_linear_backward(ctx, dx16, dw, dy, x, w, offsets, overwrite);
+    CHECK(dw.v == rounded_dw(sums.v, dw0, offsets.v, overwrite));
+    CHECK(dx16.v == dx.v);
+  }
+  {  // the pair: each gradient rounded as its own grouped_linear_backward's
+    Buf<float> pdx({r, in}), pdx2({r, in});
+    grouped_linear_backward_pair(ctx, pdx, pdx2, sums, sums3, dy, dy3, x, w, w3, offsets, true);
+    const std::vector<uint16_t> dw0 = random_bf16(static_cast<size_t>(e * out * in), 87);
+    Bf16Buf dw1({e, out, in}, dw0), dw3({e, out, in}, dw0);
+    Buf<float> dx16({r, in}), dx2({r, in});
+    grouped_linear_backward_pair(ctx, dx16, dx2, dw1, dw3, dy, dy3, x, w, w3, offsets, false);
+    CHECK(dw1.v == rounded_dw(sums.v, dw0, offsets.v, false));
+    CHECK(dw3.v == rounded_dw(sums3.v, dw0, offsets.v, false));
+    CHECK(dx16.v == pdx.v);
+    // dw1 and dw3 of one dtype
+    CHECK_THROWS_WITH(
+        grouped_linear_backward_pair(ctx, dx16, dx2, dw1, sums3, dy, dy3, x, w, w3, offsets, false),
+        Catch::Contains("grouped_linear_backward_pair: dw3, dw1"));
+  }
+  {  // the down projection's backward (h = x, w2 = w): dw2 as grouped_linear_backward's
+    const auto gate = to_f32(random_buf({r, in}, 92)), up = to_f32(random_buf({r, in}, 93)),
+               row_w = to_f32(random_buf({r}, 94, 0.1, 1.0));
+    const std::vector<uint16_t> dw0 = random_bf16(static_cast<size_t>(e * out * in), 95);
+    Bf16Buf dw2({e, out, in}, dw0);
+    Buf<float> dgate({r, in}), dup({r, in}), drow({r});
+    grouped_swiglu_down_backward(ctx, dgate, dup, drow, dw2, dy, x, w, gate, up, row_w, offsets);
+    CHECK(dw2.v == rounded_dw(sums.v, dw0, offsets.v, false));
+  }
+  // bf16 beside f64 inputs (on the CPU, f32 only)
+  const auto x64 = random_buf({r, in}, 88), w64 = random_buf({e, out, in}, 89),
+             dy64 = random_buf({r, out}, 90);
+  Buf<double> dx64({r, in});
+  Bf16Buf dw({e, out, in}, random_bf16(static_cast<size_t>(e * out * in), 91));
+  CHECK_THROWS_WITH(grouped_linear_backward(ctx, dx64, dw, dy64, x64, w64, offsets),
+                    Catch::Contains("grouped_linear_backward: dw: dtype bf16 needs bf16 inputs"));
 }

@@ -149,6 +149,44 @@ TEST_CASE("adamw_step_split stores the master adamw_step stores, bit for bit") {
   }
 }
 
+TEST_CASE("adamw_step_split with a bf16 g updates as with that g widened to f32") {
+  // train.bf16_expert_grads: the experts' gradients arrive in bf16.
+  Ctx ctx = cpu_ctx();
+  const int64_t n = 1031;
+  Buf<float> g32 = to_f32(random_buf({n}, 71, -3, 3));
+  std::vector<uint16_t> gb(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    gb[i] = float_to_bf16(g32[i]);
+    g32[i] = bf16_to_float(gb[i]);  // the f32 g is the bf16 one, exactly
+  }
+  Tensor g16(gb.data(), DType::bf16, Device{}, {n});
+  Buf<float> m = to_f32(random_buf({n}, 72, -0.1, 0.1)), v = to_f32(random_buf({n}, 73, 1e-4, 0.1));
+  Buf<float> m16 = m, v16 = v;
+  const std::vector<float> p = to_f32(random_buf({n}, 74, -2, 2)).v;
+  SplitState s32(p), s16(p);
+  Buf<double> sq32({1}), sq16({1});
+  AdamWArgs a;
+  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
+  a.grad_sq_out = sq32;
+  adamw_step_split(ctx, s32.thi, s32.tlo, g32, m, v, a);
+  a.grad_sq_out = sq16;
+  adamw_step_split(ctx, s16.thi, s16.tlo, g16, m16, v16, a);
+  CHECK(s16.hi == s32.hi);
+  CHECK(s16.lo == s32.lo);
+  CHECK(m16.v == m.v);
+  CHECK(v16.v == v.v);
+  CHECK(s16.decoded() != p);  // the update ran
+  CHECK(sq16[0] == Approx(sq32[0]).epsilon(1e-12));
+  CHECK(sq16[0] > 0);
+  // Neither f16 nor a short g.
+  Tensor g_f16(gb.data(), DType::f16, Device{}, {n}),
+      g_short(gb.data(), DType::bf16, Device{}, {n - 1});
+  CHECK_THROWS_WITH(adamw_step_split(ctx, s16.thi, s16.tlo, g_f16, m16, v16, AdamWArgs{}),
+                    Catch::Contains("adamw_step_split: g must be f32 or bf16 [1031]"));
+  CHECK_THROWS_WITH(adamw_step_split(ctx, s16.thi, s16.tlo, g_short, m16, v16, AdamWArgs{}),
+                    Catch::Contains("got bf16 [1030]"));
+}
+
 TEST_CASE("adamw_step_split with a non-finite norm_sq leaves hi, lo, m and v unchanged") {
   Ctx ctx = cpu_ctx();
   const int64_t n = 64;

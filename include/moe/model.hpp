@@ -102,10 +102,12 @@ struct MemoryPlan {
   bool recompute_expert_rows = false;
   int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
   bool split_master = false;
+  bool bf16_expert_grads = false;
 };
 inline MemoryPlan memory_plan_of(const TrainConfig& t) {
-  return {t.recompute_layers, t.recompute_expert_inputs, t.recompute_expert_rows,
-          t.head_chunk_tokens, t.split_master};
+  return {t.recompute_layers,      t.recompute_expert_inputs,
+          t.recompute_expert_rows, t.head_chunk_tokens,
+          t.split_master,          t.bf16_expert_grads};
 }
 
 class Model {
@@ -134,6 +136,9 @@ class Model {
   // ties toward zero instead of to even (one fp32 pattern in 65536). params() is then not
   // available, and param(p) only for the parameters fp32 ops read (ParamInfo::fp32_reads: a
   // decoded copy that weights_changed refreshes).
+  // memory.bf16_expert_grads (a split master): the expert stacks' gradients (stack > 1) are bf16,
+  // the rest f32, in one buffer in layout order (grad_bytes()); grads() is then not available,
+  // grad_spans() gives the runs of one dtype and grad(p) each parameter's.
   // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.
@@ -205,7 +210,21 @@ class Model {
   DType compute_dtype() const { return compute_; }
   // Master weights (ZeRO-3: this rank's chunks); not with a split master (master_to_host).
   Tensor params() const;
+  // The flat gradient buffer; not with bf16 expert gradients (grad_spans).
   Tensor grads() const;
+  // A run of gradients of one dtype: elements [begin, begin + g.numel()) of the layout.
+  struct GradSpan {
+    size_t begin;
+    Tensor g;
+  };
+  // Elements [begin, end) of the layout's gradients as runs of one dtype each, in order: one run
+  // of grads() unless bf16 expert gradients split them (not ZeRO-3).
+  std::vector<GradSpan> grad_spans(size_t begin, size_t end) const;
+  std::vector<GradSpan> grad_spans() const { return grad_spans(0, table_.total); }
+  // Parameter p's gradient dtype: bf16 for an expert stack with bf16_expert_grads, else dtype().
+  DType grad_dtype(const ParamInfo& p) const;
+  size_t grad_bytes() const;  // of the unsharded gradient buffer
+  Device device() const { return dev_; }
   // The 16-bit compute copy of params() as one flat tensor of the compute dtype, laid out like
   // params(); empty when there is none to keep current from outside: an f32 / f64 model (the
   // master is the compute copy), a ZeRO-3 model (each unit is converted as it is gathered) or a
@@ -280,6 +299,10 @@ class Model {
   // Where each layer's parameters start in the flat buffer; [L] = the final norm's offset.
   std::vector<size_t> layer_offsets_;
   Buffer param_buf_, grad_buf_, work_buf_;  // work_buf_ only when compute_ != param_dtype_
+  // Where each parameter's gradient starts in grad_buf_ (bytes; by index in table_.params), and
+  // the buffer's size: in layout order, each in its grad_dtype.
+  std::vector<size_t> grad_at_;
+  size_t grad_total_bytes_ = 0;
   // Split master: the low halves (work_buf_ holds the high ones; no param_buf_) and the decoded
   // fp32 copy of the fp32_reads parameters, each at fp32_slot_[index in table_.params].
   Buffer low_buf_, fp32_copy_buf_;

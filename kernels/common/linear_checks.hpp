@@ -1,6 +1,7 @@
 // Argument checks of the linear ops, shared by the CPU (kernels/cpu/linear.cpp) and CUDA
 // (kernels/cuda/linear.cu) backends: shapes and dtypes only, nothing that reads tensor data or
-// depends on the device (the CPU op also checks the offsets' values; the CUDA op cannot read them).
+// depends on the device (the CPU op also checks the offsets' values; the CUDA op cannot read them)
+// but for the device type in check_grouped_weight_grad_dtype (the CPU's bf16 gradient reference).
 #pragma once
 #include <cstdint>
 #include <initializer_list>
@@ -132,7 +133,19 @@ inline GroupedDims check_grouped_swiglu_forward_gathered_args(const Tensor& gate
   return s;
 }
 
-// dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x).
+// A grouped op's weight gradient: acc_dtype(x), or bf16 beside bf16 x (the bf16 gradient form,
+// linear.hpp). The CPU backend, which computes in f32 / f64 only, also takes bf16 beside f32 x: its
+// reference of that form (the f32 sums rounded once per element).
+inline void check_grouped_weight_grad_dtype(const Tensor& dw, const Tensor& x, const char* what) {
+  if (dw.dtype != DType::bf16) return check_acc_dtype(dw, x, what);
+  const bool cpu_reference = x.device.type == DeviceType::cpu && x.dtype == DType::f32;
+  MOE_CHECK(x.dtype == DType::bf16 || cpu_reference,
+            std::string(what) + ": dtype bf16 needs bf16 inputs, got " + dtype_name(x.dtype) +
+                " (an f32 gradient for 16-bit or f32 inputs, f64 for f64)");
+}
+
+// dx: [R, in], dy: [R, out] of x's dtype (w's too), dw: [E, out, in] in acc_dtype(x) or bf16
+// (check_grouped_weight_grad_dtype).
 inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tensor& dx,
                                                const Tensor& dw, const Tensor& dy, const Tensor& x,
                                                const Tensor& w) {
@@ -142,11 +155,11 @@ inline void check_grouped_linear_backward_args(const GroupedDims& s, const Tenso
   check_same_dtype(dx, x, "grouped_linear_backward: dx, x");
   check_same_dtype(dy, x, "grouped_linear_backward: dy, x");
   check_same_dtype(w, x, "grouped_linear_backward: w, x");
-  check_acc_dtype(dw, x, "grouped_linear_backward: dw");
+  check_grouped_weight_grad_dtype(dw, x, "grouped_linear_backward: dw");
 }
 
-// grouped_linear_backward_pair: both halves as grouped_linear_backward's, w3 shaped as w1, dx2 as
-// dx and apart from it, or empty (the backend then throws where it needs it).
+// grouped_linear_backward_pair: both halves as grouped_linear_backward's, w3 shaped as w1, dw3
+// typed as dw1, dx2 as dx and apart from it, or empty (the backend then throws where it needs it).
 inline void check_grouped_linear_backward_pair_args(const GroupedDims& s, const Tensor& dx,
                                                     const Tensor& dx2, const Tensor& dw1,
                                                     const Tensor& dw3, const Tensor& dy1,
@@ -154,6 +167,7 @@ inline void check_grouped_linear_backward_pair_args(const GroupedDims& s, const 
                                                     const Tensor& w1, const Tensor& w3) {
   check_grouped_linear_backward_args(s, dx, dw1, dy1, x, w1);
   check_shape(w3, {s.experts, s.out, s.in}, "grouped_linear_backward_pair: w3 (as w1)");
+  check_same_dtype(dw3, dw1, "grouped_linear_backward_pair: dw3, dw1");
   if (dx2.empty()) {  // no workspace (grouped_linear_backward_pair_needs_dx2): dx's shape in its
                       // place
     check_grouped_linear_backward_args(s, dx, dw3, dy3, x, w3);
@@ -190,7 +204,8 @@ inline GroupedDims check_grouped_linear_backward_pair_gathered_args(
 }
 
 // s from linear_grouped_dims(h, w2, ...): dgate, dup, gate, up: [R, F] and dy: [R, out] of h's
-// dtype, dw2: [E, out, F] and row_w, drow_w: [R] in acc_dtype(h).
+// dtype, dw2: [E, out, F] in acc_dtype(h) or bf16 (check_grouped_weight_grad_dtype), row_w,
+// drow_w: [R] in acc_dtype(h).
 inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const Tensor& dgate,
                                                     const Tensor& dup, const Tensor& drow_w,
                                                     const Tensor& dw2, const Tensor& dy,
@@ -202,7 +217,7 @@ inline void check_grouped_swiglu_down_backward_args(const GroupedDims& s, const 
   check_shape(dw2, {s.experts, s.out, s.in}, "grouped_swiglu_down_backward: dw2");
   check_same_dtype(dy, h, "grouped_swiglu_down_backward: dy, h");
   check_same_dtype(w2, h, "grouped_swiglu_down_backward: w2, h");
-  check_acc_dtype(dw2, h, "grouped_swiglu_down_backward: dw2");
+  check_grouped_weight_grad_dtype(dw2, h, "grouped_swiglu_down_backward: dw2");
   const Tensor* feature_rows[] = {&dgate, &dup, &gate, &up};
   const char* names[] = {"dgate", "dup", "gate", "up"};
   for (int i = 0; i < 4; ++i) {

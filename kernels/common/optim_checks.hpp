@@ -71,13 +71,18 @@ inline void check_split_master_args(const Tensor& hi, const Tensor& lo,
                   t->device.str());
 }
 
-// adamw_step_split: the split operands, f32 g, m, v, and adamw_step's own checks on g, m, v.
+// adamw_step_split: the split operands, f32 m, v, an f32 or bf16 g of their size (bf16: the
+// experts' gradients under train.bf16_expert_grads) and adamw_step's own checks on m, v.
 inline void check_adamw_step_split_args(const Tensor& hi, const Tensor& lo, const Tensor& g,
                                         const Tensor& m, const Tensor& v, const AdamWArgs& a) {
-  check_split_master_args(hi, lo, {&g, &m, &v}, "adamw_step_split");
+  check_split_master_args(hi, lo, {&m, &v}, "adamw_step_split");
+  MOE_CHECK((g.dtype == DType::f32 || g.dtype == DType::bf16) && g.numel() == hi.numel() &&
+                g.device == hi.device,
+            "adamw_step_split: g must be f32 or bf16 " + hi.shape_str() + " on " + hi.device.str() +
+                ", got " + dtype_name(g.dtype) + " " + g.shape_str() + " on " + g.device.str());
   MOE_CHECK(a.compute_out.empty(),
             "adamw_step_split: compute_out must be empty (hi is the compute copy)");
-  check_adamw_step_args(g, g, m, v, a);
+  check_adamw_step_args(m, m, m, v, a);  // (g's dtype may differ from the moments': above)
 }
 
 }  // namespace moe

@@ -2,10 +2,13 @@
 // through BLAS gemm. OpenBLAS threads each call itself; its gemm splits the output among threads,
 // not the inner sums, so results should not depend on the thread count. The grouped variant runs
 // the experts' matmuls one after another over the row ranges given by offsets; an expert with no
-// rows is skipped, which is exactly "+= 0" for its weight gradient and writes no rows.
+// rows is skipped, which is exactly "+= 0" for its weight gradient and writes no rows. A bf16
+// weight gradient (beside f32 inputs: the reference of linear.hpp's bf16 form) is summed in an
+// fp32 temporary and rounded once per element.
 #include <algorithm>
 #include <string>
 
+#include "common/float16.hpp"
 #include "common/linear_checks.hpp"
 #include "common/optim_checks.hpp"
 #include "cpu/cpu_common.hpp"
@@ -39,6 +42,20 @@ Tensor permuted_copy(Ctx& ctx, Buffer& rows, const Tensor& src, const Tensor& ro
   const Tensor copy = rows.as(src.dtype, {r, width});
   cpu::permute_forward(ctx, copy, src, row_token);
   return copy;
+}
+
+// The bf16 gradient form's rounding (linear.hpp): dw[e] = bf16(sums[e]), or bf16(float(dw[e]) +
+// sums[e]) unless overwrite, where an expert without rows keeps its bits. dw: [E, per_expert]
+// bf16, sums: the fp32 gradient from zero.
+void round_into_bf16(Tensor dw, const float* sums, const int32_t* off, int64_t experts,
+                     int64_t per_expert, bool overwrite) {
+  uint16_t* d = static_cast<uint16_t*>(dw.data);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (!overwrite && off[e] == off[e + 1]) continue;
+    const int64_t begin = e * per_expert, end = begin + per_expert;
+    for (int64_t i = begin; i < end; ++i)
+      d[i] = float16::float_to_bf16(overwrite ? sums[i] : float16::bf16_to_float(d[i]) + sums[i]);
+  }
 }
 
 }  // namespace
@@ -146,6 +163,13 @@ void grouped_linear_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x
   const GroupedDims s = linear_grouped_dims(x, w, "grouped_linear_backward");
   check_grouped_linear_backward_args(s, dx, dw, dy, x, w);
   const int32_t* off = checked_offsets(offsets, s.experts, s.rows, "grouped_linear_backward");
+  if (dw.dtype == DType::bf16) {  // (beside f32 x) the fp32 sums from zero, then one rounding
+    Buffer sums(dw.device, static_cast<size_t>(dw.numel()) * sizeof(float));
+    const Tensor f32_dw = sums.as(DType::f32, {s.experts, s.out, s.in});
+    cpu::grouped_linear_backward(ctx, dx, f32_dw, dy, x, w, offsets, true);
+    round_into_bf16(dw, f32_dw.ptr<float>(), off, s.experts, s.out * s.in, dw_overwrite);
+    return;
+  }
   dispatch_float(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);
     for (int64_t e = 0; e < s.experts; ++e) {

@@ -24,8 +24,9 @@ __global__ void __launch_bounds__(kFinishThreads) finish_adam_rider_kernel(AdamR
 bool adam_rider_fits(const Tensor& hi, const Tensor& lo, const Tensor& g, const Tensor& m,
                      const Tensor& v, const AdamWArgs& a) {
   auto aligned8 = [](const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 8 == 0; };
-  return hi.numel() % 4 == 0 && a.grad_sq_out.empty() && aligned8(hi) && aligned8(lo) &&
-         aligned16({g.data, m.data, v.data});
+  // (the riders read an f32 g: a bf16 one, train.bf16_expert_grads, takes the separate update)
+  return g.dtype == DType::f32 && hi.numel() % 4 == 0 && a.grad_sq_out.empty() && aligned8(hi) &&
+         aligned8(lo) && aligned16({g.data, m.data, v.data});
 }
 
 AdamRider make_adam_rider(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,

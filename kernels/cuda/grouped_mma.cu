@@ -20,6 +20,7 @@
 // sm_90 the wgmma kernels of grouped_wgmma_sm90.cu before those.
 #include <mma.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -28,6 +29,7 @@
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
 #include "cuda/mma_common.cuh"
+#include "moe/memory.hpp"
 
 namespace moe::cuda_detail {
 namespace {
@@ -192,6 +194,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// round_grouped_dw_bf16: grid row e is expert e (a grid-stride loop over its elements).
+__global__ void round_dw_bf16_kernel(__nv_bfloat16* dw, const float* sums, const int32_t* offsets,
+                                     int64_t rows, int64_t per_expert, bool overwrite) {
+  const int e = static_cast<int>(blockIdx.y);
+  if (!overwrite && clamp_offset(offsets[e + 1], rows) <= clamp_offset(offsets[e], rows)) return;
+  __nv_bfloat16* d = dw + int64_t(e) * per_expert;
+  const float* s = sums + int64_t(e) * per_expert;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert; i += stride)
+    d[i] = __float2bfloat16_rn(overwrite ? s[i] : __bfloat162float(d[i]) + s[i]);
+}
+
 template <class T>
 void launch_rows(Ctx& ctx, void* c, const void* a, const void* w, const int32_t* offsets,
                  int experts, int64_t rows, int64_t n_total, int64_t k_total, int64_t expert_stride,
@@ -253,10 +267,29 @@ void grouped_mma_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
     throw InternalError(std::string("grouped_mma_rows: unsupported dtype ") + dtype_name(t));
 }
 
-void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+void round_grouped_dw_bf16(Ctx& ctx, void* dw, const float* sums, const int32_t* offsets,
+                           int experts, int64_t rows, int64_t per_expert, bool overwrite) {
+  if (experts == 0 || per_expert == 0) return;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(blocks_for(per_expert, 256), 64)),
+                  static_cast<unsigned>(experts));
+  round_dw_bf16_kernel<<<grid, 256, 0, stream_of(ctx)>>>(static_cast<__nv_bfloat16*>(dw), sums,
+                                                         offsets, rows, per_expert, overwrite);
+  MOE_CUDA_LAUNCH_CHECK();
+}
+
+void grouped_mma_dw(Ctx& ctx, DType t, void* dw_out, DType dw_t, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                     bool overwrite) {
-  if (grouped_sm90_dw(ctx, t, dw, dy, x, offsets, experts, rows, out, in, overwrite)) return;
+  if (grouped_sm90_dw(ctx, t, dw_out, dw_t, dy, x, offsets, experts, rows, out, in, overwrite))
+    return;
+  if (dw_t == DType::bf16) {  // the fp32 sums apart, then rounded (the fast path is sm_90's)
+    Buffer sums(ctx.device, std::max<size_t>(16, size_t(experts) * out * in * sizeof(float)));
+    float* s = static_cast<float*>(sums.data());
+    grouped_mma_dw(ctx, t, s, DType::f32, dy, x, offsets, experts, rows, out, in, true);
+    round_grouped_dw_bf16(ctx, dw_out, s, offsets, experts, rows, out * in, overwrite);
+    return;
+  }
+  float* dw = static_cast<float*>(dw_out);
   if (overwrite)  // the other kernels add: onto zeros
     MOE_CUDA_CHECK(
         cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));

@@ -64,17 +64,20 @@ struct DwGather {
   int64_t tokens = 0;
   bool dy = false, x = false;  // which of the dw product's operands is gathered (one at most)
 };
-// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=.
-bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+// overwrite: dw[e] = dy_e^T x_e (an expert without rows: zeros) instead of +=. dw of dtype dw_t:
+// f32, or bf16 beside bf16 t (linear.hpp's bf16 gradient form: each of a tile's chunks loads, adds
+// in fp32 and rounds); other combinations decline.
+bool grouped_sm90_dw(Ctx& ctx, DType t, void* dw, DType dw_t, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                      bool overwrite, DwGather gather = {});
-// dw[e] (+)= dy_e^T x_e and dw2[e] (+)= dy2_e^T x_e in one launch (overwrite as
+// dw[e] (+)= dy_e^T x_e and dw2[e] (+)= dy2_e^T x_e in one launch (overwrite and dw_t as
 // grouped_sm90_dw's): dy2 shaped as dy, dw2 as dw; x may be gathered (gather.x), dy not. False,
 // launching nothing, where grouped_sm90_dw would decline, or with no rows or experts (the
 // caller's two calls handle those).
-bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
-                          const void* x, const int32_t* offsets, int experts, int64_t rows,
-                          int64_t out, int64_t in, bool overwrite, DwGather gather = {});
+bool grouped_sm90_dw_pair(Ctx& ctx, DType t, void* dw, void* dw2, DType dw_t, const void* dy,
+                          const void* dy2, const void* x, const int32_t* offsets, int experts,
+                          int64_t rows, int64_t out, int64_t in, bool overwrite,
+                          DwGather gather = {});
 
 // The SwiGLU-fused forward on sm_90 (grouped_wgmma_sm90.cu): gate = x w1_e^T, up = x w3_e^T and
 // h = row_w * silu(gate) * up of the rounded gate and up, all [rows, features]; w1, w3: [E,
@@ -86,11 +89,20 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
                          int experts, int64_t rows, int64_t features, int64_t in,
                          const int32_t* row_token = nullptr, int64_t tokens = 0);
 
-// dw[e] += dy_e^T x_e in fp32: dw [E, out, in] float, dy [rows, out], x [rows, in] of dtype t.
-// An expert without rows leaves dw[e] untouched. overwrite: dw[e] = dy_e^T x_e (zeros for an
-// expert without rows); the sm_90 kernel stores instead of adding, the others run on a zeroed dw.
-void grouped_mma_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+// dw[e] += dy_e^T x_e in fp32: dw [E, out, in] of dtype dw_t, dy [rows, out], x [rows, in] of
+// dtype t. An expert without rows leaves dw[e] untouched. overwrite: dw[e] = dy_e^T x_e (zeros
+// for an expert without rows); the sm_90 kernel stores instead of adding, the others run on a
+// zeroed dw. dw_t: f32, or bf16 beside bf16 t (linear.hpp's bf16 gradient form): natively on
+// sm_90, elsewhere the fp32 gradient into a temporary (allocated per call), then
+// round_grouped_dw_bf16.
+void grouped_mma_dw(Ctx& ctx, DType t, void* dw, DType dw_t, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                     bool overwrite = false);
+
+// The bf16 gradient form behind the kernels that only sum into fp32: dw [E, per_expert] bf16 =
+// bf16(sums), or bf16(float(dw) + sums) without overwrite, where an expert without rows keeps its
+// bits; sums: the fp32 gradient from zero (zeros for an expert without rows).
+void round_grouped_dw_bf16(Ctx& ctx, void* dw, const float* sums, const int32_t* offsets,
+                           int experts, int64_t rows, int64_t per_expert, bool overwrite);
 
 }  // namespace moe::cuda_detail

@@ -3,6 +3,8 @@
 // grouped_wgmma_sm90.cu alone.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/grouped_sm90_parts.cuh"
 
 namespace moe::cuda_detail::grouped_sm90 {
@@ -19,9 +21,11 @@ namespace moe::cuda_detail::grouped_sm90 {
 // Determinism: the chunks of one tile add to dw in chunk order. Chunk c waits until the tile's
 // flag (dw_flags, one per (expert, tile), 0 between launches) reads c, adds, then publishes c + 1
 // (the last chunk puts 0 back). Each element still gets one reduction per chunk from one thread,
-// so the bits depend only on the offsets and the shapes. No deadlock: a unit only waits on a unit
-// of lower index, and the lowest-index unfinished unit is always running once its block is on an
-// SM (that block has finished every earlier unit of its own). Units are assigned to blocks
+// so the bits depend only on the offsets and the shapes. A bf16 dw (linear.hpp's bf16 gradient
+// form) is loaded, added in fp32 and rounded by each chunk in turn: a split tile is rounded once
+// per chunk, in the same fixed order. No deadlock: a unit only waits on a unit of lower index,
+// and the lowest-index unfinished unit is always running once its block is on an SM (that block
+// has finished every earlier unit of its own). Units are assigned to blocks
 // statically, so a block kept off the SMs by another stream's kernels (NCCL's during an
 // overlapped backward) delays the chunks that wait on its units until those kernels end; with SMs
 // withheld for good (MPS limits) it would not end. Claiming units in index order by an atomic
@@ -101,6 +105,94 @@ struct DwUnits {
   }
 };
 
+// fp32 dw: one thread's pair of a tile's sums, dw elements p[0] and p[1], stored (the tile's
+// first chunk under overwrite) or added by a reduction in L2 that does not wait for the load
+// (subnormal f32 sums flush to zero).
+__device__ __forceinline__ void dw_put_pair(float* p, float v0, float v1, bool store) {
+  if (store)
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(v0), "f"(v1) : "memory");
+  else
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(v0), "f"(v1) : "memory");
+}
+
+// bf16 dw (linear.hpp's bf16 gradient form): a pair is 4 bytes, rounded once to nearest even.
+__device__ __forceinline__ void dw_store_bf16_pair(__nv_bfloat16* p, float v0, float v1) {
+  const __nv_bfloat162 r = __floats2bfloat162_rn(v0, v1);
+  asm volatile("st.global.b32 [%0], %1;\n" ::"l"(p), "r"(*reinterpret_cast<const uint32_t*>(&r))
+               : "memory");
+}
+// A bf16 tile's stores, whole 32-byte sectors: a thread's 4-byte pairs left 16 bytes of a row per
+// warp instruction (half of each of 8 sectors, as the fp32 pairs' 8 bytes filled them), and were
+// measured slower than the fp32 stores they replace (moe-fine's dw products +5%). Two lanes
+// (t % 4 = 2q, 2q + 1) swap one pair: for column groups j and j + 1 (8 columns each) of a row,
+// the even lane stores its group-j pair and its neighbour's (columns 8j + 4q .. + 3), the odd lane
+// both group-(j + 1) pairs (8j + 8 + 4q ..): 8 bytes each, and the quad covers 16 columns. Relies
+// on for_each_math_pair's order: pair k at column group k / 2, row + 8 (k % 2), per call.
+template <class Pairs>
+__device__ __forceinline__ void dw_store_bf16_pairs(__nv_bfloat16* dw_e, int64_t m0, int64_t n0,
+                                                    int64_t out, int64_t in, Pairs&& pairs) {
+  const bool odd_lane = (threadIdx.x & 1) != 0;  // t % 4 odd
+  uint32_t held[2];                              // group j's pairs (rows row, row + 8)
+  int k = 0;                                     // a constant at each call once unrolled
+  pairs([&](int row, int col, float v0, float v1) {
+    const int h = k & 1;
+    const bool second = (k >> 1) & 1;  // group j + 1: col = 8 (j + 1) + 2 (t % 4)
+    ++k;
+    const __nv_bfloat162 r = __floats2bfloat162_rn(v0, v1);
+    const uint32_t mine = *reinterpret_cast<const uint32_t*>(&r);
+    if (!second) {
+      held[h] = mine;
+      return;
+    }
+    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd_lane ? held[h] : mine, 1);
+    const int64_t o = m0 + row, i = n0 + col - (odd_lane ? 2 : 8);
+    // (in % 8 == 0: the four columns lie in the row or past it together)
+    if (o < out && i < in)
+      asm volatile("st.global.v2.b32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i),
+                   "r"(odd_lane ? got : held[h]), "r"(odd_lane ? mine : got)
+                   : "memory");
+  });
+}
+
+// The pair a later chunk (or a launch without overwrite) adds to, from L2: ld.relaxed.gpu, since
+// the tile's earlier chunk was written by another SM (ordered before this load by the flag's
+// release / acquire and the barrier behind it).
+__device__ __forceinline__ uint32_t dw_load_bf16_pair(const __nv_bfloat16* p) {
+  uint32_t old;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(old) : "l"(p) : "memory");
+  return old;
+}
+
+// A bf16 tile's additions: each pair loaded, added in fp32 and rounded (a split tile so rounds
+// once per chunk, in chunk order). Batches of kPairBatch pairs are loaded before any of them is
+// stored, so their L2 round trips overlap (one at a time, each store waits for its own load).
+// pairs(f) hands the thread's pairs to f(row, col, v0, v1) in a fixed order, at most kMaxPairs
+// of them, fully unrolled: the pair's index j is a constant there and old[] stays in registers.
+constexpr int kPairBatch = 8;
+template <int kMaxPairs, class Pairs>
+__device__ __forceinline__ void dw_add_bf16_pairs(__nv_bfloat16* dw_e, int64_t m0, int64_t n0,
+                                                  int64_t out, int64_t in, Pairs&& pairs) {
+#pragma unroll
+  for (int b = 0; b < (kMaxPairs + kPairBatch - 1) / kPairBatch; ++b) {
+    uint32_t old[kPairBatch];
+    int j = 0;
+    pairs([&](int row, int col, float, float) {
+      const int k = j++ - b * kPairBatch;
+      const int64_t o = m0 + row, i = n0 + col;
+      if (k >= 0 && k < kPairBatch && o < out && i < in)
+        old[k] = dw_load_bf16_pair(dw_e + o * in + i);
+    });
+    j = 0;
+    pairs([&](int row, int col, float v0, float v1) {
+      const int k = j++ - b * kPairBatch;
+      const int64_t o = m0 + row, i = n0 + col;
+      if (k >= 0 && k < kPairBatch && o < out && i < in)
+        dw_store_bf16_pair(dw_e + o * in + i, v0 + __uint_as_float(old[k] << 16),
+                           v1 + __uint_as_float(old[k] & 0xffff0000u));  // (p[0]: the low half)
+    });
+  }
+}
+
 // Unit w's reductions into dw[w.e] ([out, in] each) at its tile, chunk w.c of w.chunks, by math
 // warpgroup g: after the tile's earlier chunks (its flag, dw_flags[w.e * tiles + w.tile], reads
 // w.c; formed only when the tile is split, where E x tiles fits the flags: launch_dw; the
@@ -109,14 +201,14 @@ struct DwUnits {
 // tile is one warpgroup's) or both warpgroups' (barrier 3). pairs(add) hands this thread's
 // accumulator pairs to add(row, col, v0, v1) (for_each_math_pair). overwrite: the tile's first
 // chunk stores (dw is neither zeroed before nor read), the later ones add behind it in chunk
-// order as always.
-template <class C, class Pairs>
+// order as always. O: dw's type, float or __nv_bfloat16 (dw_put_pair, dw_add_bf16_pairs).
+template <class C, class O, class Pairs>
 __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, int g, bool alone,
-                                               float* dw, int64_t out, int64_t in, bool overwrite,
+                                               O* dw, int64_t out, int64_t in, bool overwrite,
                                                Pairs&& pairs) {
   const int c = w.c, chunks = w.chunks;
   int* flag = chunks > 1 ? &dw_flags[int64_t(w.e) * tiles + w.tile] : nullptr;
-  float* dw_e = dw + int64_t(w.e) * out * in;
+  O* dw_e = dw + int64_t(w.e) * out * in;
   const int64_t m0 = w.m0, n0 = w.n0;
   const bool store = overwrite && c == 0;
   if (c > 0) {  // the tile's earlier chunks first
@@ -130,20 +222,17 @@ __device__ __forceinline__ void dw_tile_reduce(const DwUnit& w, int64_t tiles, i
     }
     named_barrier_sync(1 + g, 128);
   }
-  pairs([&](int row, int col, float v0, float v1) {
-    const int64_t o = m0 + row, i = n0 + col;
-    // in % 8 == 0: i + 1 < in too; 8-byte aligned. One thread adds to each element per
-    // chunk: a load, add and store in L2 without waiting for the load (subnormal f32 sums
-    // flush to zero).
-    if (o >= out || i >= in) return;
-    if (store)
-      asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0), "f"(v1)
-                   : "memory");
-    else
-      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dw_e + o * in + i), "f"(v0),
-                   "f"(v1)
-                   : "memory");
-  });
+  // (one thread writes each pair per chunk; in % 8 == 0: a pair at col < in lies in the row)
+  if constexpr (std::is_same_v<O, float>) {
+    pairs([&](int row, int col, float v0, float v1) {
+      const int64_t o = m0 + row, i = n0 + col;
+      if (o < out && i < in) dw_put_pair(dw_e + o * in + i, v0, v1, store);
+    });
+  } else if (store) {
+    dw_store_bf16_pairs(dw_e, m0, n0, out, in, pairs);
+  } else {
+    dw_add_bf16_pairs<C::kAcc>(dw_e, m0, n0, out, in, pairs);
+  }
   if (chunks > 1) {  // publish: every thread's reductions, then the flag
     __threadfence();
     if (alone)
@@ -178,13 +267,14 @@ __device__ __forceinline__ void zero_k_tail(uint32_t stage, int first, int block
 // that operand's map unused): the producer warpgroup's 128 threads copy them by cp.async
 // (gather_k_rows), the other operand still by TMA.
 // kSched: pingpong (C = PingPong): a unit's 128 x kBN tile on one math warpgroup, its reductions
-// under the other's main loop (pingpong_wait_turn); no multicast form.
+// under the other's main loop (pingpong_wait_turn); no multicast form. O: dw's type, float or
+// (T = __nv_bfloat16) __nv_bfloat16 (dw_put_pair).
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
-          Sched kSched = Sched::cooperative>
+          Sched kSched = Sched::cooperative, class O = float>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     grouped_tma_dw_kernel(const __grid_constant__ CUtensorMap map_dy,
                           const __grid_constant__ CUtensorMap map_x,
-                          const __grid_constant__ CUtensorMap map_dy2, float* dw, float* dw2,
+                          const __grid_constant__ CUtensorMap map_dy2, O* dw, O* dw2,
                           const int32_t* offsets, int experts, int64_t rows, int64_t out,
                           int64_t in, int64_t chunk, bool overwrite, const T* dy_src,
                           const T* x_src, const int32_t* row_token, int64_t tokens) {

@@ -218,26 +218,27 @@ void launch_rows(Ctx& ctx, DType t, RowsOut out, RowsIn in, const void* w, const
 
 // overwrite: the experts without rows get zeros here (the dw kernel has no units for them).
 // Grid row e checks expert e's count; an empty expert's blocks clear dw[e] (a grid-stride loop;
-// few experts are empty, and the others' blocks return at once).
-__global__ void zero_empty_experts_kernel(float* dw, const int32_t* offsets, int64_t rows,
+// few experts are empty, and the others' blocks return at once). O: dw's type.
+template <class O>
+__global__ void zero_empty_experts_kernel(O* dw, const int32_t* offsets, int64_t rows,
                                           int64_t per_expert) {
   const int e = static_cast<int>(blockIdx.y);
   if (clamp_offset(offsets[e + 1], rows) > clamp_offset(offsets[e], rows)) return;
-  float* d = dw + int64_t(e) * per_expert;
+  O* d = dw + int64_t(e) * per_expert;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < per_expert; i += stride)
-    d[i] = 0.0f;
+    d[i] = store<O>(0.0f);
 }
 
 // kGatherDy / kGatherX: dy / x is [g.tokens, out / in] and k-row r of the product reads its row
 // g.row_token[r]. A pair (dw2 and dy2; dy not gathered): dw2[e] (+)= dy2_e^T x_e in the same
-// launch.
+// launch. O: dw's (and dw2's) type, float or __nv_bfloat16 (with_dw_type).
 template <class C, class T, bool kGatherDy = false, bool kGatherX = false,
-          Sched kSched = Sched::cooperative>
-void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, const int32_t* offsets,
+          Sched kSched = Sched::cooperative, class O = float>
+void launch_dw(Ctx& ctx, DType t, O* dw, const void* dy, const void* x, const int32_t* offsets,
                int experts, int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g = {},
-               float* dw2 = nullptr, const void* dy2 = nullptr) {
-  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kSched>;
+               O* dw2 = nullptr, const void* dy2 = nullptr) {
+  auto kernel = grouped_tma_dw_kernel<C, T, kGatherDy, kGatherX, kSched, O>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmemBytes); });
   const uint32_t box[2] = {64, kBK};
@@ -261,10 +262,10 @@ void launch_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x, cons
   if (overwrite) {
     const dim3 zgrid(static_cast<unsigned>(std::min<int64_t>(blocks_for(out * in, 256), 64)),
                      static_cast<unsigned>(experts));
-    zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
+    zero_empty_experts_kernel<O><<<zgrid, 256, 0, stream_of(ctx)>>>(dw, offsets, rows, out * in);
     MOE_CUDA_LAUNCH_CHECK();
     if (dw2 != nullptr) {
-      zero_empty_experts_kernel<<<zgrid, 256, 0, stream_of(ctx)>>>(dw2, offsets, rows, out * in);
+      zero_empty_experts_kernel<O><<<zgrid, 256, 0, stream_of(ctx)>>>(dw2, offsets, rows, out * in);
       MOE_CUDA_LAUNCH_CHECK();
     }
   }
@@ -432,33 +433,49 @@ bool grouped_sm90_rows(Ctx& ctx, DType t, void* c, const void* a, const void* w,
 }
 
 // The dw kernel's operand conditions: dy's and x's rows 16-byte aligned, out and in multiples of
-// 8, dw 8-byte aligned (float2 adds), the experts' unit table in shared memory.
-static bool dw_operands_fit(const float* dw, const void* dy, const void* x, int64_t out, int64_t in,
-                            int experts) {
+// 8, dw 8-byte aligned (float2 adds; bf16: dw_store_bf16_pairs' 4 columns), the experts' unit table
+// in shared memory; a bf16 dw beside bf16 inputs only (linear.hpp).
+static bool dw_operands_fit(DType t, const void* dw, DType dw_t, const void* dy, const void* x,
+                            int64_t out, int64_t in, int experts) {
+  const bool bf16_dw = dw_t == DType::bf16;
+  if (bf16_dw ? t != DType::bf16 : dw_t != DType::f32) return false;
   return aligned16_rows(dy, out) && aligned16_rows(x, in) && out % 8 == 0 && in % 8 == 0 &&
          reinterpret_cast<uintptr_t>(dw) % 8 == 0 && experts <= kSharedOffsets;
 }
 
-bool grouped_sm90_dw_pair(Ctx& ctx, DType t, float* dw, float* dw2, const void* dy, const void* dy2,
-                          const void* x, const int32_t* offsets, int experts, int64_t rows,
-                          int64_t out, int64_t in, bool overwrite, DwGather g) {
+// Calls fn(O{}) with O the dw kernel's output type: __nv_bfloat16 for a bf16 dw beside T =
+// __nv_bfloat16 (dw_operands_fit's condition), else float. (No f16 x bf16 kernels are built.)
+template <class T, class Fn>
+void with_dw_type(DType dw_t, Fn&& fn) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (dw_t == DType::bf16) return fn(__nv_bfloat16{});
+  }
+  fn(float{});
+}
+
+bool grouped_sm90_dw_pair(Ctx& ctx, DType t, void* dw, void* dw2, DType dw_t, const void* dy,
+                          const void* dy2, const void* x, const int32_t* offsets, int experts,
+                          int64_t rows, int64_t out, int64_t in, bool overwrite, DwGather g) {
   const Mode m = mode();
   // grouped_sm90_dw's operand conditions for each gradient; dy not gathered (the pair switches
   // its tensor map); no rows or experts: the caller's two calls
   if (m == Mode::off || !sm90_available(t, m) || g.dy ||
-      !dw_operands_fit(dw, dy, x, out, in, experts) ||
-      !dw_operands_fit(dw2, dy2, x, out, in, experts) || rows == 0 || experts == 0)
+      !dw_operands_fit(t, dw, dw_t, dy, x, out, in, experts) ||
+      !dw_operands_fit(t, dw2, dw_t, dy2, x, out, in, experts) || rows == 0 || experts == 0)
     return false;
   with_config<true>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
     constexpr Sched kS = decltype(sched)::value;
-    if (g.x)
-      launch_dw<C, T, false, true, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                       overwrite, g, dw2, dy2);
-    else
-      launch_dw<C, T, false, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                        overwrite, {}, dw2, dy2);
+    with_dw_type<T>(dw_t, [&](auto out_zero) {
+      using O = decltype(out_zero);
+      if (g.x)
+        launch_dw<C, T, false, true, kS>(ctx, t, static_cast<O*>(dw), dy, x, offsets, experts, rows,
+                                         out, in, overwrite, g, static_cast<O*>(dw2), dy2);
+      else
+        launch_dw<C, T, false, false, kS>(ctx, t, static_cast<O*>(dw), dy, x, offsets, experts,
+                                          rows, out, in, overwrite, {}, static_cast<O*>(dw2), dy2);
+    });
   });
   return true;
 }
@@ -525,34 +542,38 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   return true;
 }
 
-bool grouped_sm90_dw(Ctx& ctx, DType t, float* dw, const void* dy, const void* x,
+bool grouped_sm90_dw(Ctx& ctx, DType t, void* dw, DType dw_t, const void* dy, const void* x,
                      const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                      bool overwrite, DwGather g) {
   const Mode m = mode();
   // More experts than the unit table holds (kSharedOffsets): the sm_80 kernels. Both operands
   // gathered (no caller: the producer threads spilled there) declines too.
   if (m == Mode::off || !sm90_available(t, m) || (g.dy && g.x) ||
-      !dw_operands_fit(dw, dy, x, out, in, experts))
+      !dw_operands_fit(t, dw, dw_t, dy, x, out, in, experts))
     return false;
-  if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0)
+  if (rows == 0 || experts == 0) {  // every dw[e] += 0 (or = 0: zero bits in f32 and bf16)
     if (overwrite)
       MOE_CUDA_CHECK(
-          cudaMemsetAsync(dw, 0, size_t(experts) * out * in * sizeof(float), stream_of(ctx)));
+          cudaMemsetAsync(dw, 0, size_t(experts) * out * in * dtype_size(dw_t), stream_of(ctx)));
     return true;
   }
   with_config<true>(t, m, [&](auto cfg, auto zero, auto sched) {
     using C = decltype(cfg);
     using T = decltype(zero);
     constexpr Sched kS = decltype(sched)::value;
-    if (g.dy)
-      launch_dw<C, T, true, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                       overwrite, g);
-    else if (g.x)
-      launch_dw<C, T, false, true, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                       overwrite, g);
-    else
-      launch_dw<C, T, false, false, kS>(ctx, t, dw, dy, x, offsets, experts, rows, out, in,
-                                        overwrite);
+    with_dw_type<T>(dw_t, [&](auto out_zero) {
+      using O = decltype(out_zero);
+      O* const d = static_cast<O*>(dw);
+      if (g.dy)
+        launch_dw<C, T, true, false, kS>(ctx, t, d, dy, x, offsets, experts, rows, out, in,
+                                         overwrite, g);
+      else if (g.x)
+        launch_dw<C, T, false, true, kS>(ctx, t, d, dy, x, offsets, experts, rows, out, in,
+                                         overwrite, g);
+      else
+        launch_dw<C, T, false, false, kS>(ctx, t, d, dy, x, offsets, experts, rows, out, in,
+                                          overwrite);
+    });
   });
   return true;
 }

@@ -27,13 +27,16 @@
 // - dw[e] += dy_e^T x_e: grid (in tiles, out tiles, E); a block loops over expert e's rows in
 //   K-steps of 16. An expert with no rows returns before touching dw[e] (+= 0, bitwise unchanged).
 //   dw is acc_t<T> (fp32 for 16-bit x): the tile's fp32 sums are added to it without a 16-bit
-//   rounding.
+//   rounding. A bf16 dw (beside bf16 x: linear.hpp's bf16 gradient form) is native to the sm_90
+//   dw kernel only; every other path sums into an fp32 temporary from zero (allocated per call)
+//   and rounds it into dw once per element (round_grouped_dw_bf16).
 // Offsets are clamped to [0, R] on the device, so malformed offsets (a caller bug; the CPU op
 // checks them) can leave rows unwritten but never read or write out of bounds.
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "common/linear_checks.hpp"
 #include "common/optim_checks.hpp"
@@ -395,6 +398,31 @@ void grouped_linear_forward_adamw_cuda(Ctx& ctx, Tensor y, Tensor x, Tensor w, T
   adamw_step_split(ctx, hi, lo, g, m, v, a);
 }
 
+// dw[e] += dy_e^T x_e by the SIMT kernel (dw already zeroed for dw_overwrite); a bf16 dw through
+// the fp32 sums from zero, then rounded (dw_overwrite: without dw's own value).
+template <class T>
+void launch_grouped_dw(Ctx& ctx, Tensor dw, const Tensor& dy, const Tensor& x,
+                       const Tensor& offsets, const GroupedDims& s, bool dw_overwrite) {
+  const dim3 grid(blocks_for(s.in, kTile), blocks_for(s.out, kTile),
+                  static_cast<unsigned>(s.experts));
+  const int32_t* off = data_of<int32_t>(offsets);
+  if (dw.dtype != DType::bf16) {
+    grouped_dw_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(
+        data_of<acc_t<T>>(dw), data_of<T>(dy), data_of<T>(x), off, s.rows, s.out, s.in);
+    MOE_CUDA_LAUNCH_CHECK();
+    return;
+  }
+  if constexpr (std::is_same_v<acc_t<T>, float>) {
+    Buffer sums(ctx.device, size_t(dw.numel()) * sizeof(float));  // zeroed
+    float* f = static_cast<float*>(sums.data());
+    grouped_dw_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(f, data_of<T>(dy), data_of<T>(x),
+                                                                off, s.rows, s.out, s.in);
+    MOE_CUDA_LAUNCH_CHECK();
+    round_grouped_dw_bf16(ctx, dw.data, f, off, static_cast<int>(s.experts), s.rows, s.out * s.in,
+                          dw_overwrite);
+  }
+}
+
 // dx: [R, in] (overwritten), dw: [E, out, in] (+=, or = with dw_overwrite), dy: [R, out]
 void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w,
                                   Tensor offsets, bool dw_overwrite) {
@@ -404,16 +432,17 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
     if (dw_overwrite) cuda::fill(ctx, dw, 0.0);
     return;
   }
-  if (grouped_mma_available(x.dtype)) {  // tensor cores (f16 / bf16); dw is fp32 (acc dtype)
+  if (grouped_mma_available(x.dtype)) {  // tensor cores (f16 / bf16); dw is fp32 or bf16
     const int32_t* off = data_of<int32_t>(offsets);
     grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
                      s.rows, s.in, s.out, s.out * s.in, false);
     if (s.out > 0)
-      grouped_mma_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
+      grouped_mma_dw(ctx, x.dtype, dw.data, dw.dtype, dy.data, x.data, off,
                      static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite);
     return;
   }
-  if (dw_overwrite) cuda::fill(ctx, dw, 0.0);  // then += as below
+  // then += as below (a bf16 dw: launch_grouped_dw's rounding overwrites)
+  if (dw_overwrite && dw.dtype != DType::bf16) cuda::fill(ctx, dw, 0.0);
   dispatch_storage(x.dtype, "grouped_linear_backward", [&](auto zero) {
     using T = decltype(zero);
     // dx = dy w[e] per expert row tile (k = out; out = 0 gives zeros).
@@ -424,13 +453,7 @@ void grouped_linear_backward_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tensor dy, Ten
         static_cast<int>(s.experts), s.rows, s.in, s.out, s.out * s.in);
     MOE_CUDA_LAUNCH_CHECK();
     if (s.out == 0) return;
-    // dw[e] += dy_e^T x_e
-    const dim3 dw_grid(blocks_for(s.in, kTile), blocks_for(s.out, kTile),
-                       static_cast<unsigned>(s.experts));
-    grouped_dw_kernel<T><<<dw_grid, kThreads, 0, stream_of(ctx)>>>(
-        data_of<acc_t<T>>(dw), data_of<T>(dy), data_of<T>(x), data_of<int32_t>(offsets), s.rows,
-        s.out, s.in);
-    MOE_CUDA_LAUNCH_CHECK();
+    launch_grouped_dw<T>(ctx, dw, dy, x, offsets, s, dw_overwrite);
   });
 }
 
@@ -499,7 +522,7 @@ void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tenso
   const int32_t* off = data_of<int32_t>(offsets);
   if (s.rows > 0 && s.experts > 0 && s.in > 0 && s.out > 0 && x.size(0) > 0 &&
       grouped_mma_available(x.dtype) &&
-      grouped_sm90_dw(ctx, x.dtype, data_of<float>(dw), dy.data, x.data, off,
+      grouped_sm90_dw(ctx, x.dtype, dw.data, dw.dtype, dy.data, x.data, off,
                       static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite,
                       {data_of<int32_t>(row_token), x.size(0), false, true})) {
     grouped_mma_rows(ctx, x.dtype, dx.data, dy.data, w.data, off, static_cast<int>(s.experts),
@@ -549,15 +572,14 @@ bool pair_one_product(Ctx& ctx, const GroupedDims& s, Tensor dx, Tensor dw1, Ten
     return false;
   const DwGather g =
       gather ? DwGather{data_of<int32_t>(row_token), x.size(0), false, true} : DwGather{};
-  if (grouped_sm90_dw_pair(ctx, x.dtype, data_of<float>(dw1), data_of<float>(dw3), dy1.data,
-                           dy3.data, x.data, off, static_cast<int>(s.experts), s.rows, s.out, s.in,
-                           dw_overwrite, g))
+  if (grouped_sm90_dw_pair(ctx, x.dtype, dw1.data, dw3.data, dw1.dtype, dy1.data, dy3.data, x.data,
+                           off, static_cast<int>(s.experts), s.rows, s.out, s.in, dw_overwrite, g))
     return true;
   Buffer rows;
   const void* xr = gather ? permuted_copy(ctx, rows, x, row_token).data : x.data;
-  grouped_mma_dw(ctx, x.dtype, data_of<float>(dw1), dy1.data, xr, off, static_cast<int>(s.experts),
+  grouped_mma_dw(ctx, x.dtype, dw1.data, dw1.dtype, dy1.data, xr, off, static_cast<int>(s.experts),
                  s.rows, s.out, s.in, dw_overwrite);
-  grouped_mma_dw(ctx, x.dtype, data_of<float>(dw3), dy3.data, xr, off, static_cast<int>(s.experts),
+  grouped_mma_dw(ctx, x.dtype, dw3.data, dw3.dtype, dy3.data, xr, off, static_cast<int>(s.experts),
                  s.rows, s.out, s.in, dw_overwrite);
   return true;
 }
@@ -636,7 +658,7 @@ void grouped_swiglu_down_backward_gathered_cuda(Ctx& ctx, Tensor dgate, Tensor d
   const int64_t n = dy.size(0), d = s.out, f = s.in;
   Buffer rows;
   if (!(s.rows > 0 && s.experts > 0 && f > 0 && d > 0 && n > 0 && grouped_mma_available(h.dtype) &&
-        grouped_sm90_dw(ctx, h.dtype, data_of<float>(dw2), dy.data, h.data, off, experts, s.rows, d,
+        grouped_sm90_dw(ctx, h.dtype, dw2.data, dw2.dtype, dy.data, h.data, off, experts, s.rows, d,
                         f, dw_overwrite, {tok, n, true, false}))) {
     grouped_swiglu_down_backward_cuda(ctx, dgate, dup, drow_w, dw2,
                                       permuted_copy(ctx, rows, dy, row_token), h, w2, gate, up,

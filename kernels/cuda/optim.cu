@@ -227,10 +227,28 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
   });
 }
 
-template <bool kNorm>
+// The gradient of the split update: f32, or bf16 for the experts' stacks under
+// train.bf16_expert_grads (2 of the 28 bytes an element moves). GradQuad<G>: four of them in
+// one load (16 bytes f32, 8 bf16), widened by as_float4.
+template <class G>
+struct GradQuad {
+  using type = Quad<G>;
+};
+template <>
+struct GradQuad<float> {
+  using type = float4;
+};
+__device__ __forceinline__ float4 as_float4(const float4& q) {
+  return q;
+}
+__device__ __forceinline__ float4 as_float4(const Quad<__nv_bfloat16>& q) {
+  return make_float4(load(q.x[0]), load(q.x[1]), load(q.x[2]), load(q.x[3]));
+}
+
+template <class G, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel(uint16_t* __restrict__ hi, uint16_t* __restrict__ lo,
-                       const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+                       const G* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
                        int64_t n, AdamConsts<float> c, double* partial) {
   float grad_scale;
   if (!step_scale(c, &grad_scale)) return;
@@ -240,8 +258,9 @@ __global__ void __launch_bounds__(kThreads)
        i += stride) {
     uint16_t h = hi[i], l = lo[i];
     float mi = m[i], vi = v[i];
-    if constexpr (kNorm) sq += square_d(g[i]);
-    adam_split_element(h, l, g[i], mi, vi, grad_scale, c);
+    const float gi = load(g[i]);
+    if constexpr (kNorm) sq += square_d(gi);
+    adam_split_element(h, l, gi, mi, vi, grad_scale, c);
     hi[i] = h;
     lo[i] = l;
     m[i] = mi;
@@ -253,10 +272,10 @@ __global__ void __launch_bounds__(kThreads)
 // Two quads per thread and iteration, both loaded before either is updated (128 bytes in flight
 // per thread). Each element still goes through adam_split_element once: the same bits for any
 // grid.
-template <bool kNorm>
+template <class G, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel_x4(ushort4* __restrict__ hi, ushort4* __restrict__ lo,
-                          const float4* __restrict__ g, float4* __restrict__ m,
+                          const typename GradQuad<G>::type* __restrict__ g, float4* __restrict__ m,
                           float4* __restrict__ v, int64_t quads, AdamConsts<float> c,
                           double* partial) {
   float grad_scale;
@@ -268,7 +287,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t j = i + stride;
     ushort4 h0 = hi[i], l0 = lo[i], h1 = hi[j], l1 = lo[j];
     float4 m0 = m[i], v0 = v[i], m1 = m[j], v1 = v[j];
-    const float4 g0 = g[i], g1 = g[j];
+    const float4 g0 = as_float4(g[i]), g1 = as_float4(g[j]);
     if constexpr (kNorm) sq += square_d(g0) + square_d(g1);
     adam_split_quad(h0, l0, g0, m0, v0, grad_scale, c);
     adam_split_quad(h1, l1, g1, m1, v1, grad_scale, c);
@@ -278,12 +297,44 @@ __global__ void __launch_bounds__(kThreads)
   if (i < quads) {
     ushort4 h = hi[i], l = lo[i];
     float4 mq = m[i], vq = v[i];
-    const float4 gq = g[i];
+    const float4 gq = as_float4(g[i]);
     if constexpr (kNorm) sq += square_d(gq);
     adam_split_quad(h, l, gq, mq, vq, grad_scale, c);
     hi[i] = h, lo[i] = l, m[i] = mq, v[i] = vq;
   }
   store_block_norm<kNorm>(sq, partial);
+}
+
+template <class G>
+void launch_adamw_split(Ctx& ctx, uint16_t* hp, uint16_t* lp, const G* gp, float* mp, float* vp,
+                        int64_t n, const AdamWArgs& a) {
+  using GQ = typename GradQuad<G>::type;
+  const AdamConsts<float> c = adam_consts<float>(a);
+  int64_t done = 0;
+  if (aligned_to(hp, 8) && aligned_to(lp, 8) && aligned_to(gp, sizeof(GQ)) && aligned_to(mp, 16) &&
+      aligned_to(vp, 16) && n >= 4) {
+    const int64_t quads = n / 4;
+    const int64_t blocks = std::min((quads + 2 * kThreads - 1) / (2 * kThreads), kMaxBlocks);
+    with_norm(ctx, a, blocks, one_wave<adamw_split_kernel_x4<G, true>>(blocks),
+              [&](auto norm, int64_t grid, double* partial) {
+                adamw_split_kernel_x4<G, decltype(norm)::value>
+                    <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                        reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
+                        reinterpret_cast<const GQ*>(gp), reinterpret_cast<float4*>(mp),
+                        reinterpret_cast<float4*>(vp), quads, c, partial);
+                MOE_CUDA_LAUNCH_CHECK();
+              });
+    done = quads * 4;
+  }
+  if (done == n) return;
+  const int64_t blocks = std::min((n - done + kThreads - 1) / kThreads, kMaxBlocks);
+  with_norm(ctx, a, blocks, one_wave<adamw_split_kernel<G, true>>(blocks),
+            [&](auto norm, int64_t grid, double* partial) {
+              adamw_split_kernel<G, decltype(norm)::value>
+                  <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
+                      hp + done, lp + done, gp + done, mp + done, vp + done, n - done, c, partial);
+              MOE_CUDA_LAUNCH_CHECK();
+            });
 }
 
 void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
@@ -292,36 +343,13 @@ void adamw_step_split_cuda(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, T
   check_on_gpu({&hi, &lo, &g, &m, &v}, "adamw_step_split");
   const int64_t n = hi.numel();
   if (n == 0) return;
-  const AdamConsts<float> c = adam_consts<float>(a);
   auto* hp = data_of<uint16_t>(hi);
   auto* lp = data_of<uint16_t>(lo);
-  const float* gp = data_of<float>(g);
   float *mp = data_of<float>(m), *vp = data_of<float>(v);
-  int64_t done = 0;
-  if (aligned_to(hp, 8) && aligned_to(lp, 8) && aligned_to(gp, 16) && aligned_to(mp, 16) &&
-      aligned_to(vp, 16) && n >= 4) {
-    const int64_t quads = n / 4;
-    const int64_t blocks = std::min((quads + 2 * kThreads - 1) / (2 * kThreads), kMaxBlocks);
-    with_norm(ctx, a, blocks, one_wave<adamw_split_kernel_x4<true>>(blocks),
-              [&](auto norm, int64_t grid, double* partial) {
-                adamw_split_kernel_x4<decltype(norm)::value>
-                    <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
-                        reinterpret_cast<ushort4*>(hp), reinterpret_cast<ushort4*>(lp),
-                        reinterpret_cast<const float4*>(gp), reinterpret_cast<float4*>(mp),
-                        reinterpret_cast<float4*>(vp), quads, c, partial);
-                MOE_CUDA_LAUNCH_CHECK();
-              });
-    done = quads * 4;
-  }
-  if (done == n) return;
-  const int64_t blocks = std::min((n - done + kThreads - 1) / kThreads, kMaxBlocks);
-  with_norm(ctx, a, blocks, one_wave<adamw_split_kernel<true>>(blocks),
-            [&](auto norm, int64_t grid, double* partial) {
-              adamw_split_kernel<decltype(norm)::value>
-                  <<<static_cast<unsigned>(grid), kThreads, 0, stream_of(ctx)>>>(
-                      hp + done, lp + done, gp + done, mp + done, vp + done, n - done, c, partial);
-              MOE_CUDA_LAUNCH_CHECK();
-            });
+  if (g.dtype == DType::bf16)  // train.bf16_expert_grads (check_adamw_step_split_args)
+    launch_adamw_split(ctx, hp, lp, data_of<__nv_bfloat16>(g), mp, vp, n, a);
+  else
+    launch_adamw_split(ctx, hp, lp, data_of<float>(g), mp, vp, n, a);
 }
 
 __global__ void __launch_bounds__(kThreads)

@@ -409,7 +409,7 @@ void load_checkpoint(const std::string& step_dir, int rank, Model& model, AdamW&
   }
   optimizer.set_steps_taken(adam_step);
   state = loaded;
-  Ctx ctx = make_ctx(model.grads().device);
+  Ctx ctx = make_ctx(model.device());
   model.weights_changed(ctx);
 }
 

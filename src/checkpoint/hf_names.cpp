@@ -313,7 +313,7 @@ void load_named_tensors_from(Model& model, const std::vector<NamedTensor>& tenso
     const auto [begin, end] = hf_tensor_range(model, expected[match[i]]);
     model.master_from_host(begin, end, bytes.data());
   }
-  Ctx ctx = make_ctx(model.grads().device);
+  Ctx ctx = make_ctx(model.device());
   model.weights_changed(ctx);
 }
 

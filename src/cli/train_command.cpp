@@ -79,7 +79,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   // copies of the routers' weights; the model's own count.)
   const double copy_bytes = compute == DType::f32 ? 0.0 : c.total * 2;
   Model plan(m, compute, Device{}, b, t, /*allocate=*/false, memory_plan_of(cfg.train));
-  const double grad_bytes = c.total * 4;
+  const double grad_bytes = static_cast<double>(plan.grad_bytes());  // bf16 expert stacks: less
   const double param_bytes = static_cast<double>(plan.weight_bytes()) - grad_bytes;
   const double optim_bytes = c.total * 8;
   const double act_bytes = static_cast<double>(plan.activation_bytes());
@@ -100,7 +100,8 @@ void run_info(const ConfigFlags& f, int world_flag) {
               plan.splits_master() ? " (split fp32 master: compute copy + low halves)"
               : copy_bytes > 0     ? " (fp32 master + compute copy)"
                                    : "");
-  std::printf("  gradients         %10.1f MiB\n", mib(grad_bytes));
+  std::printf("  gradients         %10.1f MiB%s\n", mib(grad_bytes),
+              cfg.train.bf16_expert_grads ? " (expert stacks in bf16)" : "");
   std::printf("  optimizer state   %10.1f MiB (AdamW m, v)\n", mib(optim_bytes));
   std::printf("  activations       %10.1f MiB (saved for backward, micro-batch %d%s)\n",
               mib(act_bytes), b,
@@ -147,6 +148,7 @@ void run_info(const ConfigFlags& f, int world_flag) {
   const ParamSharding sharding{&part3, nullptr};
   MemoryPlan memory3 = memory_plan_of(cfg.train);
   memory3.split_master = false;  // stage 0 only (the other rows are what-ifs)
+  memory3.bf16_expert_grads = false;
   const Model plan3(m, compute, Device{}, b, t, /*allocate=*/false, memory3, &sharding);
   const double shard = static_cast<double>(part3.local());
   const double slots = static_cast<double>(plan3.weight_bytes()) - 8 * shard;
@@ -162,7 +164,10 @@ void run_info(const ConfigFlags& f, int world_flag) {
     const char* note;
   };
   const Row rows[] = {
-      {"0", param_bytes, 4 * p, 8 * p, 0, 0, plan.splits_master() ? "split master" : ""},
+      {"0", param_bytes, grad_bytes, 8 * p, 0, 0,
+       cfg.train.bf16_expert_grads ? "split master, bf16 expert gradients"
+       : plan.splits_master()      ? "split master"
+                                   : ""},
       {"1", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0, ""},
       {"2", (4 + cb) * p, 4 * p, 8 * p / n, 0, 0,
        "full gradient buffer (DeepSpeed ideal: grads / N)"},

@@ -250,22 +250,26 @@ KeyNode data_section() {
 }
 
 KeyNode train_section() {
-  return section(
-      "train",
-      {leaf("max_steps", AT(train.max_steps)), leaf("log_interval", AT(train.log_interval)),
-       leaf("eval_interval", AT(train.eval_interval)), leaf("eval_batches", AT(train.eval_batches)),
-       leaf("seed", AT(train.seed)), leaf("device", AT(train.device)),
-       leaf("out_dir", AT(train.out_dir)), leaf("save_interval", AT(train.save_interval)),
-       leaf("save_at_end", AT(train.save_at_end)),
-       leaf("keep_checkpoints", AT(train.keep_checkpoints)), leaf("resume", AT(train.resume)),
-       leaf("comm_timeout_s", AT(train.comm_timeout_s)),
-       leaf("recompute_layers", AT(train.recompute_layers)),
-       leaf("recompute_expert_inputs", AT(train.recompute_expert_inputs)),
-       leaf("recompute_expert_rows", AT(train.recompute_expert_rows)),
-       leaf("split_master", AT(train.split_master)),
-       leaf("head_chunk_tokens", AT(train.head_chunk_tokens)),
-       leaf("overlap_optimizer", AT(train.overlap_optimizer)),
-       leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
+  return section("train", {leaf("max_steps", AT(train.max_steps)),
+                           leaf("log_interval", AT(train.log_interval)),
+                           leaf("eval_interval", AT(train.eval_interval)),
+                           leaf("eval_batches", AT(train.eval_batches)),
+                           leaf("seed", AT(train.seed)),
+                           leaf("device", AT(train.device)),
+                           leaf("out_dir", AT(train.out_dir)),
+                           leaf("save_interval", AT(train.save_interval)),
+                           leaf("save_at_end", AT(train.save_at_end)),
+                           leaf("keep_checkpoints", AT(train.keep_checkpoints)),
+                           leaf("resume", AT(train.resume)),
+                           leaf("comm_timeout_s", AT(train.comm_timeout_s)),
+                           leaf("recompute_layers", AT(train.recompute_layers)),
+                           leaf("recompute_expert_inputs", AT(train.recompute_expert_inputs)),
+                           leaf("recompute_expert_rows", AT(train.recompute_expert_rows)),
+                           leaf("split_master", AT(train.split_master)),
+                           leaf("bf16_expert_grads", AT(train.bf16_expert_grads)),
+                           leaf("head_chunk_tokens", AT(train.head_chunk_tokens)),
+                           leaf("overlap_optimizer", AT(train.overlap_optimizer)),
+                           leaf("gpu_memory_limit_gib", AT(train.gpu_memory_limit_gib))});
 }
 
 // DeepSpeed's zero_optimization, with its offload_optimizer and offload_param blocks.

@@ -346,6 +346,19 @@ void reject_unavailable_features(const Config& c) {
       fail("train.split_master", "needs zero_optimization.stage 0, got stage " +
                                      std::to_string(c.zero_optimization.stage));
   }
+  // bf16 expert gradients are written once per step by the dw products: accumulating
+  // micro-batches or ranks into them would round once per addition (and AdamW reads them only in
+  // its split form).
+  if (c.train.bf16_expert_grads) {
+    if (!c.train.split_master)
+      fail("train.bf16_expert_grads",
+           "needs train.split_master (and so bf16.enabled and zero_optimization.stage 0)");
+    if (c.gradient_accumulation_steps != 1)
+      fail("train.bf16_expert_grads",
+           "needs gradient_accumulation_steps 1 (a bf16 sum over micro-batches would round at "
+           "every addition), got " +
+               std::to_string(c.gradient_accumulation_steps));
+  }
   if (!kHasTokenShards && c.data.source != "synthetic")
     fail("data.source",
          "got \"" + c.data.source + "\": token shards are not available yet; use \"synthetic\"");

@@ -84,6 +84,12 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   MOE_CHECK(!memory_.split_master || (compute_ == DType::bf16 && sharding == nullptr),
             std::string("Model: a split master needs bf16 compute and unsharded weights, got ") +
                 dtype_name(compute_) + (sharding != nullptr ? ", ZeRO-3" : ""));
+  MOE_CHECK(!memory_.bf16_expert_grads || memory_.split_master,
+            "Model: bf16 expert gradients need a split master");
+  for (const ParamInfo& p : table_.params) {
+    grad_at_.push_back(grad_total_bytes_);
+    grad_total_bytes_ += p.numel() * dtype_size(grad_dtype(p));
+  }
   if (sharding != nullptr) {
     MOE_CHECK(sharding->partition != nullptr, "Model: sharding without a partition");
     sharded_ = std::make_unique<ShardedParams>(param_unit_bounds(table_, cfg), *sharding->partition,
@@ -91,7 +97,7 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
                                                allocate, sharding->offload, sharding->pin_memory);
   } else if (allocate) {
     if (!memory_.split_master) param_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
-    grad_buf_ = Buffer(dev, table_.total * dtype_size(param_dtype_));
+    grad_buf_ = Buffer(dev, grad_total_bytes_);
     if (compute_ != param_dtype_) work_buf_ = Buffer(dev, table_.total * dtype_size(compute_));
   }
   if (memory_.split_master) {
@@ -177,10 +183,17 @@ size_t Model::weight_bytes() const {
   if (sharded_) return sharded_->device_bytes();
   // master (fp32, or split: the low halves beside the compute copy), gradient, compute copy, and
   // a split master's decoded fp32_reads parameters
-  size_t per = (memory_.split_master ? dtype_size(DType::u16) : dtype_size(param_dtype_)) +
-               dtype_size(param_dtype_);
+  size_t per = memory_.split_master ? dtype_size(DType::u16) : dtype_size(param_dtype_);
   if (compute_ != param_dtype_) per += dtype_size(compute_);
-  return table_.total * per + fp32_copy_elems_ * dtype_size(param_dtype_);
+  return table_.total * per + grad_total_bytes_ + fp32_copy_elems_ * dtype_size(param_dtype_);
+}
+
+size_t Model::grad_bytes() const {
+  return grad_total_bytes_;
+}
+
+DType Model::grad_dtype(const ParamInfo& p) const {
+  return memory_.bf16_expert_grads && p.stack > 1 ? DType::bf16 : param_dtype_;
 }
 
 Tensor Model::params() const {
@@ -196,7 +209,35 @@ Tensor Model::master_low() const {
 }
 Tensor Model::grads() const {
   if (sharded_) return sharded_->grad_shard();
+  MOE_CHECK(!memory_.bf16_expert_grads,
+            "Model::grads: the gradients are f32 and bf16 (train.bf16_expert_grads); use "
+            "grad_spans");
   return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
+}
+
+std::vector<Model::GradSpan> Model::grad_spans(size_t begin, size_t end) const {
+  MOE_CHECK(begin <= end && end <= table_.total, "Model::grad_spans: range out of bounds");
+  if (!memory_.bf16_expert_grads)
+    return {{begin, grads().rows(static_cast<int64_t>(begin), static_cast<int64_t>(end))}};
+  // Adjacent parameters of one dtype are adjacent in grad_buf_ too: one run.
+  std::vector<GradSpan> spans;
+  for (size_t i = 0; i < table_.params.size(); ++i) {
+    const ParamInfo& p = table_.params[i];
+    const size_t b = std::max(begin, p.offset), e = std::min(end, p.offset + p.numel());
+    if (b >= e) continue;
+    const DType dt = grad_dtype(p);
+    if (!spans.empty() && spans.back().g.dtype == dt &&
+        spans.back().begin + static_cast<size_t>(spans.back().g.numel()) == b) {
+      Tensor& g = spans.back().g;
+      g = Tensor(g.data, dt, dev_, {g.numel() + static_cast<int64_t>(e - b)});
+      continue;
+    }
+    char* at = allocated_ ? static_cast<char*>(grad_buf_.data()) + grad_at_[i] +
+                                (b - p.offset) * dtype_size(dt)
+                          : nullptr;
+    spans.push_back({b, Tensor(at, dt, dev_, {static_cast<int64_t>(e - b)})});
+  }
+  return spans;
 }
 Tensor Model::compute_params() const {
   if (sharded_ || compute_ == param_dtype_ || !allocated_) return Tensor();
@@ -224,7 +265,15 @@ Tensor Model::param(const ParamInfo& p) const {
 }
 Tensor Model::grad(const ParamInfo& p) const {
   if (sharded_) return sharded_->grad(p);
-  return param_view(grad_buf_, allocated_, param_dtype_, dev_, p);
+  // (p may come from another table of the same layout: found by its offset)
+  const auto at =
+      std::lower_bound(table_.params.begin(), table_.params.end(), p.offset,
+                       [](const ParamInfo& q, size_t offset) { return q.offset < offset; });
+  MOE_CHECK(at != table_.params.end() && at->offset == p.offset && at->numel() == p.numel(),
+            "Model::grad: " + p.name + " is not a parameter of this model's layout");
+  const size_t index = static_cast<size_t>(at - table_.params.begin());
+  void* data = allocated_ ? static_cast<char*>(grad_buf_.data()) + grad_at_[index] : nullptr;
+  return p.view(data, grad_dtype(p), dev_);
 }
 Tensor Model::work(const ParamInfo& p) const {
   if (sharded_) return sharded_->work(p);
@@ -239,22 +288,27 @@ void Model::zero_grads(Ctx& ctx, bool experts_by_backward) {
     sharded_->grads_zeroed();
     return;
   }
-  if (!experts_by_backward || sharded_) {
+  if (sharded_) {
     fill(ctx, grads(), 0.0);
+    return;
+  }
+  if (!experts_by_backward) {
+    for (const GradSpan& s : grad_spans()) fill(ctx, s.g, 0.0);
     return;
   }
   // Everything but the expert stacks (the only parameters with stack > 1), in runs of adjacent
   // parameters.
-  const Tensor g = grads();
   size_t begin = 0;
+  auto clear = [&](size_t end) {
+    if (end > begin)
+      for (const GradSpan& s : grad_spans(begin, end)) fill(ctx, s.g, 0.0);
+  };
   for (const ParamInfo& p : table_.params) {
     if (p.stack == 1) continue;
-    if (p.offset > begin)
-      fill(ctx, g.rows(static_cast<int64_t>(begin), static_cast<int64_t>(p.offset)), 0.0);
+    clear(p.offset);
     begin = p.offset + p.numel();
   }
-  if (table_.total > begin)
-    fill(ctx, g.rows(static_cast<int64_t>(begin), static_cast<int64_t>(table_.total)), 0.0);
+  clear(table_.total);
   experts_overwrite_ = true;
 }
 

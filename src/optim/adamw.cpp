@@ -104,7 +104,8 @@ void queue_grad_norm_sq_ranges(Ctx& ctx, const Model& model, Tensor acc,
 
 void queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {
   fill(ctx, acc, 0.0);
-  sum_squares(ctx, acc, model.grads());
+  if (model.params_sharded()) return sum_squares(ctx, acc, model.grads());
+  for (const Model::GradSpan& s : model.grad_spans()) sum_squares(ctx, acc, s.g);
 }
 
 double global_grad_norm(Ctx& ctx, const Model& model, Tensor acc) {
@@ -127,8 +128,8 @@ namespace {
 // The optimizer state buffer of `elems` elements: on the model's device, or on the host.
 Buffer state_buffer(const Model& model, size_t elems, const OffloadOptions& offload) {
   const size_t bytes = elems * dtype_size(model.dtype());
-  if (!offload.enabled) return Buffer(model.grads().device, bytes);
-  const bool pinned = offload.pin_memory && model.grads().device.type == DeviceType::cuda;
+  if (!offload.enabled) return Buffer(model.device(), bytes);
+  const bool pinned = offload.pin_memory && model.device().type == DeviceType::cuda;
   return Buffer::host(bytes, pinned);
 }
 
@@ -258,7 +259,9 @@ void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, T
                          double max_norm, Tensor norm_out, size_t begin, size_t end) {
   // A split master: its high halves are the compute copy, updated in place with the low ones.
   const bool split = model.splits_master();
-  Tensor p = split ? model.compute_params() : model.params(), g = model.grads();
+  // (a split master is unsharded: its gradients come as runs of one dtype, grad_spans, since
+  // bf16 expert gradients need one)
+  Tensor p = split ? model.compute_params() : model.params(), g = split ? Tensor() : model.grads();
   const Tensor low = model.master_low();
   Tensor m = local(m_), v = local(v_);
   // Unsharded, the updates cover the whole buffer, so they also write the 16-bit compute copy
@@ -288,8 +291,13 @@ void AdamW::queue_update(Ctx& ctx, Model& model, double lr, double grad_scale, T
       const auto pb = static_cast<int64_t>(b - r.global + part_.model_offset(r)), pe = pb + n;
       if (!compute.empty()) a.compute_out = compute.rows(pb, pe);
       if (split)
-        adamw_step_split(ctx, p.rows(pb, pe), low.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le),
-                         v.rows(lb, le), a);
+        for (const Model::GradSpan& gs :
+             model.grad_spans(static_cast<size_t>(pb), static_cast<size_t>(pe))) {
+          const auto sb = static_cast<int64_t>(gs.begin), se = sb + gs.g.numel();
+          adamw_step_split(ctx, p.rows(sb, se), low.rows(sb, se), gs.g,
+                           m.rows(lb + sb - pb, lb + se - pb), v.rows(lb + sb - pb, lb + se - pb),
+                           a);
+        }
       else
         adamw_step(ctx, p.rows(pb, pe), g.rows(pb, pe), m.rows(lb, le), v.rows(lb, le), a);
     }

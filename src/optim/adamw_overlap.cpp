@@ -19,12 +19,12 @@
 namespace moe {
 
 void AdamW::overlap_forward(const Model& model) {
-  MOE_CHECK(model.grads().device.type == DeviceType::cuda && updates_whole_on_device(),
+  MOE_CHECK(model.device().type == DeviceType::cuda && updates_whole_on_device(),
             "AdamW: overlapping the update with the forward needs an unsharded model on a GPU "
             "and the optimizer state on it");
   auto o = std::make_unique<Overlap>();
   o->bounds = param_unit_bounds(model.table(), model.config());
-  o->side = gpu::side_stream(model.grads().device.index);
+  o->side = gpu::side_stream(model.device().index);
   o->fork = gpu::event_create();
   for (size_t u = 0; u + 1 < o->bounds.size(); ++u) o->ready.push_back(gpu::event_create());
   overlap_ = std::move(o);

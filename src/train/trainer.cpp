@@ -211,11 +211,20 @@ void check_global_batch(const Config& cfg, int world) {
                           " (the world size is the number of launched ranks)");
 }
 
+// Options that hold for one process only, checked once the launched world size is known.
+void check_world_options(const Config& cfg, int world) {
+  if (cfg.train.bf16_expert_grads && world > 1)
+    throw ConfigError("train.bf16_expert_grads",
+                      "needs one process (the data-parallel reductions sum fp32 gradients), got " +
+                          std::to_string(world) + " ranks");
+}
+
 }  // namespace
 
 void check_runnable(const Config& cfg) {
   const RankInfo ranks = detect_ranks();
   check_global_batch(cfg, ranks.world);
+  check_world_options(cfg, ranks.world);
   compute_dtype(cfg, rank_device(cfg, ranks));
   check_data_source(cfg);
   check_data_files(cfg);
@@ -253,6 +262,7 @@ static void rethrow_if_bad_input(const std::runtime_error& e) {
 TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions& opt) {
   const RankInfo ranks = detect_ranks();
   check_global_batch(cfg, ranks.world);
+  check_world_options(cfg, ranks.world);
   const Device dev = rank_device(cfg, ranks);
   const DType compute = compute_dtype(cfg, dev);
   // Before anything is allocated on the device (ignored on the CPU: there is no GPU budget).

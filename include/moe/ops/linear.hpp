@@ -37,6 +37,15 @@ MOE_OP(grouped_linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor 
 // whatever dw held: the first backward after the gradients were cleared, which so needs no
 // zeroing pass over the experts' gradients (Model::zero_grads leaves them) and, on sm_90, no read
 // of them either. The one exception to the ops' parameter-gradient convention (+=).
+// bf16 dw (bf16 x only; the CPU backend, which computes in f32, takes it beside f32 x as the
+// reference): the product is summed in fp32 and rounded to nearest even once per element,
+// dw[e] = bf16(dy_e^T x_e) with dw_overwrite, else bf16(float(dw[e]) + dy_e^T x_e); an expert
+// with no rows is left untouched (zeros with dw_overwrite). The precision of PyTorch's
+// torch._grouped_mm gradient, half the stores and the optimizer's reads. One exception: the sm_90
+// dw kernel splits a hot expert's rows into chunks that add to dw in chunk order (deterministic),
+// and in bf16 each chunk's addition is rounded, so such an expert's dw is rounded once per chunk.
+// Elsewhere (and where that kernel declines) the fp32 sums go through a temporary allocated per
+// call. The same holds for the ops below that take dw, dw1 / dw3 or dw2.
 MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
         bool dw_overwrite = false),
@@ -48,7 +57,8 @@ MOE_OP(grouped_linear_backward,
 // backend on sm_90 runs dx as one product over k = 2F (the second operands loaded for the
 // second half of the k-slices, one rounding) and leaves dx2: no second [R, in] written and read
 // back. dx2 may share dy1's memory (dy1 is read before dx2 is written). dy1, dy3: [R, F]; x, dx,
-// dx2: [R, in]; w1, w3: [E, F, in]; dw1, dw3: [E, F, in] in acc_dtype(x); offsets as above.
+// dx2: [R, in]; w1, w3: [E, F, in]; dw1, dw3: [E, F, in] in acc_dtype(x) or both bf16 (as
+// grouped_linear_backward's dw); offsets as above.
 MOE_OP(grouped_linear_backward_pair,
        (Ctx & ctx, Tensor dx, Tensor dx2, Tensor dw1, Tensor dw3, Tensor dy1, Tensor dy3, Tensor x,
         Tensor w1, Tensor w3, Tensor offsets, bool dw_overwrite = false),
@@ -122,8 +132,8 @@ MOE_OP(grouped_swiglu_forward_gathered,
 // gradient drow_w); dw2[e] += dy_e^T h_e. Bitwise grouped_linear_backward into dh followed by
 // swiglu_weighted_backward; dh lives in dgate (the elementwise backward runs in place), so the
 // caller keeps no dh buffer. dgate, dup (overwritten), gate, up, h: [R, F]; dy: [R, d]; w2: [E, d,
-// F]; dw2 (+=, or = with dw_overwrite as above): [E, d, F] in acc_dtype; row_w, drow_w
-// (overwritten): [R] in acc_dtype; offsets as above.
+// F]; dw2 (+=, or = with dw_overwrite as above): [E, d, F] in acc_dtype or bf16 (as
+// grouped_linear_backward's dw); row_w, drow_w (overwritten): [R] in acc_dtype; offsets as above.
 MOE_OP(grouped_swiglu_down_backward,
        (Ctx & ctx, Tensor dgate, Tensor dup, Tensor drow_w, Tensor dw2, Tensor dy, Tensor h,
         Tensor w2, Tensor gate, Tensor up, Tensor row_w, Tensor offsets, bool dw_overwrite = false),
