@@ -76,16 +76,27 @@ DeviceTensor offsets_on_device(const std::vector<int32_t>& v) {
   return t;
 }
 
+// One update's random state (f32 values; g of g_dtype's) and its arguments, from `seed`.
+struct UpdateInputs {
+  std::vector<double> p0, g, m0, v0;
+  AdamWArgs a;
+  UpdateInputs(int64_t n, uint64_t seed, long step, DType g_dtype)
+      : p0(round_to(DType::f32, random_values(n, seed, -2.0, 2.0))),
+        g(round_to(g_dtype, random_values(n, seed + 1, -3.0, 3.0))),
+        m0(round_to(DType::f32, random_values(n, seed + 2, -0.1, 0.1))),
+        v0(round_to(DType::f32, random_values(n, seed + 3, 1e-3, 0.1))) {
+    a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = step;
+    a.grad_scale = 0.5;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("gpu adamw_step_split: the CUDA adamw_step's master bit for bit", "[gpu][optim]") {
   const int64_t n = 4099;
-  AdamWArgs a;
-  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 2, a.grad_scale = 0.5;
-  const std::vector<double> p0 = round_to(DType::f32, random_values(n, 81, -2.0, 2.0));
-  const std::vector<double> g = round_to(DType::f32, random_values(n, 82, -3.0, 3.0));
-  const std::vector<double> m0 = round_to(DType::f32, random_values(n, 83, -0.1, 0.1));
-  const std::vector<double> v0 = round_to(DType::f32, random_values(n, 84, 1e-3, 0.1));
+  const UpdateInputs in(n, 81, 2, DType::f32);
+  const std::vector<double>&p0 = in.p0, &g = in.g, &m0 = in.m0, &v0 = in.v0;
+  const AdamWArgs& a = in.a;
   for (int64_t shift : {0, 1}) {  // vectorised (+ tail), one element per thread
     for (double max_norm : {0.0, 1.0}) {
       INFO("shift " << shift << " max_norm " << max_norm);
@@ -137,12 +148,9 @@ TEST_CASE("gpu adamw_step_split: the CUDA adamw_step's master bit for bit", "[gp
 TEST_CASE("gpu adamw_step_split: a bf16 g updates as the same g in f32", "[gpu][optim]") {
   // train.bf16_expert_grads: the experts' gradients arrive in bf16 (8-byte quads of g).
   const int64_t n = 4099;
-  AdamWArgs a;
-  a.lr = 1e-2, a.beta1 = 0.9, a.beta2 = 0.95, a.weight_decay = 0.1, a.step = 3, a.grad_scale = 0.5;
-  const std::vector<double> p0 = round_to(DType::f32, random_values(n, 181, -2.0, 2.0));
-  const std::vector<double> g = round_to(DType::bf16, random_values(n, 182, -3.0, 3.0));
-  const std::vector<double> m0 = round_to(DType::f32, random_values(n, 183, -0.1, 0.1));
-  const std::vector<double> v0 = round_to(DType::f32, random_values(n, 184, 1e-3, 0.1));
+  const UpdateInputs in(n, 181, 3, DType::bf16);
+  const std::vector<double>&p0 = in.p0, &g = in.g, &m0 = in.m0, &v0 = in.v0;
+  const AdamWArgs& a = in.a;
   for (int64_t shift : {0, 1}) {  // vectorised (+ tail), one element per thread
     INFO("shift " << shift);
     Ctx ctx = gpu_ctx();
