@@ -16,6 +16,7 @@
 //    loss are bitwise the f32 model's; a run tracks the f32 one and resumes bitwise.
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <vector>
@@ -448,35 +449,49 @@ Config split_run(const std::string& out_dir, bool split) {
   return c;
 }
 
-}  // namespace
-
-TEST_CASE("gpu train: a split master tracks the plain bf16 run and resumes bitwise",
-          "[gpu][train][mixed]") {
-  TempDir plain_dir, split_dir, resumed_dir;
+// Trains config(dir) for 8 steps: its losses within rel_tol of `reference`'s (relative), it
+// learns, and a run of it killed right after its step-4 checkpoint resumes bitwise. Returns the
+// first run.
+TrainResult check_tracks_and_resumes(const std::function<Config(const std::string&)>& config,
+                                     const TrainResult& reference, double rel_tol,
+                                     std::ostream& log_out) {
+  TempDir dir, resumed_dir;
   std::ostringstream log;
-  const TrainResult rp = train(split_run(plain_dir.path.string(), false), log);
-  const TrainResult rs = train(split_run(split_dir.path.string(), true), log);
-  REQUIRE(rp.losses.size() == 8);
-  REQUIRE(rs.losses.size() == 8);
+  const TrainResult run = train(config(dir.path.string()), log);
+  REQUIRE(reference.losses.size() == 8);
+  REQUIRE(run.losses.size() == 8);
   double worst = 0;
   for (size_t i = 0; i < 8; ++i)
-    worst = std::max(worst, std::fabs(rs.losses[i] - rp.losses[i]) / rp.losses[i]);
+    worst = std::max(worst, std::fabs(run.losses[i] - reference.losses[i]) / reference.losses[i]);
   INFO("worst relative loss difference " << worst << "\n" << log.str());
-  CHECK(worst < 1e-3);
-  CHECK(rs.losses.back() < rs.losses.front() - 0.02);  // it learns
+  CHECK(worst < rel_tol);
+  CHECK(run.losses.back() < run.losses.front() - 0.02);  // it learns
 
   TrainOptions stop;
   stop.stop_after_step = 4;  // killed right after the step-4 checkpoint
-  train(split_run(resumed_dir.path.string(), true), log, stop);
-  Config again = split_run(resumed_dir.path.string(), true);
+  train(config(resumed_dir.path.string()), log, stop);
+  Config again = config(resumed_dir.path.string());
   again.train.resume = "auto";
   const TrainResult resumed = train(again, log);
   CHECK(resumed.resumed_from == 4);
   REQUIRE(resumed.losses.size() == 4);
   for (int i = 0; i < 4; ++i) {
     INFO("step " << i + 5);
-    CHECK(resumed.losses[i] == rs.losses[i + 4]);  // bitwise
+    CHECK(resumed.losses[i] == run.losses[i + 4]);  // bitwise
   }
+  log_out << log.str();
+  return run;
+}
+
+}  // namespace
+
+TEST_CASE("gpu train: a split master tracks the plain bf16 run and resumes bitwise",
+          "[gpu][train][mixed]") {
+  TempDir plain_dir;
+  std::ostringstream log;
+  const TrainResult plain = train(split_run(plain_dir.path.string(), false), log);
+  check_tracks_and_resumes([](const std::string& dir) { return split_run(dir, true); }, plain, 1e-3,
+                           log);
 }
 
 TEST_CASE("gpu model: bf16 expert gradients are the f32 ones rounded; the rest bitwise",
@@ -558,35 +573,15 @@ TEST_CASE("gpu model: bf16 expert gradients are the f32 ones rounded; the rest b
 
 TEST_CASE("gpu train: bf16 expert gradients track the f32 ones and resume bitwise",
           "[gpu][train][mixed]") {
-  TempDir wide_dir, narrow_dir, resumed_dir;
+  TempDir wide_dir;
   std::ostringstream log;
-  auto narrow_run = [](const std::string& dir) {
-    Config c = split_run(dir, true);
-    c.train.bf16_expert_grads = true;
-    return c;
-  };
-  const TrainResult rw = train(split_run(wide_dir.path.string(), true), log);
-  const TrainResult rn = train(narrow_run(narrow_dir.path.string()), log);
-  REQUIRE(rw.losses.size() == 8);
-  REQUIRE(rn.losses.size() == 8);
-  CHECK(rn.losses[0] == rw.losses[0]);  // the first forward sees the same weights
-  double worst = 0;
-  for (size_t i = 0; i < 8; ++i)
-    worst = std::max(worst, std::fabs(rn.losses[i] - rw.losses[i]) / rw.losses[i]);
-  INFO("worst relative loss difference " << worst << "\n" << log.str());
-  CHECK(worst < 5e-3);
-  CHECK(rn.losses.back() < rn.losses.front() - 0.02);  // it learns
-
-  TrainOptions stop;
-  stop.stop_after_step = 4;
-  train(narrow_run(resumed_dir.path.string()), log, stop);
-  Config again = narrow_run(resumed_dir.path.string());
-  again.train.resume = "auto";
-  const TrainResult resumed = train(again, log);
-  CHECK(resumed.resumed_from == 4);
-  REQUIRE(resumed.losses.size() == 4);
-  for (int i = 0; i < 4; ++i) {
-    INFO("step " << i + 5);
-    CHECK(resumed.losses[i] == rn.losses[i + 4]);  // bitwise
-  }
+  const TrainResult wide = train(split_run(wide_dir.path.string(), true), log);
+  const TrainResult narrow = check_tracks_and_resumes(
+      [](const std::string& dir) {
+        Config c = split_run(dir, true);
+        c.train.bf16_expert_grads = true;
+        return c;
+      },
+      wide, 5e-3, log);
+  CHECK(narrow.losses.at(0) == wide.losses.at(0));  // the first forward sees the same weights
 }
