@@ -27,7 +27,8 @@
 #   mismatch    rank 1 of 2 gets one more override than rank 0 (a wrapper adds it): another
 #               model shape (which crashed a rank in the collectives' size mismatch) and another
 #               ZeRO stage (which hung until the watchdog) each stop the job at start-up with exit
-#               2 within 15 s and one message naming the key and both ranks' values
+#               2 within 15 s and one message naming the key and both ranks' values; and
+#               train.bf16_expert_grads (one process only) on 2 ranks is refused the same way
 #   diverged    2 ranks whose first update makes the weights non-finite, saving at step 1: rank 0
 #               (which writes the weights) stops as diverged naming the tensor, rank 1 stops
 #               naming rank 0's finding (no rank waits in the save's barrier), nothing published
@@ -256,6 +257,17 @@ EOS
     grep -Eq "^error: config train.out_dir \(as each rank sees it\): differs between the data-parallel ranks: the one holding start-up token [0-9a-f]{16} on rank 0, not the directory rank 0 wrote into \(rank 1 finds no $work/rank1_cwd/run/.moe-train-ranks-probe\) on rank 1" \
       "$work/mismatch.log" || fail "no message naming the run directory"
     [ -z "$(ls -A "$work/rank0_cwd/run" | grep probe)" ] || fail "the probe files were left behind"
+    # One-process options on two ranks (the same config on both): refused before any rank
+    # builds a model, by each rank alike.
+    timeout -k 5 60 "${launch[@]}" -np 2 "$bin" train "${common[@]}" --set bf16.enabled=true \
+      --set train.split_master=true --set train.bf16_expert_grads=true \
+      --set gradient_accumulation_steps=1 --set "train.out_dir=\"$work/one\"" \
+      >"$work/mismatch.log" 2>&1
+    rc=$?
+    grep '^error' "$work/mismatch.log" | sort -u
+    [ "$rc" = 2 ] || { cat "$work/mismatch.log"; fail "bf16 expert gradients on 2 ranks: exit $rc, not 2"; }
+    grep -q "^error: config train.bf16_expert_grads: needs one process .* got 2 ranks" \
+      "$work/mismatch.log" || fail "no message naming train.bf16_expert_grads"
     ;;
   kill)
     cmd=("${launch[@]}" -np 2 "$bin" train "${common[@]}" --set train.max_steps=100000
