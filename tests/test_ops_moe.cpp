@@ -13,12 +13,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "catch.hpp"
+#include "common/float16.hpp"
 #include "moe/ops/linear.hpp"
 #include "moe/ops/permute.hpp"
 #include "moe/ops/router.hpp"
@@ -579,19 +579,8 @@ TEST_CASE("routing ops reject bad indices and shapes") {
 
 namespace {
 
-// Round to nearest even, written here apart from the ops' own conversion (finite values only).
-uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-float bf16_value(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using float16::bf16_to_float;
+using float16::float_to_bf16;
 
 // A host bf16 tensor of raw bits.
 struct Bf16Buf {
@@ -608,7 +597,7 @@ struct Bf16Buf {
 std::vector<uint16_t> random_bf16(size_t n, uint64_t seed) {
   const Buf<double> r = random_buf({static_cast<int64_t>(n)}, seed);
   std::vector<uint16_t> bits(n);
-  for (size_t i = 0; i < n; ++i) bits[i] = bf16_bits(static_cast<float>(r.v[i]));
+  for (size_t i = 0; i < n; ++i) bits[i] = float_to_bf16(static_cast<float>(r.v[i]));
   return bits;
 }
 
@@ -621,9 +610,9 @@ std::vector<uint16_t> rounded_dw(const std::vector<float>& sums, const std::vect
   for (size_t i = 0; i < sums.size(); ++i) {
     const size_t e = i / per_expert;
     const bool empty = offsets[e] == offsets[e + 1];
-    want[i] = overwrite ? bf16_bits(sums[i])
+    want[i] = overwrite ? float_to_bf16(sums[i])
               : empty   ? dw0[i]
-                        : bf16_bits(bf16_value(dw0[i]) + sums[i]);
+                        : float_to_bf16(bf16_to_float(dw0[i]) + sums[i]);
   }
   return want;
 }

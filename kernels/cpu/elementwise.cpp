@@ -25,11 +25,14 @@ namespace {
 
 constexpr int64_t kReduceChunk = 1 << 14;  // fixed chunk of the deterministic reduction
 
-// sum(x^2) over x[begin, end), accumulated in double.
+// sum(x^2) over x[begin, end), accumulated in double (16-bit storage widened exactly).
 template <class T>
 double sum_squares_range(const T* x, int64_t begin, int64_t end) {
   double s = 0;
-  for (int64_t i = begin; i < end; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  for (int64_t i = begin; i < end; ++i) {
+    const double v = widen<double>(x[i]);
+    s += v * v;
+  }
   return s;
 }
 
@@ -130,9 +133,10 @@ void scale(Ctx& ctx, Tensor x, double alpha) {
 // out: [1] f64 (+=), x: any float tensor.
 void sum_squares(Ctx& ctx, Tensor out, Tensor x) {
   check_sum_squares_args(out);
-  dispatch_float(x.dtype, "sum_squares", [&](auto zero) {
+  // (any float storage, as the CUDA op: bf16 expert gradients, train.bf16_expert_grads)
+  dispatch_any_float(x.dtype, "sum_squares", [&](auto zero) {
     using T = decltype(zero);
-    const T* p = x.ptr<T>();
+    const T* p = static_cast<const T*>(x.data);  // (ptr<T> knows no Half / BFloat16)
     out.ptr<double>()[0] += chunked_sum(
         x.numel(), [&](int64_t begin, int64_t end) { return sum_squares_range(p, begin, end); });
   });

@@ -99,25 +99,10 @@ void adamw_step(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const AdamWArg
   });
 }
 
-namespace {
-// grad_sq_out[0] += sum g^2: sum_squares's for f32; a bf16 g (which sum_squares, computing in
-// f32 / f64 on the CPU, does not take) in one double sum in element order.
-void add_grad_squares(Ctx& ctx, Tensor out, const Tensor& g) {
-  if (g.dtype != DType::bf16) return cpu::sum_squares(ctx, out, g);
-  const auto* gb = static_cast<const uint16_t*>(g.data);
-  double s = 0;
-  for (int64_t i = 0; i < g.numel(); ++i) {
-    const double x = float16::bf16_to_float(gb[i]);
-    s += x * x;
-  }
-  *out.ptr<double>() += s;
-}
-}  // namespace
-
 void adamw_step_split(Ctx& ctx, Tensor hi, Tensor lo, Tensor g, Tensor m, Tensor v,
                       const AdamWArgs& a) {
   check_adamw_step_split_args(hi, lo, g, m, v, a);
-  if (!a.grad_sq_out.empty()) add_grad_squares(ctx, a.grad_sq_out, g);  // g is only read below
+  if (!a.grad_sq_out.empty()) cpu::sum_squares(ctx, a.grad_sq_out, g);  // g is only read below
   double grad_scale = 1;
   if (!step_scale(a, &grad_scale)) return;
   const int64_t n = hi.numel();
