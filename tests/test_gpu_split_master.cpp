@@ -524,14 +524,14 @@ TEST_CASE("gpu model: bf16 expert gradients are the f32 ones rounded; the rest b
     const auto tg = tokens(b * t, m.vocab_size, 70 + step);
     // Step 0 clears every gradient first (the experts' too: their backward then adds onto
     // zeros); later steps leave the expert stacks to the backward to write, as training does.
-    auto run = [&](Model& model, AdamW& opt, Buffer& norm) {
+    auto run = [&](Model& model) {
       model.zero_grads(ctx, /*experts_by_backward=*/step > 0);
       model.reset_stats(ctx);
       model.upload_batch(ctx, ids.data(), tg.data());
       model.queue_forward_backward(ctx, 1.0);
       return model.read_stats(ctx);
     };
-    const Losses lw = run(wide, wide_opt, norm_w), ln = run(narrow, narrow_opt, norm_n);
+    const Losses lw = run(wide), ln = run(narrow);
     INFO("step " << step << ": loss " << ln.lm << " vs " << lw.lm);
     if (step == 0) {
       CHECK(ln.lm == lw.lm);
