@@ -18,6 +18,7 @@
 #include "moe/ops/optim.hpp"
 #include "train/grad_buckets.hpp"
 #include "train/loss_scaler.hpp"
+#include "train/run_dir_probe.hpp"
 #include "train/step_outcome.hpp"
 #include "moe/comm.hpp"
 #include "moe/data.hpp"
@@ -863,4 +864,43 @@ TEST_CASE("train: without clipping the norm comes from the update, the same run"
     CHECK(norms[0][i] > 0);
     CHECK(norms[1][i] == Approx(norms[0][i]).epsilon(1e-12));
   }
+}
+
+// The probe on one rank (tests/mpi/dp_train.sh runs it on two, in directories that differ). Root
+// may write anywhere, so the directory this rank "cannot write into" holds a directory where the
+// probe's files go: opening it for writing fails for every user.
+TEST_CASE("RunDirProbe: a rank sees its own token, or names the file it could not create",
+          "[train]") {
+  std::unique_ptr<Comm> comm = make_comm(RankInfo{}, Device{}, 5.0);
+  test::TempDir dir;
+  const std::string token = dir.file(".moe-train-ranks-probe");
+  {
+    const RunDirProbe probe(*comm, dir.path.string());
+    CHECK_THAT(probe.seen(),
+               Catch::Matchers::Matches("the one holding start-up token [0-9a-f]{16}"));
+    CHECK(std::filesystem::exists(token));  // until the ranks have compared
+  }
+  CHECK_FALSE(std::filesystem::exists(token));  // removed with the probe
+  // Two probes see two tokens (a fresh one per start-up, never an earlier run's).
+  std::string first, second;
+  { first = RunDirProbe(*comm, dir.path.string()).seen(); }
+  { second = RunDirProbe(*comm, dir.path.string()).seen(); }
+  CHECK(first != second);
+  // This rank's own file cannot be created: the message names it and why.
+  const std::string own = token + ".rank0";
+  std::filesystem::create_directories(own);
+  {
+    const RunDirProbe probe(*comm, dir.path.string());
+    CHECK_THAT(probe.seen(),
+               Catch::Matchers::StartsWith("not writable by rank 0 (cannot create " + own + ": "));
+  }
+  // Rank 0's token cannot be written either (the directory is in the token's place): the same
+  // message, and nothing of the probe's is removed that it did not make.
+  std::filesystem::create_directories(own);
+  std::filesystem::create_directories(token);
+  {
+    const RunDirProbe probe(*comm, dir.path.string());
+    CHECK_THAT(probe.seen(), Catch::Matchers::StartsWith("not writable by rank 0"));
+  }
+  CHECK(std::filesystem::is_directory(token));
 }
