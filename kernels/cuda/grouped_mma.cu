@@ -21,6 +21,7 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -277,14 +278,27 @@ void round_grouped_dw_bf16(Ctx& ctx, void* dw, const float* sums, const int32_t*
   MOE_CUDA_LAUNCH_CHECK();
 }
 
+float* bf16_dw_sums(Ctx& ctx, size_t floats) {
+  static std::mutex mutex;
+  // by device index; never destroyed (a cudaFree after the runtime's own teardown at exit)
+  static auto* buffers = new std::map<int, Buffer>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  Buffer& b = (*buffers)[ctx.device.index];
+  const size_t bytes = std::max<size_t>(16, floats * sizeof(float));
+  if (b.bytes() < bytes) {
+    b = Buffer();  // (freed first: the old and new sums need not fit at once)
+    b = Buffer(ctx.device, bytes);
+  }
+  return static_cast<float*>(b.data());
+}
+
 void grouped_mma_dw(Ctx& ctx, DType t, void* dw_out, DType dw_t, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                     bool overwrite) {
   if (grouped_sm90_dw(ctx, t, dw_out, dw_t, dy, x, offsets, experts, rows, out, in, overwrite))
     return;
   if (dw_t == DType::bf16) {  // the fp32 sums apart, then rounded (the fast path is sm_90's)
-    Buffer sums(ctx.device, std::max<size_t>(16, size_t(experts) * out * in * sizeof(float)));
-    float* s = static_cast<float*>(sums.data());
+    float* s = bf16_dw_sums(ctx, size_t(experts) * out * in);
     grouped_mma_dw(ctx, t, s, DType::f32, dy, x, offsets, experts, rows, out, in, true);
     round_grouped_dw_bf16(ctx, dw_out, s, offsets, experts, rows, out * in, overwrite);
     return;

@@ -93,8 +93,7 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
 // dtype t. An expert without rows leaves dw[e] untouched. overwrite: dw[e] = dy_e^T x_e (zeros
 // for an expert without rows); the sm_90 kernel stores instead of adding, the others run on a
 // zeroed dw. dw_t: f32, or bf16 beside bf16 t (linear.hpp's bf16 gradient form): natively on
-// sm_90, elsewhere the fp32 gradient into a temporary (allocated per call), then
-// round_grouped_dw_bf16.
+// sm_90, elsewhere the fp32 gradient into bf16_dw_sums' scratch, then round_grouped_dw_bf16.
 void grouped_mma_dw(Ctx& ctx, DType t, void* dw, DType dw_t, const void* dy, const void* x,
                     const int32_t* offsets, int experts, int64_t rows, int64_t out, int64_t in,
                     bool overwrite = false);
@@ -104,5 +103,12 @@ void grouped_mma_dw(Ctx& ctx, DType t, void* dw, DType dw_t, const void* dy, con
 // bits; sums: the fp32 gradient from zero (zeros for an expert without rows).
 void round_grouped_dw_bf16(Ctx& ctx, void* dw, const float* sums, const int32_t* offsets,
                            int experts, int64_t rows, int64_t per_expert, bool overwrite);
+
+// The fp32 sums of that form: `floats` floats of ctx's device, contents undefined (the callers
+// zero or overwrite them). One grow-only buffer per device, so a training step allocates it in its
+// first backward and never again (a cudaMalloc per call synchronised the device inside every
+// step); reused in stream order, as the dw kernel's flags are: the ops of one device run on one
+// stream (moe::gpu::default_stream).
+float* bf16_dw_sums(Ctx& ctx, size_t floats);
 
 }  // namespace moe::cuda_detail

@@ -28,8 +28,8 @@
 //   K-steps of 16. An expert with no rows returns before touching dw[e] (+= 0, bitwise unchanged).
 //   dw is acc_t<T> (fp32 for 16-bit x): the tile's fp32 sums are added to it without a 16-bit
 //   rounding. A bf16 dw (beside bf16 x: linear.hpp's bf16 gradient form) is native to the sm_90
-//   dw kernel only; every other path sums into an fp32 temporary from zero (allocated per call)
-//   and rounds it into dw once per element (round_grouped_dw_bf16).
+//   dw kernel only; every other path sums into an fp32 scratch from zero (bf16_dw_sums: one
+//   grow-only buffer per device) and rounds it into dw once per element (round_grouped_dw_bf16).
 // Offsets are clamped to [0, R] on the device, so malformed offsets (a caller bug; the CPU op
 // checks them) can leave rows unwritten but never read or write out of bounds.
 #include <algorithm>
@@ -413,8 +413,8 @@ void launch_grouped_dw(Ctx& ctx, Tensor dw, const Tensor& dy, const Tensor& x,
     return;
   }
   if constexpr (std::is_same_v<acc_t<T>, float>) {
-    Buffer sums(ctx.device, size_t(dw.numel()) * sizeof(float));  // zeroed
-    float* f = static_cast<float*>(sums.data());
+    float* f = bf16_dw_sums(ctx, size_t(dw.numel()));  // (the kernel adds: from zeros)
+    MOE_CUDA_CHECK(cudaMemsetAsync(f, 0, size_t(dw.numel()) * sizeof(float), stream_of(ctx)));
     grouped_dw_kernel<T><<<grid, kThreads, 0, stream_of(ctx)>>>(f, data_of<T>(dy), data_of<T>(x),
                                                                 off, s.rows, s.out, s.in);
     MOE_CUDA_LAUNCH_CHECK();
