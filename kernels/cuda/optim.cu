@@ -231,13 +231,7 @@ void adamw_step_cuda(Ctx& ctx, Tensor p, Tensor g, Tensor m, Tensor v, const Ada
 // train.bf16_expert_grads (2 of the 28 bytes an element moves). GradQuad<G>: four of them in
 // one load (16 bytes f32, 8 bf16), widened by as_float4.
 template <class G>
-struct GradQuad {
-  using type = Quad<G>;
-};
-template <>
-struct GradQuad<float> {
-  using type = float4;
-};
+using GradQuad = std::conditional_t<std::is_same_v<G, float>, float4, Quad<G>>;
 __device__ __forceinline__ float4 as_float4(const float4& q) {
   return q;
 }
@@ -275,7 +269,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class G, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     adamw_split_kernel_x4(ushort4* __restrict__ hi, ushort4* __restrict__ lo,
-                          const typename GradQuad<G>::type* __restrict__ g, float4* __restrict__ m,
+                          const GradQuad<G>* __restrict__ g, float4* __restrict__ m,
                           float4* __restrict__ v, int64_t quads, AdamConsts<float> c,
                           double* partial) {
   float grad_scale;
@@ -308,7 +302,7 @@ __global__ void __launch_bounds__(kThreads)
 template <class G>
 void launch_adamw_split(Ctx& ctx, uint16_t* hp, uint16_t* lp, const G* gp, float* mp, float* vp,
                         int64_t n, const AdamWArgs& a) {
-  using GQ = typename GradQuad<G>::type;
+  using GQ = GradQuad<G>;
   const AdamConsts<float> c = adam_consts<float>(a);
   int64_t done = 0;
   if (aligned_to(hp, 8) && aligned_to(lp, 8) && aligned_to(gp, sizeof(GQ)) && aligned_to(mp, 16) &&
