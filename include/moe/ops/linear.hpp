@@ -44,8 +44,9 @@ MOE_OP(grouped_linear_forward, (Ctx & ctx, Tensor y, Tensor x, Tensor w, Tensor 
 // torch._grouped_mm gradient, half the stores and the optimizer's reads. One exception: the sm_90
 // dw kernel splits a hot expert's rows into chunks that add to dw in chunk order (deterministic),
 // and in bf16 each chunk's addition is rounded, so such an expert's dw is rounded once per chunk.
-// Elsewhere (and where that kernel declines) the fp32 sums go through a temporary allocated per
-// call. The same holds for the ops below that take dw, dw1 / dw3 or dw2.
+// Elsewhere (and where that kernel declines) the fp32 sums go through a scratch buffer kept per
+// GPU, allocated by the first call. The same holds for the ops below that take dw, dw1 / dw3 or
+// dw2.
 MOE_OP(grouped_linear_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dy, Tensor x, Tensor w, Tensor offsets,
         bool dw_overwrite = false),
