@@ -122,6 +122,17 @@ else
   failures=$((failures + 1))
 fi
 
+# info names the bf16 expert gradients' fp32 sums that GPUs other than sm_90 add (moe-fine: 64
+# experts x 704 x 1024 x 4 bytes), and only where the config keeps those gradients in bf16
+fine=$("$bin" info --config "$src/configs/moe-fine.json" 2>&1)
+plain=$("$bin" info --config "$src/configs/moe-fine.json" --set train.bf16_expert_grads=false 2>&1)
+if grep -q "other than sm_90: + 176.0 MiB" <<<"$fine" && ! grep -q "other than sm_90" <<<"$plain"; then
+  echo "ok   info_bf16_dw_fallback_sums"
+else
+  echo "FAIL info_bf16_dw_fallback_sums: $(grep -c 'sm_90' <<<"$fine") / $(grep -c 'sm_90' <<<"$plain")"
+  failures=$((failures + 1))
+fi
+
 # --gpu-memory-limit is the key train.gpu_memory_limit_gib (the resolved config shows the flag's
 # value over the config's)
 out=$("$bin" train --config "$tiny" --device cpu --set train.gpu_memory_limit_gib=8 \
