@@ -115,12 +115,13 @@ void run_info(const ConfigFlags& f, int world_flag) {
   // Off sm_90 (A100, L40; or MOE_GROUPED_SM90=0) the grouped dw products sum a bf16 expert
   // stack's gradient in fp32 before rounding it, in one buffer per GPU of the largest stack's
   // size (kernels/cuda/grouped_mma.cu, bf16_dw_sums), which the plan above, made for the sm_90
-  // kernel, leaves out.
-  bool has_moe = false;
-  for (int l = 0; l < m.num_hidden_layers; ++l) has_moe = has_moe || m.is_moe_layer(l);
-  if (cfg.train.bf16_expert_grads && has_moe && m.num_local_experts > 0)
+  // kernel, leaves out. The stacks are the table's parameters with stack > 1.
+  size_t largest_stack = 0;
+  for (const ParamInfo& p : plan.table().params)
+    if (p.stack > 1) largest_stack = std::max(largest_stack, p.numel());
+  if (cfg.train.bf16_expert_grads && largest_stack > 0)
     std::printf("  (GPUs other than sm_90: + %.1f MiB, the bf16 expert gradients' fp32 sums)\n",
-                mib(4.0 * m.num_local_experts * m.intermediate_size * m.hidden_size));
+                mib(4.0 * static_cast<double>(largest_stack)));
 
   // Per rank (per GPU) under data parallelism, as DeepSpeed's estimate_zero*_model_states_mem_needs
   // count it, with this trainer's buffers: P parameters, N ranks, c = compute-copy bytes per
