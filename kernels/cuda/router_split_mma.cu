@@ -13,16 +13,19 @@
 //   below 2^-24 of the largest), over k = E each, into one fp32 accumulator per element, added to
 //   the dx value read and rounded once.
 // - dw += dy^T x = (dy1 + dy2 + dy3)^T x, x exact in bf16: three products over the rows.
+// Measured (H100, moe-fine's 16,384 x 1,024 x 64; docs/perf.md, 39th session): forward 26 us,
+// backward 89 us, against ~140 us a layer for the split path's cuBLAS products and passes. By
+// arithmetic the backward is held by its mma.sync work (19 GFLOP: six dx terms, three dw
+// products; ~220 TFLOP/s), not by its ~100 MB (1.2 TB/s).
 // The backward is two kernels over the same work items: a block owns 128 columns of d and a fixed
 // group of 64-row tiles, and per tile splits the tile's dy rows into shared memory
 // ([part][row][expert]); 8 warps (2 x 4) each take 32 rows (dx) or 32 experts (dw) x 32 columns.
 // The dx kernel splits its W slice once ([part][col][expert]) and per k-step loads the three dy
-// parts' fragments once for the six terms (12 ldmatrix for 48 mma: shared-memory bandwidth, not
-// the tensor cores, bounds these small-k products), with the tile's old dx values loaded before
-// its products. The dw kernel copies the x tiles by cp.async a tile ahead and keeps its sums in
-// registers over the group. (One kernel doing both, first written, ran at 99 us a moe-fine layer:
-// with both accumulator sets live it had no registers left to hoist fragments or prefetch dx.)
-// Shared tiles are XOR-swizzled in 16-byte chunks (row r's chunk c at c ^ (r % 8)) so
+// parts' fragments once for the six terms (12 ldmatrix for 48 mma), with the tile's old dx values
+// loaded before its products. The dw kernel copies the x tiles by cp.async a tile ahead and keeps
+// its sums in registers over the group. (One kernel doing both, first written, ran at 99 us a
+// moe-fine layer: with both accumulator sets live it had no registers left to hoist fragments or
+// prefetch dx.) Shared tiles are XOR-swizzled in 16-byte chunks (row r's chunk c at c ^ (r % 8)) so
 // ldmatrix's eight row addresses hit eight different banks. Experts past E and rows past N are
 // zeros in shared memory (dx rows past N are neither read nor written).
 // - dw's row groups depend on N alone: each dw block writes its partial [E, 128 columns] to a
