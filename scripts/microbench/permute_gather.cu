@@ -124,6 +124,7 @@ int main() {
     auto refresh = [&] {
       copy_kernel<<<sms * 8, 256>>>(reinterpret_cast<uint4*>(x), reinterpret_cast<const uint4*>(x0),
                                     int64_t(xbytes / 16));
+      CK(cudaGetLastError());
     };
     std::vector<uint16_t> first, got(pbytes / 2);
     const size_t dram = xbytes + pbytes;
@@ -136,6 +137,7 @@ int main() {
         refresh();
         CK(cudaEventRecord(a));
         kernel<<<blocks, kThreads>>>(xp, x, rt, slots, s.d);
+        CK(cudaGetLastError());
         CK(cudaEventRecord(b));
         CK(cudaEventSynchronize(b));
         float ms = 0;
@@ -166,6 +168,8 @@ int main() {
     CK(cudaFree(x0));
     CK(cudaFree(xp));
     CK(cudaFree(rt));
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
   }
   return 0;
 }
