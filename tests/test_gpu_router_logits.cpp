@@ -13,7 +13,9 @@
 // one element off 16-byte alignment (the element-by-element path). The gate's shape (16-bit x,
 // E <= 8, aligned rows) has kernels of its own (the tf32 tensor-core product of router_fused.cu,
 // the one-pass backward of router_backward_rows.cu) with other summation orders, so there an
-// unaligned view runs the general kernels and is checked against the CPU op instead.
+// unaligned view runs the general kernels and is checked against the CPU op instead; so do the
+// wider bf16 gates whose backward runs on tensor cores (router_split_mma.cu: E <= 64, d a
+// multiple of 128).
 //
 // Also the bf16 split behind the wider router matmuls (split_bf16, sum_column_blocks bitwise the
 // CPU ops; linear_forward's fp32 y from bf16 operands against a double reference).
@@ -150,8 +152,25 @@ TEST_CASE("gpu router_logits: the gate's one-pass backward at every row-lane wid
   }
 }
 
+TEST_CASE("gpu router_logits: the wider bf16 gates' backward on tensor cores",
+          "[gpu][router_logits]") {
+  // router_split_mma.cu where the device has it (bf16, 16 < E <= 64 a multiple of 4, d a
+  // multiple of 128): one row group written straight into dw (N <= 512), several (the partials),
+  // a last tile of a few rows, E not a multiple of 16 (zero-padded experts), several column
+  // slices; the model's shape (moe-fine's gate: 32 row groups); E = 12 below the range. Elsewhere
+  // the general kernels run these.
+  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {{64, 128, 64},   {9, 1024, 64},
+                                                          {130, 384, 12},  {1000, 256, 32},
+                                                          {4099, 640, 20}, {16384, 1024, 64}};
+  for (auto [n, d, e] : shapes) {
+    INFO("tensor cores: " << router_logits_on_tensor_cores(gpu_ctx(), DType::bf16, n, e, d));
+    check_case(DType::bf16, n, d, e, 71 + uint64_t(n));
+  }
+}
+
 TEST_CASE("gpu router_logits: the backward without dx updates dw alone", "[gpu][router_logits]") {
-  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {{700, 1024, 4}, {50, 96, 8}};
+  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {
+      {700, 1024, 4}, {50, 96, 8}, {3000, 512, 64}, {200, 128, 16}};
   for (DType dt : {DType::bf16, DType::f32})
     for (auto [n, d, e] : shapes) {
       INFO(dtype_name(dt) << " N=" << n << " d=" << d << " E=" << e);
@@ -177,7 +196,8 @@ TEST_CASE("gpu router_logits: results do not depend on the alignment of the view
     for (int64_t e : {8, 64}) {
       INFO(dtype_name(dt) << " E=" << e);
       const Inputs in(dt, 203, 1024, e, 31);
-      const bool own_kernels = (dt == DType::bf16 || dt == DType::f16) && e <= 8;
+      const bool own_kernels = ((dt == DType::bf16 || dt == DType::f16) && e <= 8) ||
+                               router_logits_on_tensor_cores(gpu_ctx(), dt, 203, e, 1024);
       if (own_kernels) {
         check_case(dt, 203, 1024, e, 31, /*offset=*/1);
         continue;

@@ -653,7 +653,8 @@ void router_logits_forward(Ctx& ctx, Tensor logits, Tensor x, Tensor w) {
     MOE_CUDA_CHECK(cudaMemsetAsync(logits.data, 0, logits.nbytes(), stream));
     return;
   }
-  if (router_logits_forward_mma(ctx, logits, x, w)) return;  // E <= 8 on tensor cores
+  if (router_logits_forward_mma(ctx, logits, x, w)) return;        // E <= 8 on tensor cores
+  if (router_logits_forward_split_mma(ctx, logits, x, w)) return;  // wider bf16 gates
   dispatch_storage(x.dtype, "router_logits_forward", [&](auto zero) {
     using T = decltype(zero);
     // Experts per tile, rows per lane, chunks in flight: up to 8 experts the pass is memory
@@ -675,7 +676,8 @@ void router_logits_backward(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tens
   const RouterLogitsDims s = check_router_logits_backward_args(dx, dw, dlogits, x, w, ctx.device);
   check_int_sizes(s.d, s.e, "router_logits_backward");
   if (s.n == 0 || s.e == 0 || s.d == 0) return;  // dx += 0 and dw += 0 change no bits
-  if (router_logits_backward_rows(ctx, dx, dw, dlogits, x, w)) return;  // the gate's shape
+  if (router_logits_backward_rows(ctx, dx, dw, dlogits, x, w)) return;       // the gate's shape
+  if (router_logits_backward_split_mma(ctx, dx, dw, dlogits, x, w)) return;  // wider bf16 gates
   cudaStream_t stream = stream_of(ctx);
   dispatch_storage(x.dtype, "router_logits_backward", [&](auto zero) {
     using T = decltype(zero);

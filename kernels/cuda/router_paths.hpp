@@ -14,6 +14,13 @@ bool router_logits_forward_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w);
 bool router_logits_backward_rows(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
                                  Tensor w);
 
+// logits = x w^T, and dx += dl w (unless dx is empty) with dw += dl^T x, on bf16 tensor cores with
+// every fp32 operand split exactly into three bf16 parts (router_split_mma.cu): sm_80+ device
+// code, bf16 x, 16 < E <= 64 and a multiple of 4, d a multiple of 128 up to 8192.
+bool router_logits_forward_split_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w);
+bool router_logits_backward_split_mma(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
+                                      Tensor w);
+
 // mod_select's selection of f32 scores (mod.cu; the common-digit skip under MOE_MOD_SELECT_SKIP),
 // launched as the programmatic dependent of the kernel just queued that writes the scores
 // (mod_route on sm_90 devices, unless MOE_MOD_ROUTE_PDL=0): its blocks can be resident before that

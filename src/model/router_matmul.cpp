@@ -17,6 +17,10 @@
 //   A = [a1 a2 a3] and dw += blocks 0 + 1 + 2.
 // Measured on the H200 (12th session): moe-fine (E = 64) 250,015 -> 255,637 tok/s, the same
 // losses to 4 digits; the cuBLAS fp32 path stays for fp16 / fp32 runs and the comparison.
+// Where router_logits_forward and _backward run their bf16 tensor-core passes for the shape
+// (16 < E <= 64, sm_80+: the same parts, split as they are loaded, no [N, 3E] or [N, 6E] buffers
+// and no summing passes; dx from the three largest of the six terms, ops/router.hpp), the split
+// path takes those ops instead (unless MOE_ROUTER_SPLIT_MMA=0).
 #include <cstdlib>
 #include <string>
 
@@ -41,6 +45,14 @@ bool fused(const Tensor& w) {
 bool fused_routing(const Tensor& w) {
   const char* v = std::getenv("MOE_ROUTER_FUSED");
   return fused(w) && (v == nullptr || std::string(v) != "0");
+}
+
+// The split path's one-op form (the top comment), unless MOE_ROUTER_SPLIT_MMA=0: read at every
+// call, as split_path.
+bool split_in_one_op(Ctx& ctx, Tensor x, Tensor w) {
+  const char* v = std::getenv("MOE_ROUTER_SPLIT_MMA");
+  return (v == nullptr || std::string(v) != "0") &&
+         router_logits_on_tensor_cores(ctx, x.dtype, x.size(0), w.size(0), x.size(1));
 }
 
 // The bf16 tensor-core path (see the top comment): bf16 compute, an fp32 master w, the switch
@@ -71,7 +83,7 @@ Tensor in_acc_dtype(Ctx& ctx, const LayerEnv& env, Tensor x) {
 }  // namespace
 
 void router_matmul_forward(Ctx& ctx, const LayerEnv& env, Tensor y, Tensor x, Tensor w) {
-  if (fused(w)) {
+  if (fused(w) || (split_path(env) && split_in_one_op(ctx, x, w))) {
     router_logits_forward(ctx, y, x, w);
     return;
   }
@@ -114,7 +126,7 @@ void split_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor 
 
 void router_matmul_backward(Ctx& ctx, const LayerEnv& env, Tensor dx, Tensor dw, Tensor dy,
                             Tensor x, Tensor w) {
-  if (fused(w)) {
+  if (fused(w) || (split_path(env) && split_in_one_op(ctx, x, w))) {
     router_logits_backward(ctx, dx, dw, dy, x, w);
     return;
   }

@@ -68,14 +68,40 @@ MOE_OP(add_counts, (Ctx & ctx, Tensor acc, Tensor counts), (ctx, acc, counts))
 // logits = x w^T in acc_dtype(x) arithmetic (x widened exactly; fp32 for f32/f16/bf16 x, f64 for
 // f64 x). logits: [N, E] acc_dtype(x); x: [N, d] any float dtype; w: [E, d] acc_dtype(x) (the
 // master gate weights). On CUDA at the MoE gate's shape (sm_80+, 16-bit x, d a multiple of 8,
-// E <= 8) the product runs on tensor cores as router_forward's (exact tf32 parts, fp32 sums).
+// E <= 8) the product runs on tensor cores as router_forward's (exact tf32 parts, fp32 sums);
+// for the wider bf16 gates (below: router_logits_on_tensor_cores) on bf16 tensor cores with w
+// split exactly into three bf16 parts: the logits agree with the CPU op to fp32 rounding.
 MOE_OP(router_logits_forward, (Ctx & ctx, Tensor logits, Tensor x, Tensor w), (ctx, logits, x, w))
 // dx += dlogits w (accumulated in acc arithmetic onto dx's value and rounded once to dx's dtype =
 // x's dtype; skipped when dx is empty: the MoD predictor's input is stop-gradient), dw +=
 // dlogits^T x (acc dtype). dlogits: [N, E] acc dtype. On CUDA at the gate's shape (16-bit x,
 // E <= 8, d a multiple of 8 up to 2048) dx and dw come from one pass over the rows.
+// On CUDA with sm_80 tensor cores, bf16 x, 16 < E <= 64 a multiple of 4 and d a multiple of 128
+// (the wider gates: moe-fine's 64 experts) it runs on bf16 tensor cores with dlogits and w split
+// exactly into three bf16 parts (every product exact): dw agrees with the CPU op to fp32 rounding
+// of the sums; dx takes the three largest cross terms of the parts (dl1 w1, dl1 w2, dl2 w1; the
+// others are below 2^-16 of the largest, 2^-7 of dx's bf16 rounding step), so it rounds as the
+// fp32 product would in all but a fraction of a percent of elements, one bf16 step off there.
 MOE_OP(router_logits_backward,
        (Ctx & ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x, Tensor w),
        (ctx, dx, dw, dlogits, x, w))
+// Whether router_logits_forward and _backward take those bf16 tensor-core passes for an [N, d] x
+// of dtype dt and E experts on ctx's device (16-byte aligned tensors assumed, as arena allocations
+// are; d up to 8192). Decided from sizes and the device alone, so the planning dry run and the
+// step agree.
+#ifdef MOE_WITH_CUDA
+namespace cuda {
+inline bool (*router_logits_on_tensor_cores)(DType dt, int64_t n, int64_t e, int64_t d) = nullptr;
+}
+#endif
+inline bool router_logits_on_tensor_cores(const Ctx& ctx, DType dt, int64_t n, int64_t e,
+                                          int64_t d) {
+#ifdef MOE_WITH_CUDA
+  if (ctx.device.type == DeviceType::cuda && cuda::router_logits_on_tensor_cores)
+    return cuda::router_logits_on_tensor_cores(dt, n, e, d);
+#endif
+  (void)ctx, (void)dt, (void)n, (void)e, (void)d;
+  return false;
+}
 
 }  // namespace moe
