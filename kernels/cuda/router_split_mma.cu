@@ -88,6 +88,16 @@ __device__ __forceinline__ uint32_t swz(int row, int col, int row_bytes) {
   return row * row_bytes + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 16 + (col & 7) * 2;
 }
 
+// ldmatrix_x4's lane addresses in a swizzled [row][expert] tile of kExpertRowBytes rows, k-step
+// k16: the A fragment of rows r0 .. r0 + 15 (four 8 x 8 matrices: rows +0 / +8, experts +0 / +8)
+// and the B fragments of rows r0 .. r0 + 15 taken as two n8 halves (rows +0 / +8 outermost).
+__device__ __forceinline__ uint32_t a_fragment_at(int r0, int k16, int lane) {
+  return swz(r0 + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * k16 + 8 * (lane >> 4), kExpertRowBytes);
+}
+__device__ __forceinline__ uint32_t b_fragment_at(int r0, int k16, int lane) {
+  return swz(r0 + (lane & 7) + 8 * (lane >> 4), 16 * k16 + 8 * ((lane >> 3) & 1), kExpertRowBytes);
+}
+
 // The three bf16 parts of v (bf16_split.cu's split3: the same operations).
 __device__ __forceinline__ void split3(float v, bf16 (&p)[kParts]) {
   p[0] = __float2bfloat16_rn(v);
@@ -225,9 +235,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi)
             ldmatrix_x4<false>(a[p][mi],
-                               ap + p * kDyPartBytes +
-                                   swz(32 * wm + 16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1),
-                                       16 * k16 + 8 * (lane >> 4), kExpertRowBytes));
+                               ap + p * kDyPartBytes + a_fragment_at(32 * wm + 16 * mi, k16, lane));
             // W's parts q from the smallest, each against the dy parts p with p + q < kDxParts
             // (0-based), the smaller terms first.
 #pragma unroll
@@ -235,9 +243,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           uint32_t b[2][4];
 #pragma unroll
           for (int np = 0; np < 2; ++np)
-            ldmatrix_x4<false>(b[np], ws + q * kWPartBytes +
-                                          swz(32 * wn + 16 * np + (lane & 7) + 8 * (lane >> 4),
-                                              16 * k16 + 8 * ((lane >> 3) & 1), kExpertRowBytes));
+            ldmatrix_x4<false>(b[np],
+                               ws + q * kWPartBytes + b_fragment_at(32 * wn + 16 * np, k16, lane));
 #pragma unroll
           for (int p = kDxParts - 1 - q; p >= 0; --p)
 #pragma unroll
@@ -453,16 +460,14 @@ __global__ void __launch_bounds__(kThreads, 1)
         uint32_t a[2][4];
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi)
-          ldmatrix_x4<false>(a[mi], xt + swz(32 * wm + 16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1),
-                                             16 * k16 + 8 * (lane >> 4), kExpertRowBytes));
+          ldmatrix_x4<false>(a[mi], xt + a_fragment_at(32 * wm + 16 * mi, k16, lane));
 #pragma unroll
         for (int p = kParts - 1; p >= 0; --p) {
           uint32_t b[2][4];
 #pragma unroll
           for (int np = 0; np < 2; ++np)
-            ldmatrix_x4<false>(b[np], wt + p * kFwdWPartBytes +
-                                          swz(32 * wn + 16 * np + (lane & 7) + 8 * (lane >> 4),
-                                              16 * k16 + 8 * ((lane >> 3) & 1), kExpertRowBytes));
+            ldmatrix_x4<false>(
+                b[np], wt + p * kFwdWPartBytes + b_fragment_at(32 * wn + 16 * np, k16, lane));
 #pragma unroll
           for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
