@@ -156,12 +156,13 @@ TEST_CASE("gpu router_logits: the wider bf16 gates' backward on tensor cores",
           "[gpu][router_logits]") {
   // router_split_mma.cu where the device has it (bf16, 16 < E <= 64 a multiple of 4, d a
   // multiple of 128): one row group written straight into dw (N <= 512), several (the partials),
-  // a last tile of a few rows, E not a multiple of 16 (zero-padded experts), several column
-  // slices; the model's shape (moe-fine's gate: 32 row groups); E = 12 below the range. Elsewhere
-  // the general kernels run these.
-  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {{64, 128, 64},   {9, 1024, 64},
-                                                          {130, 384, 12},  {1000, 256, 32},
-                                                          {4099, 640, 20}, {16384, 1024, 64}};
+  // a last tile of a few rows, E not a multiple of 16 (zero-padded experts; E = 36 leaves the
+  // second half of the experts partly padded), several column slices; the model's shape
+  // (moe-fine's gate: 32 row groups); the partials' cap binding (d = 4096: 8 groups of 16 tiles);
+  // E = 12 below the range. Elsewhere the general kernels run these.
+  const std::tuple<int64_t, int64_t, int64_t> shapes[] = {
+      {64, 128, 64},   {9, 1024, 64},   {130, 384, 12},    {1000, 256, 32},
+      {4099, 640, 20}, {2000, 512, 36}, {16384, 1024, 64}, {8192, 4096, 64}};
   for (auto [n, d, e] : shapes) {
     INFO("tensor cores: " << router_logits_on_tensor_cores(gpu_ctx(), DType::bf16, n, e, d));
     check_case(DType::bf16, n, d, e, 71 + uint64_t(n));

@@ -30,7 +30,8 @@
 // are XOR-swizzled in 16-byte chunks (row r's chunk c at c ^ (r % 8)) so ldmatrix's eight row
 // addresses hit eight different banks. Experts past E and rows past N are zeros in shared memory
 // (dx rows past N are neither read nor written).
-// - dw's row groups depend on N alone: each dw block writes its partial [E, 128 columns] to a
+// - dw's row groups depend on the shape alone (N, and E and d through the partials' cap:
+//   row_groups): each dw block writes its partial [E, 128 columns] to a
 //   device scratch and add_column_partials (column_partials.cuh) adds the groups' partials to dw
 //   in a fixed order, so dw is bitwise the same on every run and device (no atomics); every other
 //   sum is per element in a fixed order.
@@ -60,7 +61,8 @@ constexpr int kE = 64;         // experts, zero-padded
 constexpr int kRows = 64;      // rows of a backward tile
 constexpr int kCols = 128;     // columns of d a backward block owns
 constexpr int kParts = 3;
-constexpr int64_t kTilesPerGroup = 8;  // row tiles a backward block walks (at least)
+constexpr int64_t kTilesPerGroup = 8;  // row tiles a backward block walks (at most, unless
+                                       // the partials' cap binds: row_groups)
 // dx's cross terms: the parts p of dy and q of w with p + q < kDxParts (0-based; see the top
 // comment).
 constexpr int kDxParts = 2;
@@ -74,7 +76,8 @@ constexpr int kXTileBytes = kRows * kColRowBytes;      // an x tile: [kRows][kCo
 constexpr size_t kDxSmemBytes = size_t(kParts) * (kWPartBytes + kDyPartBytes);    // 72 KiB
 constexpr size_t kDwSmemBytes = size_t(kParts) * kDyPartBytes + 2 * kXTileBytes;  // 56 KiB
 
-__device__ float g_router_split_partials[kScratchBytes / sizeof(float)];
+// (16-byte aligned: float2 stores; the other global takes 16-byte cp.async reads)
+__device__ __align__(16) float g_router_split_partials[kScratchBytes / sizeof(float)];
 struct SplitPartials {  // for add_column_partials
   template <class A>
   __device__ static const A* get() {
@@ -389,7 +392,7 @@ constexpr int kFwdStageBytes = kFwdXBytes + kParts * kFwdWPartBytes;
 constexpr size_t kFwdSmemBytes = size_t(2) * kFwdStageBytes;
 static_assert(kFwdK * 2 == kExpertRowBytes, "a stage's rows are 128 bytes, as the expert rows");
 
-__device__ uint16_t g_router_w_parts[size_t(kParts) * kE * kMaxSplitD];
+__device__ __align__(16) uint16_t g_router_w_parts[size_t(kParts) * kE * kMaxSplitD];
 
 // W's parts into g_router_w_parts (a grid-stride loop over [kE, d]).
 __global__ void split_w_kernel(const float* __restrict__ w, int64_t d, int n_exp) {

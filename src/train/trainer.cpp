@@ -473,8 +473,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   const int max_steps = cfg.train.max_steps;
   // Nothing clipped or skipped (no clipping, no loss scale) and the whole update on the device:
   // the gradient norm, then only logged, comes out of the update's own read of the gradients
-  // (AdamW::step's norm_out) instead of a pass of its own, and is read at log steps. A
-  // non-finite gradient then shows as a non-finite loss at the next step.
+  // (AdamW::step's norm_out) instead of a pass of its own, at log steps only, where it is read
+  // (the update without the norm's sums moves its bytes ~6% faster: docs/perf.md, 40th session).
+  // A non-finite gradient then shows as a non-finite loss at the next step.
   const bool norm_from_update =
       cfg.gradient_clipping <= 0 && !scaler.enabled() && optimizer.updates_whole_on_device();
   if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
@@ -518,8 +519,10 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     auto t0 = Clock::now();
     dp.reduce_gradients_and_stats(model);
     if (dp.gradients_on_host()) optimizer.gradients_on_host();
+    const bool last = step + 1 == max_steps;
+    const bool log_now = (step + 1) % cfg.train.log_interval == 0 || last;
     if (norm_from_update) {
-      optimizer.step(ctx, model, lr, 1.0 / loss_scale, Tensor(), 0, norm_sq_t);
+      optimizer.step(ctx, model, lr, 1.0 / loss_scale, Tensor(), 0, log_now ? norm_sq_t : Tensor());
     } else {
       dp.queue_grad_norm_sq(ctx, model, norm_sq_t);
       optimizer.step(ctx, model, lr, 1.0 / loss_scale, norm_sq_t, cfg.gradient_clipping);
@@ -533,8 +536,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     if (world > 1) {  // read_stats divided by this rank's micro-batches; the sums cover all ranks
       sum.lm /= world, sum.aux /= world, sum.z /= world, sum.mod_pred /= world;
     }
-    const bool last = step + 1 == max_steps;
-    const bool log_now = (step + 1) % cfg.train.log_interval == 0 || last;
     double gnorm_sq = 0;  // from the update: read at log steps only (0 between them)
     if (!norm_from_update || log_now) {
       if (norm_from_update) optimizer.join(ctx);  // an overlapped update writes it

@@ -88,7 +88,8 @@ MOE_OP(router_logits_backward,
 // Whether router_logits_forward and _backward take those bf16 tensor-core passes for an [N, d] x
 // of dtype dt and E experts on ctx's device (16-byte aligned tensors assumed, as arena allocations
 // are; d up to 8192). Decided from sizes and the device alone, so the planning dry run and the
-// step agree.
+// step agree. (The ops themselves still take the general kernels, same contract but slower, for
+// views not 16-byte aligned or, in the backward, a dx that overlaps x.)
 #ifdef MOE_WITH_CUDA
 namespace cuda {
 inline bool (*router_logits_on_tensor_cores)(DType dt, int64_t n, int64_t e, int64_t d) = nullptr;
