@@ -159,10 +159,11 @@ TEST_CASE("gpu router_logits: the wider bf16 gates' backward on tensor cores",
   // a last tile of a few rows, E not a multiple of 16 (zero-padded experts; E = 36 leaves the
   // second half of the experts partly padded), several column slices; the model's shape
   // (moe-fine's gate: 32 row groups); the partials' cap binding (d = 4096: 8 groups of 16 tiles);
-  // E = 12 below the range. Elsewhere the general kernels run these.
+  // d = 8192, the widest the W parts' buffer holds, and 8320 past it; E = 12 below the range.
+  // Elsewhere the general kernels run these.
   const std::tuple<int64_t, int64_t, int64_t> shapes[] = {
-      {64, 128, 64},   {9, 1024, 64},   {130, 384, 12},    {1000, 256, 32},
-      {4099, 640, 20}, {2000, 512, 36}, {16384, 1024, 64}, {8192, 4096, 64}};
+      {64, 128, 64},   {9, 1024, 64},     {130, 384, 12},   {1000, 256, 32}, {4099, 640, 20},
+      {2000, 512, 36}, {16384, 1024, 64}, {8192, 4096, 64}, {600, 8192, 64}, {300, 8320, 64}};
   for (auto [n, d, e] : shapes) {
     INFO("tensor cores: " << router_logits_on_tensor_cores(gpu_ctx(), DType::bf16, n, e, d));
     check_case(DType::bf16, n, d, e, 71 + uint64_t(n));
