@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "common/bf16_split_checks.hpp"
+#include "cuda/bf16_parts.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/vec16.cuh"
 #include "moe/ops/bf16_split.hpp"
@@ -35,19 +36,6 @@ Indices indices_of(const std::vector<int>& list) {
   return r;
 }
 
-// The three bf16 parts of an fp32 value (v = p1 + p2 + p3 exactly where the exponents allow).
-struct Parts {
-  __nv_bfloat16 p[3];
-};
-__device__ __forceinline__ Parts split3(float v) {
-  Parts r;
-  r.p[0] = __float2bfloat16_rn(v);
-  const float r1 = __fsub_rn(v, __bfloat162float(r.p[0]));
-  r.p[1] = __float2bfloat16_rn(r1);
-  r.p[2] = __float2bfloat16_rn(__fsub_rn(r1, __bfloat162float(r.p[1])));
-  return r;
-}
-
 // A thread per group of V columns of a row (V = 4: one 16-byte load and 8-byte stores a part;
 // else 1), I the index type (dispatch_groups below).
 template <int V, class I>
@@ -63,7 +51,7 @@ __global__ void split_bf16_kernel(__nv_bfloat16* dst, const float* src, I rows, 
     } else {
       v[0] = src[r * cols + c];
     }
-    Parts e[V];
+    Bf16Parts e[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) e[k] = split3(v[k]);
     for (int j = 0; j < parts.n; ++j) {

@@ -43,6 +43,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "cuda/bf16_parts.cuh"
 #include "cuda/column_partials.cuh"
 #include "cuda/cuda_common.cuh"
 #include "cuda/mma_common.cuh"
@@ -101,14 +102,6 @@ __device__ __forceinline__ uint32_t b_fragment_at(int r0, int k16, int lane) {
   return swz(r0 + (lane & 7) + 8 * (lane >> 4), 16 * k16 + 8 * ((lane >> 3) & 1), kExpertRowBytes);
 }
 
-// The three bf16 parts of v (bf16_split.cu's split3: the same operations).
-__device__ __forceinline__ void split3(float v, bf16 (&p)[kParts]) {
-  p[0] = __float2bfloat16_rn(v);
-  const float r1 = __fsub_rn(v, __bfloat162float(p[0]));
-  p[1] = __float2bfloat16_rn(r1);
-  p[2] = __float2bfloat16_rn(__fsub_rn(r1, __bfloat162float(p[1])));
-}
-
 __device__ __forceinline__ uint32_t bits2(bf16 lo, bf16 hi) {
   return uint32_t(__bfloat16_as_ushort(lo)) | (uint32_t(__bfloat16_as_ushort(hi)) << 16);
 }
@@ -156,11 +149,9 @@ struct DyRows {
       uint32_t words[kParts][4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        bf16 lo[kParts], hi[kParts];
-        split3(v[8 * half + 2 * j], lo);
-        split3(v[8 * half + 2 * j + 1], hi);
+        const Bf16Parts lo = split3(v[8 * half + 2 * j]), hi = split3(v[8 * half + 2 * j + 1]);
 #pragma unroll
-        for (int k = 0; k < kParts; ++k) words[k][j] = bits2(lo[k], hi[k]);
+        for (int k = 0; k < kParts; ++k) words[k][j] = bits2(lo.p[k], hi.p[k]);
       }
 #pragma unroll
       for (int k = 0; k < kParts; ++k)
@@ -195,12 +186,11 @@ __global__ void __launch_bounds__(kThreads, 2)
         const float vals[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          bf16 p[kParts];
-          split3(vals[j], p);
+          const Bf16Parts p = split3(vals[j]);
 #pragma unroll
           for (int k = 0; k < kParts; ++k)
             *reinterpret_cast<bf16*>(ws + k * kWPartBytes + swz(4 * q + j, e, kExpertRowBytes)) =
-                p[k];
+                p.p[k];
         }
       }
     }
@@ -399,10 +389,9 @@ __global__ void split_w_kernel(const float* __restrict__ w, int64_t d, int n_exp
   const int64_t n = int64_t(kE) * d;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * blockDim.x) {
-    bf16 p[kParts];
-    split3(i / d < n_exp ? w[i] : 0.0f, p);  // i = e d + k, w's own index for e < E
+    const Bf16Parts p = split3(i / d < n_exp ? w[i] : 0.0f);  // i = e d + k: w's own index, e < E
 #pragma unroll
-    for (int k = 0; k < kParts; ++k) g_router_w_parts[k * n + i] = __bfloat16_as_ushort(p[k]);
+    for (int k = 0; k < kParts; ++k) g_router_w_parts[k * n + i] = __bfloat16_as_ushort(p.p[k]);
   }
 }
 
