@@ -183,14 +183,17 @@ TEST_CASE("gpu attention over several tiles matches the CPU reference", "[gpu][a
 // The sm_90 wgmma kernels (attention_sm90.cu) and the sm_80 mma.sync ones in one process:
 // MOE_ATTENTION_SM90=0 declines the first (on a device or build without sm_90a both settings run
 // the sm_80 kernels), and the sm_90 backward runs as one kernel (attention_sm90_fused_backward.cu,
-// MOE_ATTENTION_FUSED_BWD=1) and as two (=0). One row (T = 1), the edges of the 64-row tiles (63,
-// 64, 65) and of the 128-row blocks (127, 128, 129), several tiles with a ragged end (200), a long
-// sequence (1024); GQA (2 and 4 query heads per kv head) and MHA.
+// MOE_ATTENTION_FUSED_BWD=1; its passes over the query tiles alternating direction, and with
+// MOE_ATTENTION_ZIGZAG=0 all one way) and as two (=0). One row (T = 1), the edges of the 64-row
+// tiles (63, 64, 65) and of the 128-row blocks (127, 128, 129), several tiles with a ragged end
+// (200), a long sequence (1024); GQA (2 and 4 query heads per kv head) and MHA.
 TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the CPU reference",
           "[gpu][attention]") {
-  const std::string kernel = GENERATE(as<std::string>{}, "sm90-fused", "sm90", "sm80");
+  const std::string kernel =
+      GENERATE(as<std::string>{}, "sm90-fused", "sm90-fused-one-way", "sm90", "sm80");
   setenv("MOE_ATTENTION_SM90", kernel == "sm80" ? "0" : "1", 1);
-  setenv("MOE_ATTENTION_FUSED_BWD", kernel == "sm90-fused" ? "1" : "0", 1);
+  setenv("MOE_ATTENTION_FUSED_BWD", kernel.rfind("sm90-fused", 0) == 0 ? "1" : "0", 1);
+  setenv("MOE_ATTENTION_ZIGZAG", kernel == "sm90-fused-one-way" ? "0" : "1", 1);
   INFO("kernels " << kernel);
   for (DType dt : {DType::bf16, DType::f16}) {
     for (int64_t T : {1, 63, 64, 65, 127, 128, 129, 200}) {
@@ -201,6 +204,7 @@ TEST_CASE("gpu attention: the sm_90 and sm_80 kernels over tile edges match the 
   }
   unsetenv("MOE_ATTENTION_SM90");
   unsetenv("MOE_ATTENTION_FUSED_BWD");
+  unsetenv("MOE_ATTENTION_ZIGZAG");
 }
 
 // The model gives attention_backward its fp32 dq scratch only where attention_backward_wants_dq_acc

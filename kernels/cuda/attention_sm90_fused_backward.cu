@@ -22,7 +22,9 @@
 // buffers rotate by step, and two K / V sets by key tile (the next key tile's land while this
 // one's last steps run). Measured (docs/perf.md, 25th session): 7% under the two kernels at the
 // peer shape, far from the dq kernel's whole share: the chains' Q, dO, O and sums overflow L2.
+#include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "cuda/attention_sm90.cuh"
 
@@ -72,7 +74,14 @@ static_assert(Fused::kDsBytes % 1024 == 0, "1024-byte aligned dS^T buffers");
   return v;
 }
 
-template <class T>
+// kZigzag: the key tiles' passes over their query tiles alternate direction (odd key tiles walk
+// them from the last down to the diagonal), so each pass starts on the query tiles the previous
+// one read last, which are still in L2: the 132 chains' Q, dO, O and dq sums (~640 KiB each)
+// overflow it, and a pass in the same direction as the last one finds only what it evicted.
+// The dQ sums' key-tile order (and so their bits) is the same either way; dK and dV add their
+// query tiles in the pass's order. Measured (docs/perf.md, 41st session, H100, 16 x 1024 x 16 x
+// 64): 463 against 498 us.
+template <class T, bool kZigzag>
 __global__ void __launch_bounds__(kThreads, 1)
     flash_bwd_fused_sm90_kernel(const __grid_constant__ CUtensorMap map_q,
                                 const __grid_constant__ CUtensorMap map_do,
@@ -115,6 +124,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // a (query head, query tile) pair, head-major; `it` counts steps over the whole chain (the
     // ring's index).
     auto per_head = [&](int kb) { return q_tiles - 2 * kb; };
+    // The query tile of step i of key tile kb (ph = per_head(kb)): the pass's order (kZigzag).
+    auto q_tile_of = [&](int kb, int i, int ph) {
+      const int j = i % ph;
+      return 2 * kb + (kZigzag && (kb & 1) ? ph - 1 - j : j);
+    };
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
       release_registers<C::kProducerRegs>();
@@ -134,7 +148,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             if (it >= kS) mbar_wait(empty + 8 * s, ((it / kS) & 1) ^ 1u);
             load_step_tiles<C>(base + C::kRing0 + s * C::kStageBytes, landed + 8 * s, &map_q,
                                &map_do, &map_o, kvh * group + i / ph,
-                               static_cast<int32_t>((2 * kb + i % ph) * C::kBM), b);
+                               static_cast<int32_t>(q_tile_of(kb, i, ph) * C::kBM), b);
           }
         }
       } else if (threadIdx.x >= 64) {
@@ -148,7 +162,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int h = kvh * group + i / ph;
             helper_step<C, T>(base_ptr + C::kRing0 + s * C::kStageBytes, landed + 8 * s,
                               full + 8 * s, (it / kS) & 1, r, lse + (int64_t(b) * heads + h) * seq,
-                              int64_t(2 * kb + i % ph) * C::kBM, seq);
+                              int64_t(q_tile_of(kb, i, ph)) * C::kBM, seq);
           }
         }
       }
@@ -199,8 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // dQ's B: all 128 keys of K, MN-major, from column 32 g (64 bytes into each swizzled row:
       // the swizzle is applied on address bits, as for the K-major k16 steps' 32-byte moves).
       const uint64_t kq_desc = desc_at(mnmajor_desc(kv), 64 * g);
-      // Step `step`'s first query (of its query tile 2 kb + step % ph).
-      auto query0 = [&](int step) { return int64_t(2 * kb + step % ph) * C::kBM; };
+      // Step `step`'s first query (of its query tile q_tile_of(kb, step, ph)).
+      auto query0 = [&](int step) { return int64_t(q_tile_of(kb, step, ph)) * C::kBM; };
       // The step in stage st: its products (dkdv_scores, dkdv_accumulate) and elementwise part.
       auto scores = [&](int st) { dkdv_scores<T, C>(s, dp, k_desc, v_desc, q_tile(st)); };
       auto grads = [&](int step, int st) {
@@ -223,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // stored to dq. Rows past T are neither read nor written.
       auto finish_dq = [&](int step) {
         const int h = kvh * group + step / ph;
-        const bool first = kb == 0, last = step % ph < 2;
+        const bool first = kb == 0, last = q_tile_of(kb, step, ph) - 2 * kb < 2;
         float* acc = dq_acc + (int64_t(b) * heads + h) * seq * kD + 32 * g + 2 * t4;
         T* out = dq + (int64_t(b) * seq * heads + h) * kD + 32 * g + 2 * t4;
 #pragma unroll
@@ -333,12 +347,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <class T>
+// MOE_ATTENTION_ZIGZAG (read at every call): "0" walks every pass in the same direction; unset or
+// anything else alternates them (kZigzag).
+bool zigzag() {
+  const char* v = std::getenv("MOE_ATTENTION_ZIGZAG");
+  return v == nullptr || std::string(v) != "0";
+}
+
+template <class T, bool kZigzag>
 void launch(Ctx& ctx, DType t, void* dq, void* dk, void* dv, float* dq_acc, const void* dout,
             const void* q, const void* k, const void* v, const void* out, const float* lse,
             const AttentionShape& s) {
   using C = Fused;
-  auto kernel = flash_bwd_fused_sm90_kernel<T>;
+  auto kernel = flash_bwd_fused_sm90_kernel<T, kZigzag>;
   static std::once_flag once;
   std::call_once(once, [&] { allow_dynamic_smem(kernel, C::kSmem); });
   const DkdvMaps m = dkdv_maps(t, q, dout, k, v, out, s);
@@ -350,6 +371,16 @@ void launch(Ctx& ctx, DType t, void* dq, void* dk, void* dv, float* dq_acc, cons
   MOE_CUDA_LAUNCH_CHECK();
 }
 
+template <class T>
+void launch(Ctx& ctx, DType t, void* dq, void* dk, void* dv, float* dq_acc, const void* dout,
+            const void* q, const void* k, const void* v, const void* out, const float* lse,
+            const AttentionShape& s) {
+  if (zigzag())
+    launch<T, true>(ctx, t, dq, dk, dv, dq_acc, dout, q, k, v, out, lse, s);
+  else
+    launch<T, false>(ctx, t, dq, dk, dv, dq_acc, dout, q, k, v, out, lse, s);
+}
+
 }  // namespace
 
 namespace flash90 {
@@ -357,8 +388,10 @@ namespace flash90 {
 bool fused_backward_compiled_for_sm90a() {
 #ifdef MOE_WITH_SM90A
   auto is90 = [](int v) { return v >= 90 && v < 100; };
-  return is90(compiled_arch(flash_bwd_fused_sm90_kernel<__half>)) &&
-         is90(compiled_arch(flash_bwd_fused_sm90_kernel<__nv_bfloat16>));
+  return is90(compiled_arch(flash_bwd_fused_sm90_kernel<__half, true>)) &&
+         is90(compiled_arch(flash_bwd_fused_sm90_kernel<__nv_bfloat16, true>)) &&
+         is90(compiled_arch(flash_bwd_fused_sm90_kernel<__half, false>)) &&
+         is90(compiled_arch(flash_bwd_fused_sm90_kernel<__nv_bfloat16, false>));
 #else
   return false;
 #endif
