@@ -256,6 +256,58 @@ TEST_CASE("gpu attention: the backward wants the dq scratch exactly where it use
   CHECK(std::none_of(g.begin(), g.end(), [](double x) { return std::isnan(x); }));
 }
 
+// The one-kernel backward's passes alternate direction by default (MOE_ATTENTION_ZIGZAG): dq's
+// sums keep their key-tile order, so dq is the same bits as with every pass one way; dk and dv
+// add their query tiles in another order (close, not bitwise). T = 1000: eight key tiles with a
+// ragged last one, so four passes run backwards; GQA (2 query heads per kv head). Where the one
+// kernel does not run (no sm_90a), both settings run the same kernels.
+TEST_CASE("gpu attention: the one-kernel backward's dq is the same bits in either pass order",
+          "[gpu][attention]") {
+  const int64_t B = 3, T = 1000, nh = 4, nkv = 2, hd = 64;
+  Ctx ctx = gpu_ctx();
+  const size_t nq = static_cast<size_t>(B * T * nh * hd),
+               nk = static_cast<size_t>(B * T * nkv * hd);
+  auto q_like = [&](uint64_t seed) {
+    return on_device(DType::bf16, {B, T, nh, hd}, round_to(DType::bf16, random_values(nq, seed)));
+  };
+  auto kv_like = [&](uint64_t seed) {
+    return on_device(DType::bf16, {B, T, nkv, hd}, round_to(DType::bf16, random_values(nk, seed)));
+  };
+  DeviceTensor q = q_like(71), k = kv_like(72), v = kv_like(73), dout = q_like(74);
+  DeviceTensor out = poisoned(DType::bf16, {B, T, nh, hd}), lse = poisoned(DType::f32, {B, nh, T});
+  attention_forward(ctx, out, lse, q, k, v);
+  setenv("MOE_ATTENTION_FUSED_BWD", "1", 1);
+  struct Grads {
+    std::vector<double> dq, dk, dv;
+  };
+  auto backward = [&](const char* zigzag) {
+    setenv("MOE_ATTENTION_ZIGZAG", zigzag, 1);
+    DeviceTensor dq = poisoned(DType::bf16, {B, T, nh, hd}),
+                 dk = poisoned(DType::bf16, {B, T, nkv, hd}),
+                 dv = poisoned(DType::bf16, {B, T, nkv, hd}),
+                 acc = poisoned(DType::f32, {B, nh, T, hd});
+    attention_backward(ctx, dq, dk, dv, dout, q, k, v, out, lse, acc);
+    gpu::synchronize();
+    return Grads{download(dq), download(dk), download(dv)};
+  };
+  const Grads alternating = backward("1"), one_way = backward("0");
+  unsetenv("MOE_ATTENTION_ZIGZAG");
+  unsetenv("MOE_ATTENTION_FUSED_BWD");
+  CHECK(alternating.dq == one_way.dq);
+  auto close = [](const std::vector<double>& a, const std::vector<double>& b) {
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      worst = std::max(worst, std::abs(a[i] - b[i]));
+      scale = std::max(scale, std::abs(b[i]));
+    }
+    INFO("largest difference " << worst << " of " << scale);
+    CHECK(scale > 0);
+    CHECK(worst <= 1e-2 * scale);
+  };
+  close(alternating.dk, one_way.dk);
+  close(alternating.dv, one_way.dv);
+}
+
 TEST_CASE("gpu attention handles a head_dim that is not a multiple of 32", "[gpu][attention]") {
   check_attention(DType::f32, 40);
 }
