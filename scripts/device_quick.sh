@@ -69,7 +69,8 @@ for t in "${tests[@]}"; do
     -o "$OUT/$t.log"
 done
 {
-  echo "== $(cat "$OUT/gpu.txt"), $(git rev-parse --short HEAD 2>/dev/null)"
+  echo "== $(cat "$OUT/gpu.txt"), git $(git rev-parse --short HEAD 2>/dev/null) (may be stale)," \
+    "sources $(source_id)"
   cat "$OUT/steps.txt"
   echo "== peer table"
   cat "$OUT/peer/bench.txt" 2>/dev/null

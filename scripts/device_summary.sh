@@ -12,3 +12,11 @@ mod_ratio_line() {
 }
 # profile_table LOG [ROWS]: the --profile table's first ROWS lines (default 16).
 profile_table() { sed -n '/profile:/,/total/p' "$1" 2>/dev/null | head -"${2:-16}"; }
+# source_id: a fingerprint of the sources the build reads (CMake files, configs, include,
+# kernels, src, tests), to tie a device call's figures to a tree: the device copy's `git
+# rev-parse HEAD` can name an older base than the tree it was given. Run `source
+# scripts/device_summary.sh; source_id` here to compare.
+source_id() {
+  find CMakeLists.txt cmake configs include kernels src tests -type f 2>/dev/null | LC_ALL=C sort |
+    xargs cat 2>/dev/null | sha1sum | cut -c1-12
+}
