@@ -17,6 +17,6 @@ profile_table() { sed -n '/profile:/,/total/p' "$1" 2>/dev/null | head -"${2:-16
 # rev-parse HEAD` can name an older base than the tree it was given. Run `source
 # scripts/device_summary.sh; source_id` here to compare.
 source_id() {
-  find CMakeLists.txt cmake configs include kernels src tests -type f 2>/dev/null | LC_ALL=C sort |
+  find CMakeLists.txt configs include kernels src tests -type f 2>/dev/null | LC_ALL=C sort |
     xargs cat 2>/dev/null | sha1sum | cut -c1-12
 }
