@@ -158,8 +158,8 @@ struct DkdvGeometry {
   static constexpr int kHelpers = 64;
   static constexpr int kProducerRegs = 40, kMathRegs = 232;
 };
-static_assert(2 * 128 * DkdvGeometry::kMathRegs + 128 * DkdvGeometry::kProducerRegs <= 65536,
-              "register file");
+static_assert(setmaxnreg_fits(DkdvGeometry::kProducerRegs, DkdvGeometry::kMathRegs),
+              "setmaxnreg within the block");
 static_assert(DkdvGeometry::kKVBytes % 1024 == 0 && DkdvGeometry::kTileBytes % 1024 == 0 &&
                   DkdvGeometry::kStageBytes % 1024 == 0 &&
                   DkdvGeometry::kDsum + DkdvGeometry::kSumSlots * 4 <= DkdvGeometry::kStageBytes &&

@@ -51,7 +51,8 @@ __device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
 // registers they spilled (60, 12 and 4 bytes), at 88 not. 88 + 2 x 208 = 3 x 168, the block's
 // registers (setmaxnreg.inc only takes what a .dec gave back), and the math code fits 208.
 constexpr int kGatherProducerRegs = 88, kGatherMathRegs = 208;
-static_assert(kGatherProducerRegs + 2 * kGatherMathRegs <= 3 * 168, "setmaxnreg within the block");
+static_assert(setmaxnreg_fits(kGatherProducerRegs, kGatherMathRegs) && setmaxnreg_fits(40, 232),
+              "setmaxnreg within the block");
 
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
 __device__ int dw_flags[kDwMaxFlags];

@@ -27,8 +27,8 @@ constexpr int kRowsMathRegs = kSwiglu ? (kMulticast ? 224 : 232) : 216;
 constexpr int kDeferBarrier = 3;
 
 template <bool kSwiglu, bool kMulticast>
-constexpr bool kRowsRegsFit =
-    kRowsProducerRegs<kSwiglu, kMulticast> + 2 * kRowsMathRegs<kSwiglu, kMulticast> <= 3 * 168;
+constexpr bool kRowsRegsFit = setmaxnreg_fits(kRowsProducerRegs<kSwiglu, kMulticast>,
+                                              kRowsMathRegs<kSwiglu, kMulticast>);
 static_assert(kRowsRegsFit<false, false> && kRowsRegsFit<false, true> &&
                   kRowsRegsFit<true, false> && kRowsRegsFit<true, true>,
               "setmaxnreg within the block");

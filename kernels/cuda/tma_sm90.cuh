@@ -159,6 +159,12 @@ __device__ __forceinline__ void cluster_sync() {
 
 // Warp specialisation: the producer warpgroup gives registers back (kRegs per thread) so the
 // math warpgroups can take more; every warp of a warpgroup must execute the same call.
+// setmaxnreg.inc only takes what a .dec gave back within the block, whose registers are fixed at
+// launch: 168 a thread for 384 threads (65,536 / 384 in units of 8). A claim beyond it waits for
+// ever (the 42nd session's 32 + 2 x 240 hung), so every kernel asserts this for its pair.
+constexpr bool setmaxnreg_fits(int producer_regs, int math_regs) {
+  return producer_regs + 2 * math_regs <= 3 * 168;
+}
 template <int kRegs>
 __device__ __forceinline__ void release_registers() {
 #if MOE_HAS_WGMMA
