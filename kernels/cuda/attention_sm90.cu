@@ -60,11 +60,11 @@
 // MOE_WITH_SM90A). MOE_ATTENTION_SM90=0 declines both directions (enabled() below), so the tests
 // compare both paths in one process.
 #include <cmath>
-#include <cstdlib>
 #include <mutex>
 #include <string>
 
 #include "cuda/attention_sm90.cuh"
+#include "moe/env_switch.hpp"
 
 namespace moe::cuda_detail {
 namespace {
@@ -697,8 +697,7 @@ bool sm90_available(DType t) {
 // directions (B x T x H x hd = 16 x 1024 x 16 x 64: forward 136 against 245 us, backward 475
 // against 684; 4 x 4096 x 16 x 64: 347 against 879 and 1241 against 2318; docs/perf.md).
 bool enabled() {
-  const char* v = std::getenv("MOE_ATTENTION_SM90");
-  return v == nullptr || std::string(v) != "0";
+  return env_switch("MOE_ATTENTION_SM90", true);
 }
 
 // Whether the backward runs as one kernel (attention_sm90_fused_backward.cu) where the caller
@@ -711,9 +710,8 @@ bool use_fused(const AttentionShape& s) {
   static bool compiled = false;
   std::call_once(once, [] { compiled = fused_backward_compiled_for_sm90a(); });
   if (!compiled) return false;
-  const char* v = std::getenv("MOE_ATTENTION_FUSED_BWD");
-  if (v != nullptr && std::string(v) == "0") return false;
-  if (v != nullptr && std::string(v) == "1") return true;
+  if (!env_switch("MOE_ATTENTION_FUSED_BWD", true)) return false;
+  if (env_switch("MOE_ATTENTION_FUSED_BWD", false)) return true;
   const int64_t chains = s.batch * s.kv_heads, sms = device_sm_count();
   const int64_t waves = (chains + sms - 1) / sms;
   return 4 * chains >= 3 * waves * sms;

@@ -22,11 +22,10 @@
 // buffers rotate by step, and two K / V sets by key tile (the next key tile's land while this
 // one's last steps run). Measured (docs/perf.md, 25th session): 7% under the two kernels at the
 // peer shape, far from the dq kernel's whole share: the chains' Q, dO, O and sums overflow L2.
-#include <cstdlib>
 #include <mutex>
-#include <string>
 
 #include "cuda/attention_sm90.cuh"
+#include "moe/env_switch.hpp"
 
 namespace moe::cuda_detail {
 namespace {
@@ -350,8 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // MOE_ATTENTION_ZIGZAG (read at every call): "0" walks every pass in the same direction; unset or
 // anything else alternates them (kZigzag).
 bool zigzag() {
-  const char* v = std::getenv("MOE_ATTENTION_ZIGZAG");
-  return v == nullptr || std::string(v) != "0";
+  return env_switch("MOE_ATTENTION_ZIGZAG", true);
 }
 
 template <class T, bool kZigzag>

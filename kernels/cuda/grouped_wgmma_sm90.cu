@@ -50,6 +50,7 @@
 #include "cuda/grouped_sm90_dw.cuh"
 #include "cuda/grouped_sm90_parts.cuh"
 #include "cuda/grouped_sm90_rows.cuh"
+#include "moe/env_switch.hpp"
 
 namespace moe::cuda_detail {
 namespace {
@@ -514,8 +515,7 @@ bool grouped_sm90_swiglu(Ctx& ctx, DType t, void* gate, void* up, void* h, const
   const Mode m = mode();
   const int64_t stride = features * in;
   // MOE_SWIGLU_FUSED=0 (read at every call) declines: the bench and tests compare both paths.
-  const char* fused = std::getenv("MOE_SWIGLU_FUSED");
-  if ((fused != nullptr && std::string(fused) == "0") || row_w == nullptr || m == Mode::off ||
+  if (!env_switch("MOE_SWIGLU_FUSED", true) || row_w == nullptr || m == Mode::off ||
       m == Mode::narrow || !sm90_available(t, m) ||
       !rows_operands_fit(gate, x, w1, features, in, stride, true, rows, experts, kBM) ||
       !rows_operands_fit(up, x, w3, features, in, stride, true, rows, experts, kBM) ||

@@ -44,6 +44,7 @@
 #include "cuda/cuda_common.cuh"
 #include "cuda/grouped_mma.cuh"
 #include "cuda/grouped_tiles.cuh"
+#include "moe/env_switch.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
@@ -536,8 +537,7 @@ void grouped_linear_backward_gathered_cuda(Ctx& ctx, Tensor dx, Tensor dw, Tenso
 
 // MOE_GROUPED_PAIR=0 (read at every call): the pair's two products apart, to measure the one.
 bool pair_product_wanted() {
-  const char* v = std::getenv("MOE_GROUPED_PAIR");
-  return v == nullptr || std::string(v) != "0";
+  return env_switch("MOE_GROUPED_PAIR", true);
 }
 
 // grouped_linear_backward_pair_needs_dx2's answer on CUDA: pair_one_product's conditions from

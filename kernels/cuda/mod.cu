@@ -28,9 +28,7 @@
 // (scatter_all_forward_kernel: skipped rows copied, selected ones updated), where it was a copy of
 // x and then the selected rows' kernel: at moe-t4's 8192 x 512 the two took 9.9 us, 6.6 in one.
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
-#include <string>
 #include <utility>
 
 #include "common/mod_checks.hpp"
@@ -39,6 +37,7 @@
 #include "cuda/router_paths.hpp"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
+#include "moe/env_switch.hpp"
 #include "moe/ops/mod.hpp"
 
 namespace moe::cuda_detail {
@@ -358,8 +357,7 @@ unsigned row_blocks(int64_t rows) {
 // router's scores take both signs, so no digit is common and the skip's pass only adds time:
 // docs/perf.md, 34th session).
 bool select_skips_common() {
-  const char* v = std::getenv("MOE_MOD_SELECT_SKIP");
-  return v != nullptr && std::string(v) == "1";
+  return env_switch("MOE_MOD_SELECT_SKIP", false);
 }
 
 void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {

@@ -46,9 +46,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <mutex>
-#include <string>
 #include <type_traits>
 
 #include "common/mod_checks.hpp"
@@ -59,6 +57,7 @@
 #include "cuda/mod_select.cuh"
 #include "cuda/router_paths.hpp"
 #include "cuda/router_rows.cuh"
+#include "moe/env_switch.hpp"
 #include "moe/ops/mod.hpp"
 #include "moe/ops/router.hpp"
 
@@ -351,8 +350,7 @@ bool fused_path(Kernel kernel, const Tensor& x, const Tensor& w, int64_t n_exp) 
 // alone (17.3 against 17.8 us at moe-small's shape on an H100: docs/perf.md, 34th session).
 // MOE_MOD_ROUTE_PDL=0 (read at every call) keeps the one launch, for comparison.
 bool route_by_dependent_launch() {
-  const char* v = std::getenv("MOE_MOD_ROUTE_PDL");
-  if (v != nullptr && std::string(v) == "0") return false;
+  if (!env_switch("MOE_MOD_ROUTE_PDL", true)) return false;
   static const bool sm90 = [] {
     int dev = 0, major = 0;
     MOE_CUDA_CHECK(cudaGetDevice(&dev));

@@ -12,10 +12,10 @@
 // recomputed: the expert GEMMs read x's and dy's rows in expert order themselves, and the permuted
 // copies are never made; see gathers_expert_rows.)
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "model/layers.hpp"
+#include "moe/env_switch.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/elementwise.hpp"
 #include "moe/ops/linear.hpp"
@@ -87,8 +87,7 @@ MoeFfn::ExpertInputs MoeFfn::expert_inputs(Arena& scratch, bool rows_wanted) con
 // buffer of their own): no permuted copy of either is made. Off by default until measured
 // (docs/perf.md, 15th session).
 bool MoeFfn::gathers_expert_rows() const {
-  const char* v = std::getenv("MOE_PERMUTE_FUSED");
-  return v != nullptr && std::string(v) == "1" && env_.model.recomputes_expert_rows();
+  return env_switch("MOE_PERMUTE_FUSED", false) && env_.model.recomputes_expert_rows();
 }
 
 void MoeFfn::forward(Ctx& ctx, Tensor y, Tensor x, Tensor residual) {

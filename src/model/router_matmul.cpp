@@ -21,10 +21,9 @@
 // (16 < E <= 64, sm_80+: the same parts, split as they are loaded, no [N, 3E] or [N, 6E] buffers
 // and no summing passes; dx from the three largest of the six terms, ops/router.hpp), the split
 // path takes those ops instead (unless MOE_ROUTER_SPLIT_MMA=0).
-#include <cstdlib>
-#include <string>
 
 #include "model/layers.hpp"
+#include "moe/env_switch.hpp"
 #include "moe/memory.hpp"
 #include "moe/ops/bf16_split.hpp"
 #include "moe/ops/elementwise.hpp"
@@ -43,24 +42,21 @@ bool fused(const Tensor& w) {
 
 // The routers' one-op paths (router_forward, mod_route) unless MOE_ROUTER_FUSED=0.
 bool fused_routing(const Tensor& w) {
-  const char* v = std::getenv("MOE_ROUTER_FUSED");
-  return fused(w) && (v == nullptr || std::string(v) != "0");
+  return fused(w) && env_switch("MOE_ROUTER_FUSED", true);
 }
 
 // The split path's one-op form (the top comment), unless MOE_ROUTER_SPLIT_MMA=0: read at every
 // call, as split_path.
 bool split_in_one_op(Ctx& ctx, Tensor x, Tensor w) {
-  const char* v = std::getenv("MOE_ROUTER_SPLIT_MMA");
-  return (v == nullptr || std::string(v) != "0") &&
+  return env_switch("MOE_ROUTER_SPLIT_MMA", true) &&
          router_logits_on_tensor_cores(ctx, x.dtype, x.size(0), w.size(0), x.size(1));
 }
 
 // The bf16 tensor-core path (see the top comment): bf16 compute, an fp32 master w, the switch
 // not 0. Read at every call, so the planning dry run and the step agree.
 bool split_path(const LayerEnv& env) {
-  const char* v = std::getenv("MOE_ROUTER_SPLIT_BF16");
   return env.dtype == DType::bf16 && env.acc == DType::f32 &&
-         (v == nullptr || std::string(v) != "0");
+         env_switch("MOE_ROUTER_SPLIT_BF16", true);
 }
 
 // w [E, d] f32 as its bf16 parts, stacked as rows [P E, d] in the given order.
