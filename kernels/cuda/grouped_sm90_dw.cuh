@@ -47,11 +47,14 @@ __device__ __forceinline__ void gather_k_rows(uint32_t dst, int p, const T* src,
     copy_warp_lines(dst + j * Sw128::kBlockBytes, q & ~31, row, src, col0 + 64 * j, width);
 }
 
-// The gathering dw producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72
-// registers they spilled (60, 12 and 4 bytes), at 88 not. 88 + 2 x 208 = 3 x 168, the block's
-// registers (setmaxnreg.inc only takes what a .dec gave back), and the math code fits 208.
+// The dw kernels' register split: the producer's TMA thread needs little. The gathering dw
+// producer's 128 threads walk the units and copy x themselves: at 40, 56 and 72 registers they
+// spilled (60, 12 and 4 bytes), at 88 not; 88 + 2 x 208 = 3 x 168, the block's registers, and
+// the math code fits 208.
+constexpr int kDwProducerRegs = 40, kDwMathRegs = 232;
 constexpr int kGatherProducerRegs = 88, kGatherMathRegs = 208;
-static_assert(setmaxnreg_fits(kGatherProducerRegs, kGatherMathRegs) && setmaxnreg_fits(40, 232),
+static_assert(setmaxnreg_fits(kDwProducerRegs, kDwMathRegs) &&
+                  setmaxnreg_fits(kGatherProducerRegs, kGatherMathRegs),
               "setmaxnreg within the block");
 
 constexpr int64_t kDwMaxFlags = int64_t(1) << 20;
@@ -309,7 +312,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
     const int wg = static_cast<int>(threadIdx.x) / 128;
     int64_t it = 0;
     if (wg == 0) {
-      release_registers<kGather ? kGatherProducerRegs : 40>();
+      release_registers<kGather ? kGatherProducerRegs : kDwProducerRegs>();
       // Thread 0 loads by TMA; kGather: all 128 copy the gathered k-rows, thread p row p % 64.
       if (!kGather && threadIdx.x != 0) return;
       const int p = static_cast<int>(threadIdx.x);
@@ -351,7 +354,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
         }
       }
     } else if constexpr (kPingPong) {
-      claim_registers<kGather ? kGatherMathRegs : 232>();
+      claim_registers<kGather ? kGatherMathRegs : kDwMathRegs>();
       const int g = wg - 1;
       const uint32_t turns = shared_addr(turn);
       // The block's unit j is warpgroup j % 2's; units differ in k-slices, so each warpgroup
@@ -387,7 +390,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
                           });
       }
     } else {
-      claim_registers<kGather ? kGatherMathRegs : 232>();
+      claim_registers<kGather ? kGatherMathRegs : kDwMathRegs>();
       const int g = wg - 1;
       for (int64_t u = blockIdx.x; u < units.total(); u += gridDim.x) {
         const DwUnit w = units.find<C::kBN>(offsets, u);
