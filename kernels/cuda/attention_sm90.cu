@@ -102,7 +102,10 @@ struct Fwd {
   static constexpr int kV0 = kK0 + kStages * kTileBytes;
   // +1024: the tiles start at the first 1024-byte boundary of the dynamic shared memory.
   static constexpr size_t kSmem = 1024 + kV0 + kStages * kTileBytes;
+  // setmaxnreg: the producer warpgroup's registers go to the two math warpgroups.
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;
 };
+static_assert(setmaxnreg_fits(Fwd::kProducerRegs, Fwd::kMathRegs), "setmaxnreg within the block");
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto [b, h, kvh, q0, n_tiles] = query_tile<C>(seq, batch, heads, kv_heads, q_tiles);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
-      release_registers<40>();
+      release_registers<C::kProducerRegs>();
       if (threadIdx.x != 0) return;
       mbar_arrive_expect_tx(q_full, C::kQBytes);
       tma_load_3d(base, &map_q, q_full, h * kD, static_cast<int32_t>(q0), b);
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    claim_registers<232>();
+    claim_registers<C::kMathRegs>();
     const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32;
     const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
     const int64_t warp_first = q0 + g * kWgRows + warp * 16;  // rows row and row + 8: this thread's
@@ -289,7 +292,9 @@ struct Dq {
   static constexpr int kStageBytes = 2 * kTileBytes;
   static constexpr int kRing0 = 2 * kQBytes;
   static constexpr size_t kSmem = 1024 + kRing0 + kStages * kStageBytes;
+  static constexpr int kProducerRegs = 40, kMathRegs = 232;  // as Fwd's
 };
+static_assert(setmaxnreg_fits(Dq::kProducerRegs, Dq::kMathRegs), "setmaxnreg within the block");
 
 template <class T>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -318,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const auto [b, h, kvh, q0, n_tiles] = query_tile<C>(seq, batch, heads, kv_heads, q_tiles);
     const int wg = static_cast<int>(threadIdx.x) / 128;
     if (wg == 0) {
-      release_registers<40>();
+      release_registers<C::kProducerRegs>();
       if (threadIdx.x != 0) return;
       mbar_arrive_expect_tx(qd_full, 2 * C::kQBytes);
       tma_load_3d(base, &map_q, qd_full, h * kD, static_cast<int32_t>(q0), b);
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       return;
     }
-    claim_registers<232>();
+    claim_registers<C::kMathRegs>();
     const int g = wg - 1, lane = static_cast<int>(threadIdx.x) % 32, t4 = lane & 3;
     const int warp = (static_cast<int>(threadIdx.x) % 128) / 32;
     const int64_t wg_first = q0 + g * kWgRows;
