@@ -148,19 +148,21 @@ void check_select(int64_t b, int64_t t, int64_t c, DType dt, const std::vector<d
 
 }  // namespace
 
-// The radix select compares order-preserving integer keys: -0 must still tie with +0, negative
+// The selection compares order-preserving integer keys: -0 must still tie with +0, negative
 // scores order below positive ones, infinities and values that round to 16-bit subnormals stay
-// in place, and a tie group at the threshold runs every digit pass.
-// Each selection test runs with and without MOE_MOD_SELECT_SKIP (the passes over digits that
-// every key shares left out: the same bits).
+// in place, and a tie group at the threshold runs every digit pass (or every bit of the bitwise
+// search). T = 300 takes the bitwise search (a thread a score), T = 1,500 the radix passes.
+// Each selection test runs with and without MOE_MOD_SELECT_SKIP (the radix passes over digits
+// that every key shares left out: the same bits).
 TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ranges",
           "[gpu][mod]") {
   const std::string skip = GENERATE(as<std::string>{}, "0", "1");
   setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
   INFO("MOE_MOD_SELECT_SKIP=" << skip);
   const double inf = std::numeric_limits<double>::infinity();
+  const int64_t t = GENERATE(as<int64_t>{}, 300, 1500);
   for (DType dt : kFloatTypes) {
-    const int64_t b = 2, t = 300;
+    const int64_t b = 2;
     const std::vector<double> special = round_to(
         dt, tied_values(static_cast<size_t>(b * t), 31,
                         {-0.0, 0.0, inf, -inf, 1e-7, -1e-7, 3e-5, -3e-5, 6e4, -6e4, 1.0, -1.0}));
@@ -168,7 +170,7 @@ TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ra
         round_to(dt, tied_values(static_cast<size_t>(b * t), 32, {-0.0, 0.0, -0.5}));
     const std::vector<double> wide =
         round_to(dt, uniform_values(static_cast<size_t>(b * t), 33, -6e4, 6e4));
-    for (int64_t c : {1, 37, 150, 299, 300}) {
+    for (int64_t c : {int64_t{1}, int64_t{37}, t / 2, t - 1, t}) {
       check_select(b, t, c, dt, special);
       check_select(b, t, c, dt, zeros);
       check_select(b, t, c, dt, wide);
@@ -176,7 +178,7 @@ TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ra
     // Scores of one sign in a narrow range: the keys share their first digits (the skip's case).
     const std::vector<double> narrow =
         round_to(dt, uniform_values(static_cast<size_t>(b * t), 34, 0.25, 0.4));
-    for (int64_t c : {1, 37, 299}) check_select(b, t, c, dt, narrow);
+    for (int64_t c : {int64_t{1}, int64_t{37}, t - 1}) check_select(b, t, c, dt, narrow);
   }
   unsetenv("MOE_MOD_SELECT_SKIP");
 }

@@ -157,16 +157,71 @@ __device__ __forceinline__ T score_at(const T* r, int i) {
     return r[i];
 }
 
+// select_sequence when every score has a thread of its own (t <= kThreads): the C-th largest key
+// found bit by bit from the top, each bit by one block-wide count (__syncthreads_count: a single
+// barrier that also adds), the keys in registers. The radix passes take two barriers, shared
+// atomics and a warp's digit search for 8 bits, and read the scores again each pass; their ~6 us
+// for moe-small's 16 sequences of 1,024 scores were most of the MoD select's bench row (docs/
+// perf.md, 34th session). Stops as soon as exactly C keys reach the candidate (no ties to settle).
+// The same result: the C best, ties to the lower positions (scripts/models/mod_select.py).
+template <class T, int kThreads, bool kL2>
+__device__ void select_one_per_thread(int32_t* __restrict__ s, T* __restrict__ m,
+                                      const T* __restrict__ r, int t, int c) {
+  using K = key_t<T>;
+  using A = acc_t<T>;
+  const int i = static_cast<int>(threadIdx.x);
+  const bool live = i < t;
+  const K key = live ? score_key(score_at<kL2>(r, i)) : K(0);
+  // Kept: gt, or eq among the first k in position order.
+  bool gt = false, eq = false;
+  int k = 0;
+  if (c >= t) {
+    gt = live;
+  } else if (c > 0) {
+    // p: the largest value with at least C keys >= p (true of 0), so the C-th largest key.
+    K p = 0;
+    bool exact = false;
+    for (int bit = kKeyBits<T> - 1; bit >= 0; --bit) {
+      const K cand = p | (K(1) << bit);
+      const int n = __syncthreads_count(live && key >= cand);  // the same n in every thread
+      if (n >= c) {
+        p = cand;
+        if (n == c) {
+          exact = true;
+          break;
+        }
+      }
+    }
+    if (exact) {
+      gt = live && key >= p;  // exactly C
+    } else {
+      gt = live && key > p;
+      eq = live && key == p;
+      k = c - __syncthreads_count(gt);
+    }
+  }
+  int gt_before = gt, eq_before = eq;
+  block_exclusive_scan2<kThreads>(gt_before, eq_before);
+  const bool kept = gt || (eq && eq_before < k);
+  if (live) m[i] = store<T>(kept ? A(1) : A(0));
+  if (kept) s[gt_before + min(eq_before, k)] = i;
+}
+
 // The selection of one sequence by the whole block (blockDim.x == kThreads, every thread calls
 // it): s[:] = the C best positions of scores r[0, t), ascending; m[:] = 1 there, else 0.
-// kSkipCommon (MOE_MOD_SELECT_SKIP, mod_route's PDL path; not yet measured: docs/perf.md, 31st
-// session): one pass of AND / OR over the keys first, and the digit passes start at the first
-// digit in which two keys differ. A pass over a digit that every key shares finds all of them in
-// one bin and changes nothing but the prefix, so the result is the same bits; scores of one sign
-// and a narrow range share their first digit (sign and high exponent bits) at least.
+// t <= kThreads: select_one_per_thread; else radix passes over 8-bit digits of the keys.
+// kSkipCommon (MOE_MOD_SELECT_SKIP, radix passes only; 1-2 us slower on moe-small's scores, off:
+// docs/perf.md, 34th session): one pass of AND / OR over the keys first, and the digit passes start
+// at the first digit in which two keys differ. A pass over a digit that every key shares finds all
+// of them in one bin and changes nothing but the prefix, so the result is the same bits; scores of
+// one sign and a narrow range share their first digit (sign and high exponent bits) at least.
 template <class T, int kThreads, bool kL2, bool kSkipCommon = false>
 __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, const T* __restrict__ r,
                                 int t, int c) {
+  if (t <= kThreads) {  // the same in every thread
+    select_one_per_thread<T, kThreads, kL2>(s, m, r, t, c);
+    return;
+  }
   using K = key_t<T>;
   using A = acc_t<T>;
   __shared__ int hist[2][kBins];

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
-"""A model of the MoD selection's radix select (kernels/cuda/mod_select.cuh, select_sequence) with
-and without its common-digit skip (kSkipCommon, MOE_MOD_SELECT_SKIP).
+"""A model of the MoD selection (kernels/cuda/mod_select.cuh): the radix select of
+select_sequence with and without its common-digit skip (kSkipCommon, MOE_MOD_SELECT_SKIP), and
+select_one_per_thread's bitwise search (T no more than the block's threads).
 
-select_sequence keeps the C largest of a sequence's T scores, ties to the lower position, by
-order-preserving integer keys (score_key): 8-bit digit passes from the top narrow a prefix
+Both keep the C largest of a sequence's T scores, ties to the lower position, by order-preserving
+integer keys (score_key). The radix select: 8-bit digit passes from the top narrow a prefix
 (prefix, pmask) and the rank k within it until the C-th key's bin is found; then one pass keeps
 every key above the prefix and the first k equal to it. The skip ANDs and ORs all keys first and
 starts the passes at the first digit in which two keys differ, taking the digits before it as the
-prefix. The model runs the kernel's arithmetic (find_digit's bin search from the top included)
-on random, tied, signed-zero, narrow-range and all-equal scores of 16-, 32- and 64-bit keys and
-checks both forms against a sort; a broken skip (starting one digit too late) must fail.
-Exit status 0 when both hold.
+prefix. The bitwise search builds the C-th largest key p bit by bit from the top, keeping a bit
+when at least C keys reach the candidate (one block-wide count a bit), and stops when exactly C
+do. The model runs the kernels' arithmetic (find_digit's bin search from the top included) on
+random, tied, signed-zero, narrow-range and all-equal scores of 16-, 32- and 64-bit keys and
+checks every form against a sort; a broken skip (starting one digit too late) and a broken
+bitwise search (stopping at the first count of C or more) must fail. Exit status 0 when all hold.
 """
+
 import os
 import random
 import struct
@@ -89,6 +93,41 @@ def select(keys, c, bits, skip, broken=False):
     return kept
 
 
+def select_bitwise(keys, c, bits, broken=False):
+    """select_one_per_thread's kept positions, ascending."""
+    t = len(keys)
+    gt, eq, k = [False] * t, [False] * t, 0
+    if c >= t:
+        gt = [True] * t
+    elif c > 0:
+        p, exact = 0, False
+        for bit in range(bits - 1, -1, -1):
+            cand = p | (1 << bit)
+            n = sum(key >= cand for key in keys)  # __syncthreads_count
+            if n >= c:
+                p = cand
+                if n == c or broken:
+                    exact = True
+                    break
+        if exact:
+            gt = [key >= p for key in keys]
+        else:
+            gt = [key > p for key in keys]
+            eq = [key == p for key in keys]
+            k = c - sum(gt)
+    kept, gt_before, eq_before = [], 0, 0  # block_exclusive_scan2, then the slot of each kept
+    slots = {}
+    for i in range(t):
+        if gt[i] or (eq[i] and eq_before < k):
+            slots[gt_before + min(eq_before, k)] = i
+        gt_before += gt[i]
+        eq_before += eq[i]
+    if sorted(slots) != list(range(len(slots))):
+        raise Failure(f"bitwise: output slots {sorted(slots)[:8]}... not 0..{len(slots) - 1}")
+    kept = [slots[j] for j in range(len(slots))]
+    return kept
+
+
 def reference(values, c, bits):
     """The C largest by key, ties to the lower position, ascending."""
     order = sorted(range(len(values)), key=lambda i: (-score_key(values[i], bits), i))
@@ -114,26 +153,33 @@ def random_scores(rng, t, bits):
     return [struct.unpack(fmt, struct.pack(fmt, x))[0] for x in v], kind
 
 
-def case(broken):
+def case(broken_skip=False, broken_bitwise=False):
     def one_run(rng):
         bits = rng.choice([16, 32, 64])
         t = rng.randint(1, 300)
-        c = rng.randint(1, t)
+        c = rng.randint(0, t)
         values, kind = random_scores(rng, t, bits)
         keys = [score_key(x, bits) for x in values]
         want = reference(values, c, bits)
-        for skip in (False, True):
-            got = select(keys, c, bits, skip, broken and skip)
+        forms = {
+            "plain": lambda: select(keys, c, bits, False),
+            "skip": lambda: select(keys, c, bits, True, broken_skip),
+            "bitwise": lambda: select_bitwise(keys, c, bits, broken_bitwise),
+        }
+        for name, form in forms.items():
+            got = form()
             if got != want:
-                raise Failure(f"{'skip' if skip else 'plain'}: {bits}-bit keys, {kind} scores, "
-                              f"T {t}, C {c}: {len(set(got) ^ set(want))} positions differ")
+                raise Failure(f"{name}: {bits}-bit keys, {kind} scores, T {t}, C {c}: "
+                              f"{len(set(got) ^ set(want))} positions differ")
     return one_run
 
 
 def main():
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    return check(runs, case(False), case(True), "select with and without the skip",
-                 "skip starting a digit late", "random cases")
+    status = check(runs, case(), case(broken_skip=True), "the radix select with and without the skip, "
+               "the bitwise search", "skip starting a digit late", "random cases")
+    return status or check(runs, case(), case(broken_bitwise=True), "the bitwise search",
+                       "bitwise search stopping at C or more", "random cases")
 
 
 if __name__ == "__main__":
