@@ -152,13 +152,8 @@ void check_select(int64_t b, int64_t t, int64_t c, DType dt, const std::vector<d
 // scores order below positive ones, infinities and values that round to 16-bit subnormals stay
 // in place, and a tie group at the threshold runs every digit pass (or every bit of the bitwise
 // search). T = 300 takes the bitwise search (a thread a score), T = 1,500 the radix passes.
-// Each selection test runs with and without MOE_MOD_SELECT_SKIP (the radix passes over digits
-// that every key shares left out: the same bits).
 TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ranges",
           "[gpu][mod]") {
-  const std::string skip = GENERATE(as<std::string>{}, "0", "1");
-  setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
-  INFO("MOE_MOD_SELECT_SKIP=" << skip);
   const double inf = std::numeric_limits<double>::infinity();
   const int64_t t = GENERATE(as<int64_t>{}, 300, 1500);
   for (DType dt : kFloatTypes) {
@@ -180,13 +175,9 @@ TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ra
         round_to(dt, uniform_values(static_cast<size_t>(b * t), 34, 0.25, 0.4));
     for (int64_t c : {int64_t{1}, int64_t{37}, t - 1}) check_select(b, t, c, dt, narrow);
   }
-  unsetenv("MOE_MOD_SELECT_SKIP");
 }
 
 TEST_CASE("gpu MoD: tied scores resolve to the lower position", "[gpu][mod]") {
-  const std::string skip = GENERATE(as<std::string>{}, "0", "1");
-  setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
-  INFO("MOE_MOD_SELECT_SKIP=" << skip);
   for (DType dt : kFloatTypes) {
     check_mod(3, 203, 26, 19, true, dt, 11);
     check_mod(2, 1100, 100, 8, true, dt, 12);
@@ -202,13 +193,9 @@ TEST_CASE("gpu MoD: tied scores resolve to the lower position", "[gpu][mod]") {
       for (int32_t i = 0; i < c; ++i) want.push_back(i);
     CHECK(download_i32(gsel) == want);
   }
-  unsetenv("MOE_MOD_SELECT_SKIP");
 }
 
 TEST_CASE("gpu MoD: C = 1 and C = T", "[gpu][mod]") {
-  const std::string skip = GENERATE(as<std::string>{}, "0", "1");
-  setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
-  INFO("MOE_MOD_SELECT_SKIP=" << skip);
   for (DType dt : kFloatTypes) {
     check_mod(3, 203, 1, 21, false, dt, 21);
     check_mod(3, 203, 203, 21, false, dt, 22);
@@ -216,7 +203,6 @@ TEST_CASE("gpu MoD: C = 1 and C = T", "[gpu][mod]") {
     check_mod(2, 77, 77, 5, true, dt, 24);
     check_mod(1, 1, 1, 3, false, dt, 25);
   }
-  unsetenv("MOE_MOD_SELECT_SKIP");
 }
 
 // ---- the causal predictor's head ----------------------------------------------------------------

@@ -133,15 +133,12 @@ TEST_CASE("gpu router_forward: the logits and routing of router_logits + router_
 }
 
 // MOE_MOD_ROUTE_PDL=0: the one launch; 1 (sm_90, the default there): the product, then the
-// selection launched as its programmatic dependent (with the common-digit skip under
-// MOE_MOD_SELECT_SKIP=1): the same bits either way.
+// selection launched as its programmatic dependent: the same bits either way.
 TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select",
           "[gpu][router_fused]") {
   const std::string pdl = GENERATE(as<std::string>{}, "0", "1");
-  const std::string skip = GENERATE(as<std::string>{}, "0", "1");
   setenv("MOE_MOD_ROUTE_PDL", pdl.c_str(), 1);
-  setenv("MOE_MOD_SELECT_SKIP", skip.c_str(), 1);
-  INFO("MOE_MOD_ROUTE_PDL=" << pdl << " MOE_MOD_SELECT_SKIP=" << skip);
+  INFO("MOE_MOD_ROUTE_PDL=" << pdl);
   for (DType dt : {DType::bf16, DType::f16}) {
     check_mod(dt, 16, 1024, 128, 1024, 11);  // moe-small's MoD shape
     check_mod(dt, 5, 777, 97, 256, 12);      // T not a multiple of a block's 32 rows
@@ -154,5 +151,4 @@ TEST_CASE("gpu mod_route: the scores and selection of router_logits + mod_select
   check_mod(DType::f64, 3, 77, 9, 64, 19);     // f64: the two ops, f64 bounds
   check_mod(DType::bf16, 4, 100, 13, 60, 17);  // d not a multiple of 8
   unsetenv("MOE_MOD_ROUTE_PDL");
-  unsetenv("MOE_MOD_SELECT_SKIP");
 }

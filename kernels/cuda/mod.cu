@@ -37,7 +37,6 @@
 #include "cuda/router_paths.hpp"
 #include "cuda/vec16.cuh"
 #include "cuda/warp_reduce.cuh"
-#include "moe/env_switch.hpp"
 #include "moe/ops/mod.hpp"
 
 namespace moe::cuda_detail {
@@ -57,16 +56,15 @@ __device__ __forceinline__ A sigmoid(A x) {
 // ---- selection ----------------------------------------------------------------------------------
 
 // sel[b, :] = the C best positions of sequence b, ascending; mask[b, :] = 1 there, else 0.
-// kSkipCommon: select_sequence's. kAfterPrimary: launched as the programmatic dependent of the
-// kernel that writes the scores (mod_select_after_scores), it waits for that grid here.
-template <class T, bool kSkipCommon = false, bool kAfterPrimary = false>
+// kAfterPrimary: launched as the programmatic dependent of the kernel that writes the scores
+// (mod_select_after_scores), it waits for that grid here.
+template <class T, bool kAfterPrimary = false>
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(int32_t* __restrict__ sel, T* __restrict__ mask, const T* __restrict__ scores,
                   int t, int c) {
   if constexpr (kAfterPrimary) wait_primary_grid();
   const int64_t b = blockIdx.x;
-  select_sequence<T, kSelectThreads, false, kSkipCommon>(sel + b * c, mask + b * t, scores + b * t,
-                                                         t, c);
+  select_sequence<T, kSelectThreads, false>(sel + b * c, mask + b * t, scores + b * t, t, c);
 }
 
 // ---- gather / scatter rows ----------------------------------------------------------------------
@@ -353,23 +351,14 @@ unsigned row_blocks(int64_t rows) {
   return blocks_for(rows, kRowWarps);
 }
 
-// MOE_MOD_SELECT_SKIP=1: the selection with select_sequence's kSkipCommon (off by default: the MoD
-// router's scores take both signs, so no digit is common and the skip's pass only adds time:
-// docs/perf.md, 34th session).
-bool select_skips_common() {
-  return env_switch("MOE_MOD_SELECT_SKIP", false);
-}
-
 void mod_select(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
   check_mod_select_args(sel, mask, scores);
   const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
   if (b == 0 || t == 0) return;
   MOE_CHECK(t <= INT32_MAX && b <= INT32_MAX, "mod_select: [B, T] too large");
-  const bool skip = select_skips_common();
   dispatch_storage(scores.dtype, "mod_select", [&](auto zero) {
     using T = decltype(zero);
-    auto kernel = skip ? select_kernel<T, true> : select_kernel<T>;
-    kernel<<<static_cast<unsigned>(b), kSelectThreads, 0, stream_of(ctx)>>>(
+    select_kernel<T><<<static_cast<unsigned>(b), kSelectThreads, 0, stream_of(ctx)>>>(
         static_cast<int32_t*>(sel.data), static_cast<T*>(mask.data),
         static_cast<const T*>(scores.data), static_cast<int>(t), static_cast<int>(c));
     MOE_CUDA_LAUNCH_CHECK();
@@ -490,13 +479,10 @@ void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
   config.stream = stream_of(ctx);
   config.attrs = &after;
   config.numAttrs = 1;
-  // The skip only where asked for: MoD scores of both signs differ in their first digit (the sign
-  // bit), so there it saves no pass and costs its AND / OR pass.
-  auto kernel =
-      select_skips_common() ? select_kernel<float, true, true> : select_kernel<float, false, true>;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(
-      &config, kernel, static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
-      static_cast<const float*>(scores.data), static_cast<int>(t), static_cast<int>(c)));
+  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, select_kernel<float, true>,
+                                    static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
+                                    static_cast<const float*>(scores.data), static_cast<int>(t),
+                                    static_cast<int>(c)));
 }
 
 }  // namespace moe::cuda_detail

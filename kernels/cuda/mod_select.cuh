@@ -119,34 +119,6 @@ __device__ __forceinline__ void find_digit(const int* hist, int k, int* out) {
   }
 }
 
-// The AND and the OR of every thread's (a, o) over the block, in every thread (blockDim.x ==
-// kThreads; every thread must call it): the bits in which all the keys agree are those where the
-// two agree.
-template <class K, int kThreads>
-__device__ __forceinline__ void block_and_or(K& a, K& o) {
-  constexpr int kWarps = kThreads / kSelectWarpLanes;
-  __shared__ K sh_a[kWarps], sh_o[kWarps];
-#pragma unroll
-  for (int off = kSelectWarpLanes / 2; off > 0; off /= 2) {
-    a &= __shfl_xor_sync(kSelectFullMask, a, off);
-    o |= __shfl_xor_sync(kSelectFullMask, o, off);
-  }
-  const int lane = threadIdx.x % kSelectWarpLanes, warp = threadIdx.x / kSelectWarpLanes;
-  if (lane == 0) sh_a[warp] = a, sh_o[warp] = o;
-  __syncthreads();
-  a = sh_a[0];
-  o = sh_o[0];
-  for (int w = 1; w < kWarps; ++w) a &= sh_a[w], o |= sh_o[w];
-}
-
-// The index of the highest set bit of v != 0.
-__device__ __forceinline__ int top_bit(uint32_t v) {
-  return 31 - __clz(v);
-}
-__device__ __forceinline__ int top_bit(unsigned long long v) {
-  return 63 - __clzll(static_cast<long long>(v));
-}
-
 // The score i of r (global or shared memory); through L2 (ld.global.cg) when kL2: global
 // scores that other blocks wrote in the same launch (behind a fence and a ticket).
 template <bool kL2, class T>
@@ -210,12 +182,7 @@ __device__ void select_one_per_thread(int32_t* __restrict__ s, T* __restrict__ m
 // The selection of one sequence by the whole block (blockDim.x == kThreads, every thread calls
 // it): s[:] = the C best positions of scores r[0, t), ascending; m[:] = 1 there, else 0.
 // t <= kThreads: select_one_per_thread; else radix passes over 8-bit digits of the keys.
-// kSkipCommon (MOE_MOD_SELECT_SKIP, radix passes only; 1-2 us slower on moe-small's scores, off:
-// docs/perf.md, 34th session): one pass of AND / OR over the keys first, and the digit passes start
-// at the first digit in which two keys differ. A pass over a digit that every key shares finds all
-// of them in one bin and changes nothing but the prefix, so the result is the same bits; scores of
-// one sign and a narrow range share their first digit (sign and high exponent bits) at least.
-template <class T, int kThreads, bool kL2, bool kSkipCommon = false>
+template <class T, int kThreads, bool kL2>
 __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, const T* __restrict__ r,
                                 int t, int c) {
   if (t <= kThreads) {  // the same in every thread
@@ -232,26 +199,9 @@ __device__ void select_sequence(int32_t* __restrict__ s, T* __restrict__ m, cons
   K prefix = 0, pmask = 0;
   int k = c;
   if (0 < c && c < t) {
-    int pass0 = 0;
-    if constexpr (kSkipCommon) {
-      K a = ~K(0), o = 0;
-      for (int i = threadIdx.x; i < t; i += kThreads) {
-        const K key = score_key(score_at<kL2>(r, i));
-        a &= key;
-        o |= key;
-      }
-      block_and_or<K, kThreads>(a, o);
-      const K differ = a ^ o;  // (16-bit keys: their high half 0 in both)
-      // Every key equal: they all tie, and the first C positions are kept (pmask: all bits).
-      pass0 =
-          differ == 0 ? kKeyBits<T> / kDigitBits : (kKeyBits<T> - 1 - top_bit(differ)) / kDigitBits;
-      for (int p = 0; p < pass0; ++p)
-        pmask |= static_cast<K>(kBins - 1) << (kKeyBits<T> - (p + 1) * kDigitBits);
-      prefix = a & pmask;
-    }
-    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[pass0 & 1][i] = 0;
+    for (int i = threadIdx.x; i < kBins; i += kThreads) hist[0][i] = 0;
     __syncthreads();
-    for (int pass = pass0; pass * kDigitBits < kKeyBits<T>; ++pass) {
+    for (int pass = 0; pass * kDigitBits < kKeyBits<T>; ++pass) {
       const int shift = kKeyBits<T> - (pass + 1) * kDigitBits;
       int* h = hist[pass & 1];
       // The other buffer was last read by the previous pass's find_digit, before its barrier.
