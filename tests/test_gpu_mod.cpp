@@ -170,7 +170,7 @@ TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ra
       check_select(b, t, c, dt, zeros);
       check_select(b, t, c, dt, wide);
     }
-    // Scores of one sign in a narrow range: the keys share their first digits (the skip's case).
+    // Scores of one sign in a narrow range: the keys share their first digits.
     const std::vector<double> narrow =
         round_to(dt, uniform_values(static_cast<size_t>(b * t), 34, 0.25, 0.4));
     for (int64_t c : {int64_t{1}, int64_t{37}, t - 1}) check_select(b, t, c, dt, narrow);

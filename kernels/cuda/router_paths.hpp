@@ -21,10 +21,10 @@ bool router_logits_forward_split_mma(Ctx& ctx, Tensor logits, Tensor x, Tensor w
 bool router_logits_backward_split_mma(Ctx& ctx, Tensor dx, Tensor dw, Tensor dlogits, Tensor x,
                                       Tensor w);
 
-// mod_select's selection of f32 scores (mod.cu),
-// launched as the programmatic dependent of the kernel just queued that writes the scores
-// (mod_route on sm_90 devices, unless MOE_MOD_ROUTE_PDL=0): its blocks can be resident before that
-// kernel ends and wait for its grid (griddepcontrol.wait), with no launch gap between the two.
+// mod_select's selection of f32 scores (mod.cu), launched as the programmatic dependent of the
+// kernel just queued that writes the scores (mod_route on sm_90 devices, unless
+// MOE_MOD_ROUTE_PDL=0): its blocks can be resident before that kernel ends and wait for its grid
+// (griddepcontrol.wait), with no launch gap between the two.
 void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores);
 
 }  // namespace moe::cuda_detail
