@@ -18,7 +18,7 @@ import random
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib"))
-from mbarrier_model import Failure, check  # noqa: E402
+from mbarrier_model import Failure, check_variants  # noqa: E402
 
 BM = 128
 
@@ -178,11 +178,11 @@ def one_run(rng, broken=None):
 def main():
     # (each case runs every schedule: a tenth of the protocol models' count, the same time)
     runs = max(1, (int(sys.argv[1]) if len(sys.argv) > 1 else 3000) // 10)
-    status = check(runs, one_run, lambda rng: one_run(rng, "pingpong"), "the kernels' schedules",
-                   "ping-pong slices from the warpgroup's own count", "random cases")
-    return status or check(runs, one_run, lambda rng: one_run(rng, "cooperative"),
-                           "the kernels' schedules",
-                           "cooperative slices advanced only over tiles with rows", "random cases")
+    return check_variants(
+        runs, one_run, "the kernels' schedules",
+        [(lambda rng: one_run(rng, "pingpong"), "ping-pong slices from the warpgroup's own count"),
+         (lambda rng: one_run(rng, "cooperative"),
+          "cooperative slices advanced only over tiles with rows")], "random cases")
 
 
 if __name__ == "__main__":

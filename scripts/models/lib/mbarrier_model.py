@@ -78,14 +78,20 @@ def explore(runs, seed, one_run):
 
 def check(runs, protocol, broken, protocol_name, broken_name, what="interleavings"):
     """The exit status: 0 when the protocol never fails and the broken variant does."""
+    return check_variants(runs, protocol, protocol_name, [(broken, broken_name)], what)
+
+
+def check_variants(runs, protocol, protocol_name, broken_variants, what="interleavings"):
+    """The exit status: 0 when the protocol never fails and every broken variant does.
+    broken_variants: (one_run, name) pairs; the protocol runs once for all of them."""
     bad, first = explore(runs, 1, protocol)
     print(f"{protocol_name}: {bad} of {runs} {what} failed" + (f": {first}" if first else ""))
-    caught, example = explore(runs, 2, broken)
-    print(f"{broken_name}: {caught} of {runs} {what} failed" +
-          (f", e.g. {example}" if example else ""))
-    if bad:
-        return 1
-    if not caught:
-        print("the model caught nothing in the broken variant: it would not catch a real bug")
-        return 1
-    return 0
+    status = 1 if bad else 0
+    for broken, broken_name in broken_variants:
+        caught, example = explore(runs, 2, broken)
+        print(f"{broken_name}: {caught} of {runs} {what} failed" +
+              (f", e.g. {example}" if example else ""))
+        if not caught:
+            print("the model caught nothing in the broken variant: it would not catch a real bug")
+            status = 1
+    return status
