@@ -14,7 +14,7 @@
 //                      bit search with 8 keys a thread and a warp-sum a bit (one barrier a bit)
 //   pdl_nibble         pdl with the search taking 4 bits a round (ballots, two barriers a round)
 //   pdl_multi256/128   pdl with one_launch's search in a dependent of 256 / 128 threads a sequence
-// GB/s: the bar row's bytes (x, w, the scores written and read, sel) over each row's time, as
+// GB/s: the bar row's bytes (x, w, the scores and the mask written, sel) over each row's time, as
 // `moe-train bench`'s mod_select row counts them. The alternative selections are checked against
 // select_sequence's output (sel and mask bits) first; the exit status is 1 if any differs.
 // Not part of the build; on a GPU machine:
