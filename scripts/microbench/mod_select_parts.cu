@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "check.cuh"
+#include "cuda/block_ticket.cuh"
 #include "cuda/mod_select.cuh"
 
 namespace msp {
@@ -178,13 +179,10 @@ __global__ void __launch_bounds__(kProdThreads, 4)
   __shared__ int last;
   __syncthreads();
   const int b = blockIdx.x * kProdRows / kT;
-  if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(&g_tickets[b], kProdRows) + kProdRows == kT;
-  }
+  // mod_route_kernel's ticket: one acq_rel atom after the barrier, no fences.
+  if (threadIdx.x == 0) last = block_ticket_add(&g_tickets[b], kProdRows) + kProdRows == kT;
   __syncthreads();
   if (!last) return;
-  __threadfence();
   select_multi<kProdThreads, kT / kProdThreads>(sel + b * kC, mask + b * kT, scores + b * kT);
   if (threadIdx.x == 0) g_tickets[b] = 0;
 }
@@ -270,6 +268,8 @@ float time_us(Launch&& launch, int iters = 400) {
   float ms = 0;
   CK(cudaEventElapsedTime(&ms, a, b));
   CK(cudaGetLastError());
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
   return 1000.f * ms / iters;
 }
 
