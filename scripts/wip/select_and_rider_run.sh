@@ -3,6 +3,7 @@
 # applied (one device call, ~7 minutes cold): builds; the MoD select microbenchmark; the
 # mod_route tests with MOE_MOD_SELECT_SMALL 0/1; test_gpu_mod; the bulk riders' test; the bench
 # rows (mod_select PDL/SMALL; adamw_rider on moe-fine and moe-small).
+# Run in the 45th session on an H100 (docs/perf.md): neither form kept; the patches stay as the record.
 set -uo pipefail
 OUT=${OUT:-/tmp/rider_bulk}
 cd "$(dirname "$0")/../.." || exit 1
