@@ -470,19 +470,10 @@ void mod_select_after_scores(Ctx& ctx, Tensor sel, Tensor mask, Tensor scores) {
   const int64_t b = scores.size(0), t = scores.size(1), c = sel.size(1);
   MOE_CHECK(scores.dtype == DType::f32 && b > 0 && t > 0 && t <= INT32_MAX && b <= INT32_MAX,
             "mod_select_after_scores: f32 scores of a non-empty [B, T] expected");
-  cudaLaunchAttribute after{};
-  after.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  after.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(b));
-  config.blockDim = dim3(kSelectThreads);
-  config.stream = stream_of(ctx);
-  config.attrs = &after;
-  config.numAttrs = 1;
-  MOE_CUDA_CHECK(cudaLaunchKernelEx(&config, select_kernel<float, true>,
-                                    static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
-                                    static_cast<const float*>(scores.data), static_cast<int>(t),
-                                    static_cast<int>(c)));
+  MOE_CUDA_CHECK(launch_dependent(
+      select_kernel<float, true>, dim3(static_cast<unsigned>(b)), dim3(kSelectThreads),
+      stream_of(ctx), static_cast<int32_t*>(sel.data), static_cast<float*>(mask.data),
+      static_cast<const float*>(scores.data), static_cast<int>(t), static_cast<int>(c)));
 }
 
 }  // namespace moe::cuda_detail

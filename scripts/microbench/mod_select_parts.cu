@@ -273,17 +273,10 @@ float time_us(Launch&& launch, int iters = 400) {
   return 1000.f * ms / iters;
 }
 
+// A sequence a block, as the product's programmatic dependent.
 template <int kThreads = kSelThreads, class K, class... Args>
 void launch_pdl(K kernel, Args... args) {
-  cudaLaunchAttribute after{};
-  after.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  after.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(kB);
-  config.blockDim = dim3(kThreads);
-  config.attrs = &after;
-  config.numAttrs = 1;
-  CK(cudaLaunchKernelEx(&config, kernel, args...));
+  CK(launch_dependent(kernel, dim3(kB), dim3(kThreads), nullptr, args...));
 }
 
 }  // namespace msp
