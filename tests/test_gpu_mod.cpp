@@ -151,11 +151,12 @@ void check_select(int64_t b, int64_t t, int64_t c, DType dt, const std::vector<d
 // The selection compares order-preserving integer keys: -0 must still tie with +0, negative
 // scores order below positive ones, infinities and values that round to 16-bit subnormals stay
 // in place, and a tie group at the threshold runs every digit pass (or every bit of the bitwise
-// search). T = 300 takes the bitwise search (a thread a score), T = 1,500 the radix passes.
+// search). T = 300 and 1,024 (every warp of the block full) take the bitwise search (a thread a
+// score), T = 1,500 the radix passes.
 TEST_CASE("gpu MoD: select with signed zeros, infinities, subnormals and wide ranges",
           "[gpu][mod]") {
   const double inf = std::numeric_limits<double>::infinity();
-  const int64_t t = GENERATE(as<int64_t>{}, 300, 1500);
+  const int64_t t = GENERATE(as<int64_t>{}, 300, 1024, 1500);
   for (DType dt : kFloatTypes) {
     const int64_t b = 2;
     const std::vector<double> special = round_to(
@@ -202,6 +203,7 @@ TEST_CASE("gpu MoD: C = 1 and C = T", "[gpu][mod]") {
     check_mod(2, 77, 1, 5, true, dt, 23);
     check_mod(2, 77, 77, 5, true, dt, 24);
     check_mod(1, 1, 1, 3, false, dt, 25);
+    check_mod(2, 1024, 1, 8, false, dt, 26);  // C = 1 with a score for every thread of the block
   }
 }
 
