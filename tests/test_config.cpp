@@ -1,8 +1,11 @@
 // Config parsing: defaults, the full layout, round trips, overrides, and one table of bad configs
-// that each must fail at the right JSON path with a message a user can act on.
+// that each must fail at the right JSON path with a message a user can act on; docs/config.md has
+// a row for every key.
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -12,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "catch.hpp"
+#include "config/config_internal.hpp"
 #include "moe/config.hpp"
 #include "moe/error.hpp"
 
@@ -832,5 +836,39 @@ TEST_CASE("config: the shipped configs load and round-trip") {
     INFO(entry.path().string());
     Config c = moe::load_config(entry.path().string(), {});
     CHECK(moe::config_to_json_value(parse(moe::config_to_json(c))) == moe::config_to_json_value(c));
+  }
+}
+
+// docs/config.md is the config reference: a table row per key ("| `a.b.c` | type | default |
+// range | meaning |"). Every key of the schema has its row, and every row names a key of the
+// schema, so a key added or removed without its documentation fails here.
+TEST_CASE("config: docs/config.md has a row for every key, and only for keys") {
+  std::vector<std::string> leaves;
+  std::function<void(const moe::config_internal::KeyNode&, const std::string&)> walk =
+      [&](const moe::config_internal::KeyNode& node, const std::string& path) {
+        if (!node.is_section()) {
+          leaves.push_back(path);
+          return;
+        }
+        for (const auto& child : node.children)
+          walk(child, moe::config_internal::join_path(path, child.name));
+      };
+  walk(moe::config_internal::config_schema(), "");
+  REQUIRE(leaves.size() > 50);
+  std::ifstream in(std::string(MOE_SOURCE_DIR) + "/docs/config.md");
+  REQUIRE(in.good());
+  std::vector<std::string> rows;  // the first cell of each table row, when it is one `key`
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    const size_t end = line.find("` |", 3);
+    if (end != std::string::npos) rows.push_back(line.substr(3, end - 3));
+  }
+  for (const std::string& key : leaves) {
+    INFO("schema key " << key);
+    CHECK(std::count(rows.begin(), rows.end(), key) == 1);
+  }
+  for (const std::string& row : rows) {
+    INFO("docs/config.md row " << row);
+    CHECK(std::find(leaves.begin(), leaves.end(), row) != leaves.end());
   }
 }
