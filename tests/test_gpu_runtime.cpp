@@ -1,5 +1,9 @@
 // The CUDA runtime layer: device discovery, the compiled-arch check, device buffers and host
 // copies in every storage dtype, and the per-device stream and cuBLAS handle.
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "catch.hpp"
 #include "gpu_test_util.hpp"
 
@@ -14,6 +18,20 @@ TEST_CASE("gpu runtime: device info and code for it", "[gpu]") {
   CHECK(info.total_bytes > info.free_bytes);
   std::string why;
   CHECK(gpu::has_code_for(0, &why));
+  // The code it runs is one the build lists (MOE_CUDA_ARCHS: "75,80,90", "75-virtual", ...) and
+  // not newer than the device.
+  const int arch = gpu::code_arch(0);
+  INFO("code arch " << arch << ", built for " << MOE_CUDA_ARCHS_STR);
+  CHECK(arch >= 75);
+  CHECK(arch <= info.major * 10 + info.minor);
+  std::vector<int> listed;
+  const std::string archs = MOE_CUDA_ARCHS_STR;
+  for (size_t i = 0; i < archs.size();) {
+    listed.push_back(std::stoi(archs.substr(i)));  // "90-real" -> 90
+    i = archs.find(',', i);
+    i = i == std::string::npos ? archs.size() : i + 1;
+  }
+  CHECK(std::find(listed.begin(), listed.end(), arch) != listed.end());
 }
 
 TEST_CASE("gpu runtime: buffers round-trip every dtype", "[gpu]") {

@@ -1,6 +1,6 @@
 // The pieces of a training step around the model: LR schedule, clipping, gradient accumulation,
-// AdamW's decay choice by parameter kind, the synthetic source's exact entropy, and the
-// aux-loss-free router bias.
+// AdamW's decay choice by parameter kind, the synthetic source's exact entropy, the
+// aux-loss-free router bias, and the warning for a build without the GPU's faster kernels.
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -16,6 +16,7 @@
 #include "test_util.hpp"
 #include "optim/host_adamw.hpp"
 #include "moe/ops/optim.hpp"
+#include "train/code_arch_note.hpp"
 #include "train/grad_buckets.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/run_dir_probe.hpp"
@@ -903,4 +904,30 @@ TEST_CASE("RunDirProbe: a rank sees its own token, or names the file it could no
     CHECK_THAT(probe.seen(), Catch::Matchers::StartsWith("not writable by rank 0"));
   }
   CHECK(std::filesystem::is_directory(token));
+}
+
+TEST_CASE("code_arch_note: a warning only where the binary lacks the device's faster kernels") {
+  const std::string h100 = "NVIDIA H100 80GB HBM3";
+  // The best code there is for each device: no warning.
+  CHECK(code_arch_note(h100, 9, 0, 90, true).empty());
+  CHECK(code_arch_note("NVIDIA A100", 8, 0, 80, false).empty());
+  CHECK(code_arch_note("NVIDIA L40S", 8, 9, 80, true).empty());  // sm_80 code is sm_89's best
+  CHECK(code_arch_note("Tesla T4", 7, 5, 75, false).empty());
+  CHECK(code_arch_note("Tesla V100", 7, 0, 70, false).empty());
+  // A T4 build on an H100, an A100 build on an H100, a 90-virtual build on an H100, a T4 build on
+  // an A100: each names what is missing and the flag that fixes it.
+  const std::string t4_on_h100 = code_arch_note(h100, 9, 0, 75, false);
+  CHECK(t4_on_h100.rfind("warning: ", 0) == 0);
+  CHECK(t4_on_h100.find("sm_75") != std::string::npos);
+  CHECK(t4_on_h100.find("wgmma") != std::string::npos);
+  CHECK(t4_on_h100.find("--arch sm_90") != std::string::npos);
+  CHECK(t4_on_h100.find(h100) != std::string::npos);
+  CHECK(t4_on_h100.back() == '\n');
+  const std::string a100_on_h100 = code_arch_note(h100, 9, 0, 80, true);
+  CHECK(a100_on_h100.find("sm_80, so") != std::string::npos);
+  CHECK(a100_on_h100.find("-DMOE_CUDA_ARCHS=90") != std::string::npos);
+  CHECK(code_arch_note(h100, 9, 0, 90, false).find("90-virtual") != std::string::npos);
+  const std::string t4_on_a100 = code_arch_note("NVIDIA A100", 8, 0, 75, false);
+  CHECK(t4_on_a100.find("bf16 tensor cores") != std::string::npos);
+  CHECK(t4_on_a100.find("--arch sm_80") != std::string::npos);
 }

@@ -21,6 +21,10 @@ DeviceInfo device_info(int index);
 // Whether this binary holds code the device can run (SASS for its arch or PTX it can JIT).
 // Otherwise the message says which build flag to use (scripts/build.sh --arch sm_XY).
 bool has_code_for(int index, std::string* why_not);
+// The arch of this binary's code that the device runs (e.g. 90 for sm_90a machine code, 75 where
+// it JIT-compiles the compute_75 PTX), the arch the kernels' `__CUDA_ARCH__` paths were built for;
+// 0 when it has none (and in a build without CUDA). Every kernel is built for the same list.
+int code_arch(int index);
 
 void set_device(int index);
 void* malloc_device(size_t bytes, int index);  // throws with sizes on out-of-memory

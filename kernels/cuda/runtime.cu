@@ -89,6 +89,14 @@ bool has_code_for(int index, std::string* why_not) {
   return false;
 }
 
+int code_arch(int index) {
+  set_device(index);
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, probe_kernel) == cudaSuccess) return attr.ptxVersion;
+  cudaGetLastError();
+  return 0;
+}
+
 void set_device(int index) {
   MOE_CUDA_CHECK(cudaSetDevice(index));
 }

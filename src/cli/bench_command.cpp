@@ -8,6 +8,7 @@
 #include "moe/config.hpp"
 #include "moe/cuda_runtime.hpp"
 #include "moe/trainer.hpp"
+#include "train/code_arch_note.hpp"
 
 namespace moe::cli {
 
@@ -35,6 +36,7 @@ void run_bench(const BenchFlags& f) {
   std::printf("%s\nbench: %s, %s, micro-batch %d x %d tokens, median of %d\n", build_info().c_str(),
               dev.str().c_str(), dtype_name(dt), cfg.train_micro_batch_size_per_gpu,
               cfg.data.seq_len, opt.iters);
+  std::fputs(code_arch_note(dev).c_str(), stdout);
   std::fflush(stdout);
   const auto rows = run_kernel_bench(cfg.model, cfg.train_micro_batch_size_per_gpu,
                                      cfg.data.seq_len, dt, dev, opt);

@@ -24,6 +24,9 @@ bool has_code_for(int, std::string* why_not) {
   if (why_not) *why_not = "this build has no CUDA backend (rebuild with scripts/build.sh)";
   return false;
 }
+int code_arch(int) {
+  return 0;
+}
 void set_device(int) {
   absent("set_device");
 }

@@ -27,6 +27,7 @@
 #include "moe/optim.hpp"
 #include "moe/profiler.hpp"
 #include "moe/trainer.hpp"
+#include "train/code_arch_note.hpp"
 #include "train/data_parallel.hpp"
 #include "train/loss_scaler.hpp"
 #include "train/rank_agreement.hpp"
@@ -429,6 +430,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
                 dev.str().c_str(), dtype_name(compute), data->describe().c_str(),
                 cfg.train.out_dir.c_str());
   out << line;
+  out << code_arch_note(dev);
   if (world > 1)
     out << "data parallel: " << world << " ranks (" << comm->backend() << ", " << ranks.launcher
         << "), ZeRO stage " << cfg.zero_optimization.stage << ", global batch "
