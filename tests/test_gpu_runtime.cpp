@@ -1,6 +1,7 @@
 // The CUDA runtime layer: device discovery, the compiled-arch check, device buffers and host
 // copies in every storage dtype, and the per-device stream and cuBLAS handle.
 #include <algorithm>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -25,12 +26,9 @@ TEST_CASE("gpu runtime: device info and code for it", "[gpu]") {
   CHECK(arch >= 75);
   CHECK(arch <= info.major * 10 + info.minor);
   std::vector<int> listed;
-  const std::string archs = MOE_CUDA_ARCHS_STR;
-  for (size_t i = 0; i < archs.size();) {
-    listed.push_back(std::stoi(archs.substr(i)));  // "90-real" -> 90
-    i = archs.find(',', i);
-    i = i == std::string::npos ? archs.size() : i + 1;
-  }
+  std::istringstream archs(MOE_CUDA_ARCHS_STR);
+  for (std::string entry; std::getline(archs, entry, ',');)
+    listed.push_back(std::stoi(entry));  // "90-real" -> 90
   CHECK(std::find(listed.begin(), listed.end(), arch) != listed.end());
 }
 

@@ -7,20 +7,17 @@ namespace moe {
 std::string code_arch_note(const std::string& gpu_name, int major, int minor, int code_arch,
                            bool sm90a_built) {
   const int device_arch = major * 10 + minor;
-  const std::string arch = "sm_" + std::to_string(device_arch);
-  const std::string device = gpu_name + " (" + arch + ")";
-  std::string why;
-  if (device_arch == 90 && code_arch == 90 && !sm90a_built)
-    why = "this binary's 9.0 code is the plain compute_90 PTX (MOE_CUDA_ARCHS 90-virtual), so " +
-          device + " runs without the sm_90 kernels (wgmma and TMA)";
-  else if (device_arch == 90 && code_arch < 90)
-    why = "this binary's newest code for " + device + " is sm_" + std::to_string(code_arch) +
-          ", so it runs without the sm_90 kernels (wgmma and TMA)";
+  const char* missing = nullptr;
+  if (device_arch == 90 && (code_arch < 90 || !sm90a_built))
+    missing = "the sm_90 kernels (wgmma and TMA)";
   else if (device_arch >= 80 && code_arch < 80)
-    why = "this binary's newest code for " + device + " is sm_" + std::to_string(code_arch) +
-          ", so it runs without the sm_80 kernels (bf16 tensor cores, cp.async pipelines)";
-  if (why.empty()) return "";
-  return "warning: " + why + ": rebuild with scripts/build.sh --arch " + arch +
+    missing = "the sm_80 kernels (bf16 tensor cores, cp.async pipelines)";
+  if (missing == nullptr) return "";
+  const std::string arch = "sm_" + std::to_string(device_arch);
+  const std::string code = code_arch == 90 ? "the plain compute_90 PTX (MOE_CUDA_ARCHS 90-virtual)"
+                                           : "sm_" + std::to_string(code_arch);
+  return "warning: this binary's newest code for " + gpu_name + " (" + arch + ") is " + code +
+         ", so it runs without " + missing + ": rebuild with scripts/build.sh --arch " + arch +
          " (CMake -DMOE_CUDA_ARCHS=" + std::to_string(device_arch) + ") for its full speed\n";
 }
 
