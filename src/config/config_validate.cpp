@@ -134,11 +134,19 @@ void validate_numerics(const ModelConfig& m) {
   require_positive("model.initializer_range", m.initializer_range);
 }
 
-void validate_mod(const ModConfig& mod) {
+void validate_mod(const ModConfig& mod, int num_hidden_layers) {
   if (!(mod.capacity > 0 && mod.capacity <= 1))
     fail("model.mod.capacity",
          "must be in (0, 1] (the fraction of tokens a MoD block keeps), got " + num(mod.capacity));
   require_at_least("model.mod.every", mod.every, 1);
+  // Layer l is MoD when l % every == every - 1: a period past the depth leaves no MoD block, and
+  // an enabled MoD run would silently train the plain model.
+  if (mod.enabled && mod.every > num_hidden_layers)
+    fail("model.mod.every",
+         "is " + std::to_string(mod.every) + " but the model has " +
+             std::to_string(num_hidden_layers) +
+             " layers, so no layer would be a MoD block (layer l is one when l % every == every - "
+             "1); use every <= num_hidden_layers or set model.mod.enabled to false");
   require_at_least("model.mod.predictor_hidden_size", mod.predictor_hidden_size, 1);
   if (mod.predictor_hidden_size > kModPredictorMaxHidden)
     fail("model.mod.predictor_hidden_size",
@@ -154,7 +162,7 @@ void validate_model(const ModelConfig& m) {
   validate_attention_shape(m);
   validate_routing(m);
   validate_numerics(m);
-  validate_mod(m.mod);
+  validate_mod(m.mod, m.num_hidden_layers);
   validate_parameter_count(m);  // after the sizes it multiplies are known to be sane
 }
 

@@ -230,7 +230,7 @@ fi
 exec "$@"
 EOS
     chmod +x "$work/rank1.sh"
-    for case in "model.num_hidden_layers=2|model.num_hidden_layers: .* 4 on rank 0, 2 on rank 1" \
+    for case in "model.num_hidden_layers=6|model.num_hidden_layers: .* 4 on rank 0, 6 on rank 1" \
       "zero_optimization.stage=2|zero_optimization.stage: .* 0 on rank 0, 2 on rank 1"; do
       set_arg=${case%%|*} expect=${case#*|}
       start=$(date +%s.%N)
