@@ -10,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <utility>
 
 #include "moe/cuda_runtime.hpp"
@@ -190,8 +191,12 @@ std::string shape(std::initializer_list<int64_t> dims) {
   return s;
 }
 
-// Whether `family` is one of the rows asked for (see BenchOptions::families).
+// Whether `family` is one of the rows asked for (see BenchOptions::families). A family missing
+// from bench_families() is a bug here: --family is checked against that list.
 bool selected(const std::string& family, const std::vector<std::string>& families) {
+  const auto& all = bench_families();
+  if (std::find(all.begin(), all.end(), family) == all.end())
+    throw std::logic_error("bench family \"" + family + "\" is not in bench_families()");
   if (families.empty() || family == "copy" || family.rfind("dense_gemm", 0) == 0) return true;
   for (const std::string& f : families)
     if (family.rfind(f, 0) == 0) return true;
@@ -199,6 +204,28 @@ bool selected(const std::string& family, const std::vector<std::string>& familie
 }
 
 }  // namespace
+
+const std::vector<std::string>& bench_families() {
+  // clang-format off
+  static const std::vector<std::string> families = {
+      "copy", "dense_gemm", "dense_gemm_bwd", "router_topk", "router", "permute", "combine",
+      "combine_add", "grouped_gemm", "grouped_gemm_bwd", "adamw_split", "adamw_split_norm",
+      "adamw_rider", "grouped_swiglu", "grouped_swiglu_gathered", "overlap_serial", "overlap_side",
+      "grouped_swiglu_bwd", "swiglu_weighted_bwd", "linear_proj", "linear_proj_bwd", "linear_qkv",
+      "linear_qkv_bwd", "lm_head", "lm_head_bwd", "router_linear", "router_linear_bwd",
+      "router_logits", "router_logits_bwd", "swiglu", "rmsnorm", "add_rmsnorm", "rmsnorm_bwd_add",
+      "attention_fwd", "attention_bwd", "mod_select_scores", "mod_select", "mod_select_2op",
+      "mod_gather", "mod_scatter", "residual_add", "embedding_bwd", "cross_entropy_fwd",
+      "cross_entropy_bwd", "cross_entropy_fused", "adamw", "zero_grads"};
+  // clang-format on
+  return families;
+}
+
+bool names_a_family(const std::string& prefix) {
+  for (const std::string& f : bench_families())
+    if (f.rfind(prefix, 0) == 0) return true;
+  return false;
+}
 
 std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_len, DType dt,
                                        Device dev, const BenchOptions& opt) {

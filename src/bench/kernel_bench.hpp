@@ -33,6 +33,11 @@ struct BenchRow {
   double fraction() const { return ms > 0 && roofline > 0 ? work / (ms * 1e-3) / roofline : 0; }
 };
 
+// Every family run_kernel_bench can time, in the order it runs them (overlap_* on a GPU only).
+const std::vector<std::string>& bench_families();
+// Whether some family starts with `prefix` (what BenchOptions::families selects by).
+bool names_a_family(const std::string& prefix);
+
 // Runs every family; `compute` is the activation dtype (f32 on the CPU).
 std::vector<BenchRow> run_kernel_bench(const ModelConfig& m, int batch, int seq_len, DType compute,
                                        Device dev, const BenchOptions& opt);

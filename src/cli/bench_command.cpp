@@ -58,7 +58,15 @@ void add_bench_command(CLI::App& app) {
       ->check(finite_range(0.0, 1e6));
   cmd->add_option("--family", flags->families,
                   "time only the families starting with these names (e.g. attention grouped_gemm); "
-                  "the copy and dense_gemm references always run");
+                  "the copy and dense_gemm references always run")
+      ->check(CLI::Validator(
+          [](std::string& in) -> std::string {
+            if (names_a_family(in)) return "";
+            std::string list;
+            for (const std::string& f : bench_families()) list += (list.empty() ? "" : " ") + f;
+            return "\"" + in + "\" starts no family; the families are: " + list;
+          },
+          "FAMILY"));
   register_runner("bench", [flags] { run_bench(*flags); });
 }
 

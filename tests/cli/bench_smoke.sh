@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `moe-train bench` on the CPU at configs/tiny.json's shapes: every kernel family gets a row with a
 # time and a roofline fraction, an expert-load skew above E - 1 is capped (E = 4 here), and
-# --family keeps only the families named (and the references).
+# --family keeps only the families named (and the references) and rejects a name that starts
+# none.
 # Usage: bench_smoke.sh MOE_TRAIN_BINARY SOURCE_DIR
 set -u
 bin=$1
@@ -32,6 +33,13 @@ for family in copy dense_gemm dense_gemm_bwd attention_fwd attention_bwd; do
   grep -Eq "^$family +.+ [0-9.]+%" <<<"$out" || { echo "FAIL --family: no row for $family"; failures=$((failures + 1)); }
 done
 [ "$rows" -eq 5 ] || { echo "FAIL --family attention gave $rows rows: $out"; failures=$((failures + 1)); }
+# a --family that starts no family is an error naming it (it used to time the references alone)
+out=$("$bin" bench --config "$src/configs/tiny.json" --device cpu --family attention --family nope 2>&1)
+code=$?
+if [ "$code" -ne 2 ] || ! grep -q -- '--family: "nope" starts no family; the families are: copy' <<<"$out"; then
+  echo "FAIL --family nope: exit $code: $out"
+  failures=$((failures + 1))
+fi
 out=$("$bin" bench --config "$src/configs/tiny.json" --iters 0 2>&1)
 [ $? -eq 2 ] || { echo "FAIL --iters 0 accepted: $out"; failures=$((failures + 1)); }
 [ "$failures" -eq 0 ] && echo "bench smoke test passed"
