@@ -123,6 +123,30 @@ TEST_CASE("a trained SentencePiece BPE tokenizer round-trips text", "[tokenizer]
   CHECK(contains(msg, dir.file("a.txt")));
 }
 
+// SentencePiece skips sentences longer than its max_sentence_length: a corpus of lines longer than
+// that (documents without newlines) failed with an internal "!sentences_.empty()". The trainer's
+// line reader cuts them (before a space, or between UTF-8 characters where a line has none).
+TEST_CASE("SentencePiece trains on lines far longer than its sentence limit", "[tokenizer][spm]") {
+  TempDir dir;
+  std::string words = generated_corpus(2000, 3);
+  for (char& c : words)
+    if (c == '\n') c = ' ';
+  REQUIRE(words.size() > 50'000);
+  std::string cjk;  // 3-byte characters, no space: the cut must fall between characters
+  while (cjk.size() < 20'000) cjk += u8"日本語の文章";
+  write_text(dir.file("long.txt"), words + "\n" + cjk);
+  const auto tok = train_spm_tokenizer({dir.file("long.txt")}, 600, dir.file("work"));
+  CHECK(tok->vocab_size() == 600);
+  for (const std::string& text : {words, cjk}) {
+    const auto ids = tok->encode(text);
+    CHECK(tok->decode(ids) == text);
+    // Merged from the long lines: far fewer tokens than bytes (no byte fallback for the CJK
+    // characters, which a split character would have left unlearned).
+    INFO(ids.size() << " tokens for " << text.size() << " bytes");
+    CHECK(ids.size() * 3 < text.size());
+  }
+}
+
 TEST_CASE("missing or corrupt tokenizers throw InputError naming the file", "[tokenizer]") {
   TempDir dir;
   std::string msg, named;

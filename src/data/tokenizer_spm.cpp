@@ -9,7 +9,11 @@
 //   instead of <unk>, so every input is representable;
 // - whitespace-only pieces allowed, so indentation and ASCII art do not cost one token a space;
 // - unk 0, bos 1, eos 2, no pad: EOS is what `prepare` appends after each document;
-// - at most kMaxTrainingLines lines, sampled uniformly, which bounds training time on big corpora.
+// - at most kMaxTrainingLines lines, sampled uniformly, which bounds training time on big corpora;
+// - lines longer than kMaxPieceBytes cut into pieces of at most that (before a space where the
+//   window's second half has one): SentencePiece skips longer sentences, so a corpus of long
+//   paragraphs (or of documents without newlines) trained on a fraction of its text, or failed
+//   with an internal "!sentences_.empty()" when every line was longer.
 // Training leaves tokenizer.model and tokenizer.vocab in its work directory; the model is then
 // kept in memory as its serialized proto, which is what save() writes.
 #include <sentencepiece_processor.h>
@@ -35,6 +39,8 @@ namespace fs = std::filesystem;
 
 constexpr int kMaxTrainingLines = 2'000'000;
 constexpr int kTrainThreads = 2;
+// The longest training sentence, passed as SentencePiece's max_sentence_length (default 4192).
+constexpr size_t kMaxPieceBytes = 4096;
 // Training writes <prefix>.model (the same bytes save() writes) and <prefix>.vocab, the pieces
 // with their scores, which is worth keeping for inspection.
 constexpr const char* kModelPrefix = "tokenizer";
@@ -86,20 +92,24 @@ class SpmTokenizer : public Tokenizer {
 };
 
 // Feeds the training text to SentencePiece line by line, one file after another, without
-// holding the corpus in memory.
+// holding the corpus in memory; a line longer than kMaxPieceBytes goes in pieces.
 class LineIterator : public sentencepiece::SentenceIterator {
  public:
   explicit LineIterator(const std::vector<std::string>& files) : files_(files) { advance(); }
   bool done() const override { return done_; }
   void Next() override { advance(); }
-  const std::string& value() const override { return line_; }
+  const std::string& value() const override { return piece_; }
   sentencepiece::util::Status status() const override { return status_; }
 
  private:
   void advance() {
     while (!done_) {
+      if (taken_ < line_.size()) {
+        take_piece();
+        return;
+      }
       if (in_.is_open() && std::getline(in_, line_)) {
-        if (!line_.empty()) return;
+        taken_ = 0;  // an empty line is skipped by the loop
         continue;
       }
       if (in_.is_open() && in_.bad()) {
@@ -115,6 +125,21 @@ class LineIterator : public sentencepiece::SentenceIterator {
       if (!in_) fail(files_[next_file_ - 1]);
     }
   }
+  // The next piece of the line: the rest when it fits, else a cut before the window's last space
+  // (SentencePiece joins a space to the word after it) when that keeps half the window, else
+  // before a UTF-8 lead byte so no character is split.
+  void take_piece() {
+    size_t n = std::min(kMaxPieceBytes, line_.size() - taken_);
+    if (taken_ + n < line_.size()) {
+      const size_t space = line_.rfind(' ', taken_ + n - 1);
+      if (space != std::string::npos && space >= taken_ + n / 2)
+        n = space - taken_;
+      else
+        while (n > 1 && (static_cast<unsigned char>(line_[taken_ + n]) & 0xC0) == 0x80) --n;
+    }
+    piece_.assign(line_, taken_, n);
+    taken_ += n;
+  }
   void fail(const std::string& file) {
     status_ = sentencepiece::util::Status(sentencepiece::util::StatusCode::kInternal,
                                           file + ": cannot read");
@@ -124,7 +149,9 @@ class LineIterator : public sentencepiece::SentenceIterator {
   const std::vector<std::string>& files_;
   size_t next_file_ = 0;
   std::ifstream in_;
-  std::string line_;
+  std::string line_;   // the current line
+  size_t taken_ = 0;   // its bytes already given out
+  std::string piece_;  // the value() now
   bool done_ = false;
   sentencepiece::util::Status status_;
 };
@@ -141,6 +168,7 @@ std::unordered_map<std::string, std::string> trainer_args(int vocab_size,
       {"remove_extra_whitespaces", "false"},
       {"allow_whitespace_only_pieces", "true"},
       {"input_sentence_size", std::to_string(kMaxTrainingLines)},
+      {"max_sentence_length", std::to_string(kMaxPieceBytes)},
       {"shuffle_input_sentence", "true"},
       {"num_threads", std::to_string(kTrainThreads)},
       {"unk_id", "0"},
