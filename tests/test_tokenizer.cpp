@@ -140,8 +140,8 @@ TEST_CASE("SentencePiece trains on lines far longer than its sentence limit", "[
   for (const std::string& text : {words, cjk}) {
     const auto ids = tok->encode(text);
     CHECK(tok->decode(ids) == text);
-    // Merged from the long lines: far fewer tokens than bytes (no byte fallback for the CJK
-    // characters, which a split character would have left unlearned).
+    // Merged from the long lines: far fewer tokens than bytes (the CJK line's pieces were cut
+    // between characters, so its characters and their pairs were learned, not byte-fallen back).
     INFO(ids.size() << " tokens for " << text.size() << " bytes");
     CHECK(ids.size() * 3 < text.size());
   }
