@@ -840,6 +840,11 @@ TEST_CASE("export_hf -> init_from_hf gives bitwise identical parameters", "[chec
   SECTION("from a directory without weights") {
     require_input_error([&] { init_from_hf(a.model, tok); }, {tok, "model.safetensors"});
   }
+  SECTION("from a path that does not exist") {
+    const std::string nowhere = dir.file("nowhere");
+    require_input_error([&] { init_from_hf(a.model, nowhere); },
+                        {nowhere, "no such file or directory", "model.init_from"});
+  }
   SECTION("export of a directory without checkpoints") {
     require_input_error([&] { export_hf(tok, dir.file("hf3")); }, {tok, "no complete checkpoint"});
   }

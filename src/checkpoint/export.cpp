@@ -102,6 +102,11 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
 
 void init_from_hf(Model& model, const std::string& path) {
   std::error_code ec;
+  if (!fs::exists(path, ec))
+    throw InputError(path +
+                     ": no such file or directory (model.init_from names a Hugging Face "
+                     "directory with model.safetensors or its index, or one .safetensors "
+                     "file)");
   if (!fs::is_directory(path, ec)) return load_single(model, path);
   const fs::path dir(path);
   if (fs::exists(dir / "model.safetensors.index.json", ec))
