@@ -71,12 +71,23 @@ DeviceInfo device_info(int index) {
   return info;
 }
 
-bool has_code_for(int index, std::string* why_not) {
+namespace {
+
+// The probe kernel's attributes on device `index`; an error (cleared) when this binary holds no
+// code the device can run. has_code_for and code_arch both read it.
+cudaError_t probe_attributes(int index, cudaFuncAttributes* attr) {
   set_device(index);
+  const cudaError_t err = cudaFuncGetAttributes(attr, probe_kernel);
+  if (err != cudaSuccess) cudaGetLastError();
+  return err;
+}
+
+}  // namespace
+
+bool has_code_for(int index, std::string* why_not) {
   cudaFuncAttributes attr{};
-  cudaError_t err = cudaFuncGetAttributes(&attr, probe_kernel);
+  const cudaError_t err = probe_attributes(index, &attr);
   if (err == cudaSuccess) return true;
-  cudaGetLastError();
   if (why_not) {
     DeviceInfo info = device_info(index);
     *why_not = "this binary has no code for " + info.name + " (sm_" + std::to_string(info.major) +
@@ -90,11 +101,8 @@ bool has_code_for(int index, std::string* why_not) {
 }
 
 int code_arch(int index) {
-  set_device(index);
   cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, probe_kernel) == cudaSuccess) return attr.ptxVersion;
-  cudaGetLastError();
-  return 0;
+  return probe_attributes(index, &attr) == cudaSuccess ? attr.ptxVersion : 0;
 }
 
 void set_device(int index) {
