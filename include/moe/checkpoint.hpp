@@ -114,5 +114,9 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir);
 // model.init_from: weights from a HF Mixtral directory (model.safetensors or sharded
 // model-*.safetensors with an index) or a single .safetensors file.
 void init_from_hf(Model& model, const std::string& path);
+// The file init_from_hf reads first for `path`: the .safetensors file, or the directory's
+// model.safetensors.index.json or model.safetensors. An InputError naming `path` and
+// model.init_from when there is none; `moe-train train` calls it before the model is built.
+std::string find_hf_weights(const std::string& path);
 
 }  // namespace moe

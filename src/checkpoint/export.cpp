@@ -100,21 +100,28 @@ void export_hf(const std::string& checkpoint, const std::string& out_dir) {
   fsync_directory(out_dir);
 }
 
-void init_from_hf(Model& model, const std::string& path) {
+std::string find_hf_weights(const std::string& path) {
   std::error_code ec;
   if (!fs::exists(path, ec))
     throw InputError(path +
                      ": no such file or directory (model.init_from names a Hugging Face "
                      "directory with model.safetensors or its index, or one .safetensors "
                      "file)");
-  if (!fs::is_directory(path, ec)) return load_single(model, path);
+  if (!fs::is_directory(path, ec)) return path;
   const fs::path dir(path);
-  if (fs::exists(dir / "model.safetensors.index.json", ec))
-    return load_sharded(model, dir / "model.safetensors.index.json");
-  if (fs::exists(dir / "model.safetensors", ec))
-    return load_single(model, (dir / "model.safetensors").string());
+  for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
+    if (fs::exists(dir / name, ec)) return (dir / name).string();
   throw InputError(path +
-                   ": no model.safetensors or model.safetensors.index.json in this directory");
+                   ": no model.safetensors or model.safetensors.index.json in this directory "
+                   "(model.init_from)");
+}
+
+void init_from_hf(Model& model, const std::string& path) {
+  const std::string file = find_hf_weights(path);
+  // A directory's index (a file named as one is read as a .safetensors file and refused).
+  if (file != path && fs::path(file).filename() == "model.safetensors.index.json")
+    return load_sharded(model, file);
+  load_single(model, file);
 }
 
 }  // namespace moe

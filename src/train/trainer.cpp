@@ -231,7 +231,9 @@ void check_runnable(const Config& cfg) {
   check_data_files(cfg);
   NullBuffer null_buffer;  // train() reports the skipped incomplete checkpoints
   std::ostream null_out(&null_buffer);
-  checkpoint_to_resume(cfg.train, null_out);
+  // Weights to start from are found before the model is built (a resume takes their place).
+  if (checkpoint_to_resume(cfg.train, null_out).empty() && !cfg.model.init_from.empty())
+    find_hf_weights(cfg.model.init_from);
   // The run directory is made here: a path that cannot be one fails before the model is built.
   std::error_code ec;
   std::filesystem::create_directories(cfg.train.out_dir, ec);

@@ -68,6 +68,10 @@ expect_error device_verbatim 'got "cpu""' train --config "$tiny" --device 'cpu"'
 expect_error resume_verbatim "in $tmp/a\"b" train --config "$tiny" --device cpu --resume "$tmp/a\"b"
 expect_error out_dir_not_a_dir "train.out_dir" train --config "$tiny" --device cpu \
   --set train.out_dir="\"$tmp/not_a_dir\""
+expect_error init_from_missing "$tmp/no_weights: no such file or directory (model.init_from" \
+  train --config "$tiny" --device cpu --set model.init_from="\"$tmp/no_weights\""
+expect_error init_from_empty_dir "$tmp: no model.safetensors" train --config "$tiny" --device cpu \
+  --set model.init_from="\"$tmp\""
 expect_error glob_missing_dir "$tmp/no_dir: No such file or directory" train --config "$tiny" \
   --device cpu --set data.source=shards --set data.train_files="\"$tmp/no_dir/*.bin\""
 expect_error eval_batch_size_zero "not in range 1 to" eval --checkpoint "$tmp" --data x \
