@@ -407,7 +407,7 @@ TEST_CASE("sample_token draws from softmax(logits / temperature)", "[sampler]") 
     Rng rng(1);
     int ones = 0, twos = 0;
     for (int i = 0; i < draws; ++i) {
-      const uint32_t t = sample_token(logits, temperature, 0, rng);
+      const uint32_t t = sample_token(logits, temperature, 0, 1.0, rng);
       ones += t == 1 ? 1 : 0;
       twos += t == 2 ? 1 : 0;
     }
@@ -417,9 +417,44 @@ TEST_CASE("sample_token draws from softmax(logits / temperature)", "[sampler]") 
     CHECK(twos == 0);
   }
   Rng rng(2);
-  CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 0.0, 0, rng) == 1);  // greedy ties: lowest id
-  CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 1.0, 1, rng) == 1);  // top-1 ties: lowest id
-  CHECK(sample_token({0.0, 1.0}, 1e-300, 0, rng) == 1);         // tiny temperature: no NaN
+  CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 0.0, 0, 1.0, rng) == 1);  // greedy ties: lowest id
+  CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 1.0, 1, 1.0, rng) == 1);  // top-1 ties: lowest id
+  CHECK(sample_token({0.0, 1.0}, 1e-300, 0, 1.0, rng) == 1);         // tiny temperature: no NaN
+}
+
+TEST_CASE("top_p draws from the smallest most likely set that reaches it", "[sampler]") {
+  // Probabilities 0.05, 0.5, 0.15, 0.3 (ids out of rank order, so the nucleus is no id prefix).
+  const std::vector<double> logits{std::log(0.05), std::log(0.5), std::log(0.15), std::log(0.3)};
+  const int draws = 20000;
+  const auto frequencies = [&](double top_p, int top_k, uint64_t seed) {
+    Rng rng(seed);
+    std::vector<int> count(4, 0);
+    for (int i = 0; i < draws; ++i) ++count[sample_token(logits, 1.0, top_k, top_p, rng)];
+    std::vector<double> f(4);
+    for (int i = 0; i < 4; ++i) f[i] = static_cast<double>(count[i]) / draws;
+    return f;
+  };
+  // 0.5 + 0.3 = 0.8 >= 0.75: ids 1 and 3, renormalised to 0.625 / 0.375 (4 sigma ~ 0.014).
+  std::vector<double> f = frequencies(0.75, 0, 1);
+  CHECK(std::fabs(f[1] - 0.625) < 0.015);
+  CHECK(std::fabs(f[3] - 0.375) < 0.015);
+  CHECK(f[0] == 0);
+  CHECK(f[2] == 0);
+  // 0.95 < 0.96: all four; at 0.9 the least likely (id 0) is left out.
+  f = frequencies(0.96, 0, 2);
+  CHECK(f[0] > 0.03);
+  f = frequencies(0.9, 0, 3);
+  CHECK(f[0] == 0);
+  CHECK(std::fabs(f[2] - 0.15 / 0.95) < 0.015);
+  // Below the top token's own mass: that token alone.
+  CHECK(frequencies(0.3, 0, 4)[1] == 1.0);
+  // After top_k = 2 the mass is of the two kept (0.625 / 0.375): 0.7 keeps both, 0.6 one.
+  f = frequencies(0.7, 2, 5);
+  CHECK(std::fabs(f[3] - 0.375) < 0.015);
+  CHECK(frequencies(0.6, 2, 6)[1] == 1.0);
+  // Temperature comes first: at T = 0.25 id 1 holds 0.5^4 / (0.5^4 + 0.3^4 + ...) > 0.88.
+  Rng rng(7);
+  for (int i = 0; i < 200; ++i) CHECK(sample_token(logits, 0.25, 0, 0.85, rng) == 1);
 }
 
 TEST_CASE("sampling rejects bad input with InputError", "[sampler][errors]") {
@@ -447,6 +482,11 @@ TEST_CASE("sampling rejects bad input with InputError", "[sampler][errors]") {
   bad = SampleOptions{};
   bad.top_k = -2;
   CHECK(input_error([&] { generate(*model, {1}, bad); }).find("top_k") != std::string::npos);
+  for (double top_p : {0.0, -0.1, 1.5, std::nan("")}) {
+    bad = SampleOptions{};
+    bad.top_p = top_p;
+    CHECK(input_error([&] { generate(*model, {1}, bad); }).find("top_p") != std::string::npos);
+  }
   bad = SampleOptions{};
   bad.eos_id = 99;
   CHECK(input_error([&] { generate(*model, {1}, bad); }).find("eos_id") != std::string::npos);

@@ -1,6 +1,7 @@
 // Autoregressive sampling from a trained Model: a Decoder that runs the model one token at a time
 // over per-layer key/value caches, and generate(), which feeds a prompt and then draws new tokens
-// (greedy, or temperature and top-k sampling from a seeded Rng, so a seed fixes the output).
+// (greedy, or temperature, top-k and top-p sampling from a seeded Rng, so a seed fixes the
+// output).
 //
 // The Decoder computes the training model's function for each new token, reading the Model's
 // parameters in place (and its aux-loss-free router biases when router_bias_update_rate > 0), so
@@ -28,6 +29,7 @@ struct SampleOptions {
   int max_new_tokens = 64;
   double temperature = 1.0;  // 0 = greedy (argmax, ties to the lowest id)
   int top_k = 0;             // sample among the k most likely tokens; 0 = all
+  double top_p = 1.0;        // then among the most likely whose mass reaches top_p; 1 = all
   uint64_t seed = 0;         // seeds the Rng of the draws
   int64_t eos_id = -1;       // >= 0: stop once this token has been generated
   // > 0: draw only ids below this, the tokenizer's vocabulary when the model's vocab_size is
@@ -78,13 +80,17 @@ class Decoder {
 
 // Picks the next token from logits [V]: temperature 0 is argmax (ties to the lowest id);
 // otherwise one draw from softmax(logits / temperature) over the top_k largest logits (0 = all;
-// ties ranked by lower id), computed in double.
-uint32_t sample_token(const std::vector<double>& logits, double temperature, int top_k, Rng& rng);
+// ties ranked by lower id) and, when top_p < 1, over the fewest of those, most likely first,
+// whose probabilities sum to at least top_p (nucleus sampling; at least one token), computed in
+// double.
+uint32_t sample_token(const std::vector<double>& logits, double temperature, int top_k,
+                      double top_p, Rng& rng);
 
 // Feeds `prompt` and samples up to opt.max_new_tokens tokens; returns the new tokens only (an
 // eos_id token, when generated, is the last one returned). The same options give the same
 // tokens. InputError for an empty prompt, an id outside the vocabulary, prompt plus new tokens
-// longer than max_position_embeddings, or a negative max_new_tokens, temperature or top_k.
+// longer than max_position_embeddings, a negative max_new_tokens, temperature or top_k, or a
+// top_p outside (0, 1].
 std::vector<uint32_t> generate(const Model& model, const std::vector<uint32_t>& prompt,
                                const SampleOptions& opt);
 

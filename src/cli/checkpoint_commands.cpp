@@ -173,6 +173,10 @@ void add_sample_command(CLI::App& app) {
       ->check(finite_range(0.0, 100.0));
   cmd->add_option("--top-k", f->opt.top_k, "sample among the k most likely (0 = all)")
       ->check(CLI::Range(0, INT_MAX));
+  cmd->add_option("--top-p", f->opt.top_p,
+                  "then among the most likely tokens whose probabilities sum to this (default 1 "
+                  "= all)")
+      ->check(finite_range(0.0, 1.0));
   cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
   cmd->callback([text, ids] {
     if (text->count() == 0 && ids->count() == 0)

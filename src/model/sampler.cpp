@@ -126,24 +126,30 @@ uint32_t argmax(const std::vector<double>& logits) {
   return static_cast<uint32_t>(best);
 }
 
-// The ids a draw may pick: all of them in id order, or the top_k by (logit desc, id asc).
-std::vector<uint32_t> candidates(const std::vector<double>& logits, int top_k) {
+// The ids a draw may pick: all of them in id order, or by (logit desc, id asc) the top_k of them
+// when top_k cuts, all of them when `ranked` (top-p needs the order).
+std::vector<uint32_t> candidates(const std::vector<double>& logits, int top_k, bool ranked) {
   std::vector<uint32_t> ids(logits.size());
   std::iota(ids.begin(), ids.end(), 0u);
-  if (top_k <= 0 || static_cast<size_t>(top_k) >= ids.size()) return ids;
-  std::partial_sort(ids.begin(), ids.begin() + top_k, ids.end(), [&](uint32_t a, uint32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  });
-  ids.resize(static_cast<size_t>(top_k));
+  const bool cut = top_k > 0 && static_cast<size_t>(top_k) < ids.size();
+  if (!cut && !ranked) return ids;
+  const size_t k = cut ? static_cast<size_t>(top_k) : ids.size();
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(k), ids.end(),
+                    [&](uint32_t a, uint32_t b) {
+                      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+                    });
+  ids.resize(k);
   return ids;
 }
 
 }  // namespace
 
-uint32_t sample_token(const std::vector<double>& logits, double temperature, int top_k, Rng& rng) {
+uint32_t sample_token(const std::vector<double>& logits, double temperature, int top_k,
+                      double top_p, Rng& rng) {
   MOE_CHECK(!logits.empty(), "sample_token: no logits");
   if (temperature == 0) return argmax(logits);
-  const std::vector<uint32_t> ids = candidates(logits, top_k);
+  const bool nucleus = top_p < 1;
+  std::vector<uint32_t> ids = candidates(logits, top_k, nucleus);
   double max_l = -std::numeric_limits<double>::infinity();
   for (uint32_t i : ids) max_l = std::max(max_l, logits[i]);
   // Shift before dividing: a tiny temperature then sends the others to exp(-inf) = 0, not NaN.
@@ -152,6 +158,16 @@ uint32_t sample_token(const std::vector<double>& logits, double temperature, int
   for (size_t j = 0; j < ids.size(); ++j)
     sum += weight[j] = std::exp((logits[ids[j]] - max_l) / temperature);
   MOE_CHECK(std::isfinite(sum) && sum > 0, "sample_token: the logits are not finite");
+  if (nucleus) {
+    // The most likely tokens whose probabilities (after temperature and top_k) first reach
+    // top_p; ids are in that order, so the nucleus is a prefix. At least one token stays.
+    double kept = 0;
+    size_t n = 0;
+    while (n < ids.size() && (n == 0 || kept < top_p * sum)) kept += weight[n++];
+    ids.resize(n);
+    weight.resize(n);
+    sum = kept;
+  }
   const double u = rng.uniform() * sum;
   double acc = 0;
   for (size_t j = 0; j < ids.size(); ++j) {
@@ -185,6 +201,9 @@ void check_sample_input(const ModelConfig& c, const std::vector<uint32_t>& promp
   if (opt.top_k < 0)
     throw InputError("sample: top_k must be >= 0 (0 = all tokens), got " +
                      std::to_string(opt.top_k));
+  if (!(opt.top_p > 0 && opt.top_p <= 1))
+    throw InputError("sample: top_p must be in (0, 1] (1 = no nucleus cut), got " +
+                     std::to_string(opt.top_p));
   if (opt.vocab_limit < 0)
     throw InputError("sample: vocab_limit must be >= 0 (0 = the model's vocabulary), got " +
                      std::to_string(opt.vocab_limit));
@@ -217,7 +236,7 @@ std::vector<uint32_t> generate(const Model& model, const std::vector<uint32_t>& 
   for (int i = 0; i < opt.max_new_tokens; ++i) {
     if (drawable < vocab) head.assign(logits->begin(), logits->begin() + drawable);
     const uint32_t next =
-        sample_token(drawable < vocab ? head : *logits, opt.temperature, opt.top_k, rng);
+        sample_token(drawable < vocab ? head : *logits, opt.temperature, opt.top_k, opt.top_p, rng);
     out.push_back(next);
     if (opt.eos_id >= 0 && next == static_cast<uint64_t>(opt.eos_id)) break;
     if (i + 1 < opt.max_new_tokens) logits = &decoder.step(next);  // the last one needs no logits

@@ -51,6 +51,9 @@ out=$("$bin" eval --checkpoint "$run" --data "$tmp/byte/val_*.bin" --batches 2 -
 s1=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --seed 5) || fail "sample: $s1"
 s2=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --seed 5) || fail "sample: $s2"
 [ "$s1" = "$s2" ] || fail "same seed, different text: '$s1' vs '$s2'"
+s3=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --top-k 40 --top-p 0.9 \
+  --temperature 0.8 --seed 5) || fail "sample --top-p: $s3"
+[ -n "$s3" ] || fail "sample --top-p printed nothing"
 
 # export writes a Hugging Face directory
 "$bin" export --checkpoint "$run" --out "$tmp/hf" >/dev/null || fail "export"
