@@ -87,6 +87,7 @@ void run_eval(const EvalFlags& f) {
 
 struct SampleFlags {
   std::string checkpoint, prompt, prompt_ids;
+  bool ids_given = false;  // --prompt-ids was passed (an empty list is then an empty prompt)
   SampleOptions opt;
 };
 
@@ -116,7 +117,7 @@ void run_sample(SampleFlags f) {
   std::unique_ptr<Tokenizer> tok;
   if (has_tokenizer(dir)) tok = load_tokenizer(dir);
   std::vector<uint32_t> prompt;
-  if (!f.prompt_ids.empty()) {
+  if (f.ids_given) {
     prompt = parse_ids(f.prompt_ids);
   } else {
     if (!tok)
@@ -178,9 +179,10 @@ void add_sample_command(CLI::App& app) {
                   "= all)")
       ->check(finite_range(0.0, 1.0));
   cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
-  cmd->callback([text, ids] {
+  cmd->callback([f, text, ids] {
     if (text->count() == 0 && ids->count() == 0)
       throw CLI::RequiredError("--prompt or --prompt-ids");
+    f->ids_given = ids->count() > 0;
   });
   register_runner("sample", [f] { run_sample(*f); });
 }

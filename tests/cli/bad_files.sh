@@ -47,6 +47,15 @@ for seed in 1 2 3 4 5; do
     --seed "$seed" 2>&1) || fail "sample seed $seed: $out"
 done
 expect_error prompt_id_wraps "4294967296" sample --checkpoint "$run" --prompt-ids 4294967296
+# An empty --prompt-ids is an empty prompt, not a missing one (on a run without a tokenizer it
+# once asked for the --prompt-ids it had been given).
+"$bin" train --config "$src/configs/tiny.json" --device cpu --set train.max_steps=1 \
+  --set train.save_at_end=true --set "train.out_dir=\"$tmp/synthetic\"" >/dev/null 2>&1 ||
+  fail "synthetic train"
+expect_error prompt_ids_empty "the prompt is empty" sample --checkpoint "$tmp/synthetic" \
+  --prompt-ids ""
+expect_error top_p_zero "top_p must be in (0, 1]" sample --checkpoint "$run" --prompt "The " \
+  --top-p 0
 
 # a safetensors header nested far deeper than the stack allows to print
 step=$(ls -d "$run"/step_* | tail -1)
