@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <sstream>
 #include <string>
 
 #include "model/decoder_layers.hpp"
@@ -184,6 +185,13 @@ uint32_t sample_token(const std::vector<double>& logits, double temperature, int
 
 namespace {
 
+// A double as a message shows it (0.9, 1e-09), not std::to_string's fixed six decimals.
+std::string shown(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
 void check_sample_input(const ModelConfig& c, const std::vector<uint32_t>& prompt,
                         const SampleOptions& opt) {
   if (prompt.empty()) throw InputError("sample: the prompt is empty (give at least one token)");
@@ -197,13 +205,13 @@ void check_sample_input(const ModelConfig& c, const std::vector<uint32_t>& promp
                      std::to_string(opt.max_new_tokens));
   if (!(opt.temperature >= 0) || !std::isfinite(opt.temperature))
     throw InputError("sample: temperature must be a finite number >= 0, got " +
-                     std::to_string(opt.temperature));
+                     shown(opt.temperature));
   if (opt.top_k < 0)
     throw InputError("sample: top_k must be >= 0 (0 = all tokens), got " +
                      std::to_string(opt.top_k));
   if (!(opt.top_p > 0 && opt.top_p <= 1))
     throw InputError("sample: top_p must be in (0, 1] (1 = no nucleus cut), got " +
-                     std::to_string(opt.top_p));
+                     shown(opt.top_p));
   if (opt.vocab_limit < 0)
     throw InputError("sample: vocab_limit must be >= 0 (0 = the model's vocabulary), got " +
                      std::to_string(opt.vocab_limit));
