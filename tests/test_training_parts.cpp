@@ -2,6 +2,7 @@
 // AdamW's decay choice by parameter kind, the synthetic source's exact entropy, the
 // aux-loss-free router bias, and the warning for a build without the GPU's faster kernels.
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -21,6 +22,7 @@
 #include "train/loss_scaler.hpp"
 #include "train/run_dir_probe.hpp"
 #include "train/step_outcome.hpp"
+#include "train/stop_signals.hpp"
 #include "moe/comm.hpp"
 #include "moe/data.hpp"
 #include "moe/model.hpp"
@@ -930,4 +932,39 @@ TEST_CASE("code_arch_note: a warning only where the binary lacks the device's fa
   const std::string t4_on_a100 = code_arch_note("NVIDIA A100", 8, 0, 75, false);
   CHECK(t4_on_a100.find("bf16 tensor cores") != std::string::npos);
   CHECK(t4_on_a100.find("--arch sm_80") != std::string::npos);
+}
+
+TEST_CASE(
+    "StopSignals: the first stop signal is kept, a second of its kind takes the default "
+    "action, and the handlers before come back",
+    "[train]") {
+  const auto handler_of = [](int signal) {
+    struct sigaction now {};
+    sigaction(signal, nullptr, &now);
+    return now.sa_handler;
+  };
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  struct sigaction usr1_before {};
+  sigaction(SIGUSR1, &ignore, &usr1_before);
+  const auto term_before = handler_of(SIGTERM);  // (Catch may have its own)
+  {
+    const StopSignals stop;
+    CHECK(stop.received() == 0);
+    CHECK(handler_of(SIGUSR1) != SIG_IGN);
+    std::raise(SIGUSR1);
+    CHECK(stop.received() == SIGUSR1);
+    CHECK(handler_of(SIGUSR1) == SIG_DFL);  // a second SIGUSR1 would end the process
+    CHECK(handler_of(SIGINT) != SIG_DFL);   // the others still stop gracefully
+    std::raise(SIGINT);
+    CHECK(stop.received() == SIGUSR1);  // the first one is the one reported
+    CHECK(std::string(StopSignals::name(SIGUSR1)) == "SIGUSR1");
+  }
+  CHECK(handler_of(SIGUSR1) == SIG_IGN);
+  CHECK(handler_of(SIGTERM) == term_before);
+  sigaction(SIGUSR1, &usr1_before, nullptr);
+  // A new StopSignals starts with nothing received.
+  const StopSignals fresh;
+  CHECK(fresh.received() == 0);
 }

@@ -21,6 +21,9 @@ struct TrainResult {
   double optimal_loss = 0;     // the data's best achievable loss (synthetic source)
   double tokens_per_second = 0;
   int skipped_steps = 0;  // fp16 steps skipped on gradient overflow
+  // Not 0: the run stopped early on this signal (SIGTERM, SIGINT or SIGUSR1) after `steps`,
+  // with a checkpoint of that step when the run saves any (train/stop_signals.hpp).
+  int stop_signal = 0;
 };
 
 // Picks the device from train.device ("auto" = cuda when built in and present, else cpu).
@@ -35,7 +38,8 @@ struct TrainOptions {
 // calls it: data parallel with ZeRO stage zero_optimization.stage (0-2) over the launched ranks
 // (docs/distributed.md); a W-rank run sees the rows of a 1-rank run with W times the gradient
 // accumulation. Throws ConfigError / InputError on bad
-// input and std::runtime_error when training itself fails (e.g. the loss diverges).
+// input and std::runtime_error when training itself fails (e.g. the loss diverges). While it runs
+// the steps, SIGTERM, SIGINT and SIGUSR1 stop it after the step in progress (stop_signal).
 TrainResult train(const Config& cfg, std::ostream& out, const TrainOptions& opt = {});
 
 // The activation dtype the config asks for: bf16 or fp16 when enabled, else f32.

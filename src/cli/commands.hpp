@@ -18,6 +18,11 @@ void add_export_command(CLI::App& app);
 void add_bench_command(CLI::App& app);
 // Runs whichever subcommand the command line selected.
 void run_selected(CLI::App& app);
+// Thrown by `train` after a run stopped early on a signal (its summary printed): main exits
+// with 128 + signal.
+struct StoppedBySignal {
+  int signal;
+};
 
 // ---- shared by the command files ----
 struct ConfigFlags {

@@ -1,6 +1,7 @@
 // moe-train: the command-line entry point. Subcommands parse their flags here and call the
 // library; every error surfaces as one message and an exit code: 2 for bad input (config,
-// command line, files), 1 for a failure while running.
+// command line, files), 1 for a failure while running; 128 + N for a training run that a signal
+// N stopped (gracefully, with a checkpoint).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -12,7 +13,8 @@
 int main(int argc, char** argv) {
   CLI::App app{
       "moe-train: a native trainer for Mixture-of-Experts and Mixture-of-Depths language models.\n"
-      "Exit codes: 0 success, 1 runtime failure, 2 bad input (config, flags or files)."};
+      "Exit codes: 0 success, 1 runtime failure, 2 bad input (config, flags or files),\n"
+      "128 + N a training run that signal N (SIGTERM, SIGINT, SIGUSR1) stopped after a step."};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string(MOE_VERSION));
   moe::cli::add_train_command(app);
@@ -36,6 +38,8 @@ int main(int argc, char** argv) {
   }
   try {
     moe::cli::run_selected(app);
+  } catch (const moe::cli::StoppedBySignal& e) {
+    return 128 + e.signal;
   } catch (const moe::ConfigError& e) {
     std::fprintf(stderr, "error: config %s\n", e.what());
     return 2;

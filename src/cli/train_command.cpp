@@ -23,6 +23,21 @@ double mib(double bytes) {
   return bytes / 1048576.0;
 }
 
+// What rank 0 prints once train() returns.
+void print_summary(const TrainResult& r, const Config& cfg) {
+  if (r.losses.empty()) {  // resumed at train.max_steps or past it: no loss to report
+    std::printf("done: nothing to train: resumed at step %d, train.max_steps is %d\n",
+                r.resumed_from, cfg.train.max_steps);
+    return;
+  }
+  if (profile::enabled() && r.profiled_steps > 0)
+    std::cout << profile::format(profile::take(), r.profiled_steps) << std::flush;
+  std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
+  if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
+  if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);
+  std::printf("\n");
+}
+
 void run_train(const ConfigFlags& f, const std::string& device, const std::string& resume,
                double memory_limit_gib) {
   std::vector<std::string> overrides = f.overrides;
@@ -41,19 +56,14 @@ void run_train(const ConfigFlags& f, const std::string& device, const std::strin
     std::cout << build_info() << "\nresolved config:\n"
               << config_to_json(cfg) << "\n"
               << std::flush;
-  TrainResult r = train(cfg, std::cout);
-  if (!first_rank) return;
-  if (r.losses.empty()) {  // resumed at train.max_steps or past it: no loss to report
-    std::printf("done: nothing to train: resumed at step %d, train.max_steps is %d\n",
-                r.resumed_from, cfg.train.max_steps);
-    return;
+  const TrainResult r = train(cfg, std::cout);
+  if (first_rank) print_summary(r, cfg);
+  // Stopped by a signal: every rank exits with that signal's usual status (128 + its number),
+  // so scripts can tell an interrupted run from a finished one.
+  if (r.stop_signal != 0) {
+    std::fflush(stdout);
+    throw StoppedBySignal{r.stop_signal};
   }
-  if (profile::enabled() && r.profiled_steps > 0)
-    std::cout << profile::format(profile::take(), r.profiled_steps) << std::flush;
-  std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
-  if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
-  if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);
-  std::printf("\n");
 }
 
 // The parameters of the largest decoder layer (ZeRO-3 gathers one layer at a time).

@@ -33,6 +33,7 @@
 #include "train/rank_agreement.hpp"
 #include "train/run_dir_probe.hpp"
 #include "train/step_outcome.hpp"
+#include "train/stop_signals.hpp"
 #include "train/train_data.hpp"
 #include "train/whole_weights.hpp"
 
@@ -373,6 +374,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
   Buffer eval_sums(dev, 2 * sizeof(double));
   const Tensor eval_sums_t = eval_sums.as(DType::f64, {2});
+  Buffer stop_counts(dev, 3 * sizeof(double));
+  const Tensor stop_counts_t = stop_counts.as(DType::f64, {3});
   LossScaler scaler(cfg.fp16);
 
   TrainResult result;
@@ -482,6 +485,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   // A non-finite gradient then shows as a non-finite loss at the next step.
   const bool norm_from_update =
       cfg.gradient_clipping <= 0 && !scaler.enabled() && optimizer.updates_whole_on_device();
+  // From here a stop signal ends the run after the step in progress, with a checkpoint.
+  const StopSignals stop_signals;
+  const bool saves = cfg.train.save_at_end || cfg.train.save_interval > 0;
   if (profile::enabled()) profile::take();  // the profile covers the steps, not the set-up
   for (int step = first_step; step < max_steps; ++step) {
     // The step is queued without reading anything back; its statistics are read once at the
@@ -636,8 +642,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       last_log = Clock::now();  // evaluation time is not training throughput
     }
     const bool stop_now = opt.stop_after_step > 0 && step + 1 == opt.stop_after_step;
+    // Every rank learns here whether any rank was asked to stop (a collective with several).
+    const int stop_signal = last ? 0 : stop_signals.agreed(dp, stop_counts_t);
     if ((last && cfg.train.save_at_end) ||
-        (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0)) {
+        (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0) ||
+        (stop_signal != 0 && saves)) {
       optimizer.join(ctx);  // the weights and moments as this step left them
       data->save(state);
       Model* saved = &model;
@@ -660,6 +669,15 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       whole.reset();
       out << "saved " << dir << "\n" << std::flush;
       last_log = Clock::now();
+    }
+    if (stop_signal != 0) {
+      result.stop_signal = stop_signal;
+      out << "stopped by " << StopSignals::name(stop_signal) << " after step " << step + 1
+          << " (loss " << sum.lm << ")"
+          << (saves ? "" : ": no checkpoint saved (train.save_interval 0, save_at_end false)")
+          << "\n"
+          << std::flush;
+      break;
     }
     if (stop_now) break;
   }

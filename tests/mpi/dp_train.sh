@@ -32,6 +32,8 @@
 #   diverged    2 ranks whose first update makes the weights non-finite, saving at step 1: rank 0
 #               (which writes the weights) stops as diverged naming the tensor, rank 1 stops
 #               naming rank 0's finding (no rank waits in the save's barrier), nothing published
+#   stop        SIGUSR1 to rank 1 of 2 only: both ranks stop after the same step with its
+#               checkpoint (both ranks' state) and exit 138; the run resumes from it
 #   kill        rank 1 of 2 is killed with SIGKILL mid-run (train.comm_timeout_s 60): the job
 #               exits non-zero within 30 s with mpirun's message naming the rank (or the
 #               watchdog's line, should mpirun not end the job first)
@@ -268,6 +270,48 @@ EOS
     [ "$rc" = 2 ] || { cat "$work/mismatch.log"; fail "bf16 expert gradients on 2 ranks: exit $rc, not 2"; }
     grep -q "^error: config train.bf16_expert_grads: needs one process .* got 2 ranks" \
       "$work/mismatch.log" || fail "no message naming train.bf16_expert_grads"
+    ;;
+  stop)
+    # SIGUSR1 to rank 1 alone: both ranks stop after the same step (rank 0 learns it from the
+    # per-step exchange), the step's checkpoint holds both ranks' state, every rank exits 138
+    # (128 + 10), and the run resumes from it on 2 ranks
+    cmd=("${launch[@]}" -np 2 "$bin" train "${common[@]}" --set train.max_steps=100000
+      --set scheduler.params.total_num_steps=100000 --set "train.out_dir=\"$work/stop\""
+      --set gradient_accumulation_steps=1 --set train.log_interval=1 --set train.save_interval=0
+      --set train.save_at_end=true)
+    timeout -k 5 120 "${cmd[@]}" >"$work/stop.log" 2>&1 &
+    job=$!
+    target=""
+    for _ in $(seq 100); do
+      for pid in $(pgrep -x moe-train); do
+        tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$work/stop" || continue
+        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+          target=$pid
+        fi
+      done
+      if [ -n "$target" ] && grep -q "^step .* 2/" "$work/stop.log"; then break; fi
+      sleep 0.2
+    done
+    [ -n "$target" ] || { kill "$job"; fail "rank 1 not found"; }
+    kill -USR1 "$target"
+    wait "$job"
+    rc=$?
+    tail -5 "$work/stop.log"
+    echo "exit $rc"
+    [ "$rc" -eq 138 ] || fail "exit $rc, expected 138 (128 + SIGUSR1)"
+    line=$(grep -m1 "^stopped by SIGUSR1 after step" "$work/stop.log") || fail "no stop line"
+    n=$(sed 's/^stopped by SIGUSR1 after step \([0-9]*\).*/\1/' <<<"$line")
+    step_dir=$(printf "%s/stop/step_%08d" "$work" "$n")
+    for f in DONE rank_00000.state rank_00001.state model.safetensors; do
+      [ -f "$step_dir/$f" ] || fail "$step_dir lacks $f"
+    done
+    grep -q "^saved $step_dir" "$work/stop.log" || fail "no 'saved $step_dir' line"
+    timeout -k 5 120 "${launch[@]}" -np 2 "$bin" train "${common[@]}" \
+      --set scheduler.params.total_num_steps=100000 --set "train.out_dir=\"$work/stop\"" \
+      --set gradient_accumulation_steps=1 --set train.max_steps=$((n + 2)) --resume auto \
+      >"$work/stop2.log" 2>&1 || { cat "$work/stop2.log"; fail "the resume exited $?"; }
+    grep -q "resumed from $step_dir at step $n" "$work/stop2.log" || fail "not resumed at step $n"
+    grep -q "^done: $((n + 2)) steps" "$work/stop2.log" || fail "the resume did not finish"
     ;;
   kill)
     cmd=("${launch[@]}" -np 2 "$bin" train "${common[@]}" --set train.max_steps=100000

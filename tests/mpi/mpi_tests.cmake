@@ -47,12 +47,14 @@ add_test(NAME mpi_dp_equal_np4 COMMAND ${MOE_DP_TRAIN} equal 4)
 add_test(NAME mpi_dp_resume COMMAND ${MOE_DP_TRAIN} resume)
 add_test(NAME mpi_dp_shards COMMAND ${MOE_DP_TRAIN} shards)
 add_test(NAME mpi_dp_kill COMMAND ${MOE_DP_TRAIN} kill)
+# A stop signal to one rank stops both after the same step, with a checkpoint to resume from.
+add_test(NAME mpi_dp_stop COMMAND ${MOE_DP_TRAIN} stop)
 # Ranks given different configs stop at start-up with one message naming the key.
 add_test(NAME mpi_dp_mismatch COMMAND ${MOE_DP_TRAIN} mismatch)
 # A save that meets non-finite weights on rank 0 stops both ranks, each with its own message.
 add_test(NAME mpi_dp_diverged COMMAND ${MOE_DP_TRAIN} diverged)
-set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill mpi_dp_mismatch mpi_dp_diverged
-                     PROPERTIES PROCESSORS 2)
+set_tests_properties(mpi_dp_equal_np2 mpi_dp_shards mpi_dp_kill mpi_dp_stop mpi_dp_mismatch
+                     mpi_dp_diverged PROPERTIES PROCESSORS 2)
 set_tests_properties(mpi_dp_equal_np4 mpi_dp_resume PROPERTIES PROCESSORS 4)
 
 # The same equivalences on 2 GPU ranks over NCCL (label gpu: skipped, exit 77, without 2 GPUs).

@@ -1,0 +1,71 @@
+#include "train/stop_signals.hpp"
+
+#include <atomic>
+
+#include "moe/memory.hpp"
+#include "train/data_parallel.hpp"
+
+namespace moe {
+
+namespace {
+
+// In the order agreed() prefers them.
+constexpr int kSignals[3] = {SIGTERM, SIGINT, SIGUSR1};
+
+// Written by the handler: a lock-free atomic is async-signal-safe.
+std::atomic<int> g_received{0};
+static_assert(std::atomic<int>::is_always_lock_free);
+
+extern "C" void on_stop_signal(int signal) {
+  int none = 0;
+  g_received.compare_exchange_strong(none, signal);  // the first one is the one reported
+}
+
+}  // namespace
+
+StopSignals::StopSignals() {
+  g_received = 0;
+  struct sigaction act {};
+  act.sa_handler = on_stop_signal;
+  sigemptyset(&act.sa_mask);
+  // SA_RESTART: reads and writes the signal interrupts go on (a save, the data); SA_RESETHAND:
+  // the next signal of the kind takes the default action, ending the process at once.
+  act.sa_flags = SA_RESTART | SA_RESETHAND;
+  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &act, &old_[i]);
+}
+
+StopSignals::~StopSignals() {
+  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &old_[i], nullptr);
+}
+
+int StopSignals::received() const {
+  return g_received.load();
+}
+
+int StopSignals::agreed(DataParallel& dp, Tensor scratch) const {
+  const int mine = received();
+  if (dp.world() == 1) return mine;
+  double counts[3] = {0, 0, 0};
+  for (int i = 0; i < 3; ++i) counts[i] = mine == kSignals[i] ? 1 : 0;
+  copy_from_host(scratch, counts);
+  dp.all_reduce(scratch);
+  copy_to_host(counts, scratch);
+  for (int i = 0; i < 3; ++i)
+    if (counts[i] > 0) return kSignals[i];
+  return 0;
+}
+
+const char* StopSignals::name(int signal) {
+  switch (signal) {
+    case SIGTERM:
+      return "SIGTERM";
+    case SIGINT:
+      return "SIGINT";
+    case SIGUSR1:
+      return "SIGUSR1";
+    default:
+      return "a signal";
+  }
+}
+
+}  // namespace moe

@@ -1,0 +1,42 @@
+// A graceful stop: SIGTERM (`kill`, Slurm at the time limit or on preemption), SIGINT (Ctrl-C)
+// and SIGUSR1 (Slurm's `--signal=USR1@SECONDS` warning) ask the run to stop after the step in
+// progress, with a checkpoint, instead of ending the process mid-step and losing the steps since
+// the last save. A second signal of the same kind ends the process at once (the handler is
+// installed for one delivery); the last complete checkpoint is never touched by that (saves go
+// to step_N.tmp/ and are renamed into place).
+//
+// With several ranks every rank must stop after the same step (the save is collective), but a
+// signal reaches the ranks at different times, or only some of them: agreed() sums the ranks'
+// flags once a step, so all of them see that some rank was asked.
+#pragma once
+#include <csignal>
+
+#include "moe/tensor.hpp"
+
+namespace moe {
+
+class DataParallel;
+
+class StopSignals {
+ public:
+  // Installs the handlers; the destructor puts the previous ones back.
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  // The first stop signal this process received since construction (0: none).
+  int received() const;
+  // A stop signal that any rank received, the same on every rank: SIGTERM if some rank got
+  // one, else SIGINT, else SIGUSR1; 0 for none. With several ranks a collective (every rank
+  // calls it after the same step); `scratch` is an f64 [3] tensor on the comm's device.
+  int agreed(DataParallel& dp, Tensor scratch) const;
+
+  // "SIGTERM", "SIGINT", "SIGUSR1", else "a signal".
+  static const char* name(int signal);
+
+ private:
+  struct sigaction old_[3];
+};
+
+}  // namespace moe

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A graceful stop through the real binary: SIGTERM to a training run ends it after the step in
+# progress with that step's checkpoint and exit 143 (128 + 15), and --resume auto goes on from
+# it; SIGUSR1 to a run that saves no checkpoints stops it with exit 138 and says so.
+# Usage: stop_signal.sh MOE_TRAIN_BINARY SOURCE_DIR
+set -u
+bin=$1
+src=$2
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL $*"; exit 1; }
+
+# start DIR ARGS...: a long run in the background (pid in $job) once its first progress line is
+# out
+start() {
+  local dir=$1
+  shift
+  "$bin" train --config "$src/configs/tiny.json" --device cpu --set train.max_steps=1000000 \
+    --set train.log_interval=1 --set "train.out_dir=\"$dir\"" "$@" >"$dir.log" 2>&1 &
+  job=$!
+  for _ in $(seq 300); do
+    grep -q "^step .* 2/" "$dir.log" 2>/dev/null && return
+    kill -0 "$job" 2>/dev/null || fail "the run ended early: $(tail -3 "$dir.log")"
+    sleep 0.1
+  done
+  kill -KILL "$job"
+  fail "no progress line in 30 s"
+}
+
+# SIGTERM with periodic saves off and a save at the end: the stop saves the step it ends at.
+start "$tmp/a" --set train.save_interval=0 --set train.save_at_end=true
+kill -TERM "$job"
+wait "$job"
+rc=$?
+[ "$rc" -eq 143 ] || fail "SIGTERM: exit $rc, expected 143: $(tail -3 "$tmp/a.log")"
+line=$(grep -m1 "^stopped by SIGTERM after step" "$tmp/a.log") || fail "no stop line: $(tail -3 "$tmp/a.log")"
+n=$(sed 's/^stopped by SIGTERM after step \([0-9]*\).*/\1/' <<<"$line")
+dir=$(printf "%s/a/step_%08d" "$tmp" "$n")
+[ -f "$dir/DONE" ] || fail "no complete checkpoint $dir: $(ls "$tmp/a")"
+grep -q "^saved $dir" "$tmp/a.log" || fail "no 'saved $dir' line"
+grep -q "^done: $n steps" "$tmp/a.log" || fail "no summary line"
+"$bin" train --config "$src/configs/tiny.json" --device cpu --set train.max_steps=$((n + 2)) \
+  --set "train.out_dir=\"$tmp/a\"" --resume auto >"$tmp/a2.log" 2>&1 ||
+  fail "resume exited $?: $(tail -3 "$tmp/a2.log")"
+grep -q "resumed from $dir at step $n" "$tmp/a2.log" || fail "not resumed at step $n"
+grep -q "^done: $((n + 2)) steps" "$tmp/a2.log" || fail "the resume did not finish"
+echo "ok   SIGTERM: stopped after step $n with its checkpoint, exit 143; resumed to step $((n + 2))"
+
+# SIGUSR1 to a run that saves nothing: it stops and says that no checkpoint was saved.
+start "$tmp/b" --set train.save_interval=0 --set train.save_at_end=false
+kill -USR1 "$job"
+wait "$job"
+rc=$?
+[ "$rc" -eq 138 ] || fail "SIGUSR1: exit $rc, expected 138: $(tail -3 "$tmp/b.log")"
+grep -q "^stopped by SIGUSR1 after step .*no checkpoint saved" "$tmp/b.log" ||
+  fail "no stop line: $(tail -3 "$tmp/b.log")"
+[ -z "$(ls "$tmp/b" | grep step_)" ] || fail "a checkpoint was saved: $(ls "$tmp/b")"
+echo "ok   SIGUSR1 without saves: stopped, exit 138, no checkpoint"
