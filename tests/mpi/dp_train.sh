@@ -80,6 +80,27 @@ run() {
   if [ "$n" -gt 1 ]; then cmd=("${launch[@]}" -np "$n" "${cmd[@]}"); fi
   timeout -k 5 120 "${cmd[@]}" >"$dir.log" 2>&1 || { cat "$dir.log"; fail "${cmd[*]} exited $?"; }
 }
+# rank1_pid DIR: the pid of rank 1 of the job training into DIR (on its command line: other
+# tests may run at the same time; OMPI_COMM_WORLD_RANK=1 in its environment), once DIR.log shows
+# step 2; fails after 20 s
+rank1_pid() {
+  local dir=$1 found="" pid
+  for _ in $(seq 100); do
+    for pid in $(pgrep -x moe-train); do
+      tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$dir" || continue
+      if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
+        found=$pid
+      fi
+    done
+    if [ -n "$found" ] && grep -q "^step .* 2/" "$dir.log"; then
+      echo "$found"
+      return 0
+    fi
+    sleep 0.2
+  done
+  return 1
+}
+
 losses() { jq -r 'select(.kind == "train") | "\(.step) \(.loss)"' "$1/metrics.jsonl"; }
 # same A B TOL: the step/loss lists agree (relative TOL; 0 = bitwise)
 same() {
@@ -281,18 +302,7 @@ EOS
       --set train.save_at_end=true)
     timeout -k 5 120 "${cmd[@]}" >"$work/stop.log" 2>&1 &
     job=$!
-    target=""
-    for _ in $(seq 100); do
-      for pid in $(pgrep -x moe-train); do
-        tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$work/stop" || continue
-        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
-          target=$pid
-        fi
-      done
-      if [ -n "$target" ] && grep -q "^step .* 2/" "$work/stop.log"; then break; fi
-      sleep 0.2
-    done
-    [ -n "$target" ] || { kill "$job"; fail "rank 1 not found"; }
+    target=$(rank1_pid "$work/stop") || { kill "$job"; fail "rank 1 not found"; }
     kill -USR1 "$target"
     wait "$job"
     rc=$?
@@ -319,20 +329,7 @@ EOS
       --set train.log_interval=1 --set train.save_at_end=false)
     timeout -k 5 120 "${cmd[@]}" >"$work/kill.log" 2>&1 &
     job=$!
-    victim=""
-    # rank 1's process: this job's run directory on its command line (other tests may run at
-    # the same time) and OMPI_COMM_WORLD_RANK=1 in its environment
-    for _ in $(seq 100); do
-      for pid in $(pgrep -x moe-train); do
-        tr '\0' '\n' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF "$work/kill" || continue
-        if tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx OMPI_COMM_WORLD_RANK=1; then
-          victim=$pid
-        fi
-      done
-      if [ -n "$victim" ] && grep -q "^step .* 2/" "$work/kill.log"; then break; fi
-      sleep 0.2
-    done
-    [ -n "$victim" ] || { kill "$job"; fail "rank 1 not found"; }
+    victim=$(rank1_pid "$work/kill") || { kill "$job"; fail "rank 1 not found"; }
     start=$(date +%s.%N)
     kill -KILL "$victim"
     wait "$job"
