@@ -28,8 +28,8 @@ StopSignals::StopSignals() {
   struct sigaction act {};
   act.sa_handler = on_stop_signal;
   sigemptyset(&act.sa_mask);
-  // SA_RESTART: reads and writes the signal interrupts go on (a save, the data); SA_RESETHAND:
-  // the next signal of the kind takes the default action, ending the process at once.
+  // SA_RESTART: a read or write that the signal interrupts goes on (a save, the data);
+  // SA_RESETHAND: the next signal of the kind takes the default action, ending the process.
   act.sa_flags = SA_RESTART | SA_RESETHAND;
   for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &act, &old_[i]);
 }

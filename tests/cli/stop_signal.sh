@@ -10,8 +10,8 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fail() { echo "FAIL $*"; exit 1; }
 
-# start DIR ARGS...: a long run in the background (pid in $job) once its first progress line is
-# out
+# start DIR ARGS...: a long run in the background (pid in $job), returning once it has logged
+# step 2
 start() {
   local dir=$1
   shift
