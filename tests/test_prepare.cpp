@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "catch.hpp"
 #include "moe/error.hpp"
 #include "moe/rng.hpp"
@@ -179,6 +181,100 @@ TEST_CASE("prepare rejects bad inputs with a clear message", "[prepare]") {
     opt.inputs.clear();
     CHECK_THROWS_AS(prepare_dataset(opt, log), InputError);
   }
+}
+
+TEST_CASE("prepare reads JSON Lines files: one document a line", "[prepare]") {
+  TempDir dir;
+  // Escapes, non-ASCII text, a blank line, an empty document (skipped), other keys, CRLF.
+  const std::string jsonl =
+      "{\"text\": \"first line\\nsecond line\", \"id\": 1}\n"
+      "\n"
+      "{\"id\": 2, \"text\": \"ünïcode ✓ \\\"quoted\\\"\"}\r\n"
+      "{\"text\": \"\"}\n"
+      "  {\"text\": \"last\"}";
+  const std::vector<std::string> jsonl_docs = {"first line\nsecond line", "ünïcode ✓ \"quoted\"",
+                                               "last"};
+  write_text(dir.file("a.jsonl"), jsonl);
+  write_text(dir.file("b.txt"), "a plain text file\n");
+  PrepareOptions opt;
+  opt.inputs = {dir.file("a.jsonl"), dir.file("b.txt")};
+  opt.out_dir = dir.file("out");
+  opt.val_fraction = 0.2;
+  std::ostringstream log;
+  PrepareResult r = prepare_dataset(opt, log);
+  INFO(log.str());
+  CHECK(contains(log.str(), "2 file(s), 4 document(s)"));
+  const auto tok = load_tokenizer(opt.out_dir);
+  std::vector<std::string> docs = jsonl_docs;
+  docs.push_back("a plain text file\n");
+  check_output(opt.out_dir, r, expected_stream(*tok, docs));
+
+  SECTION("--format text reads the .jsonl file whole, as one document") {
+    opt.format = "text";
+    r = prepare_dataset(opt, log);
+    check_output(opt.out_dir, r, expected_stream(*tok, {jsonl, "a plain text file\n"}));
+  }
+  SECTION("--format jsonl reads every input as JSON Lines, under another key") {
+    write_text(dir.file("c.txt"), "{\"content\": \"x y z\"}\n{\"content\": \"w\"}\n");
+    opt.inputs = {dir.file("c.txt")};
+    opt.format = "jsonl";
+    opt.jsonl_key = "content";
+    r = prepare_dataset(opt, log);
+    check_output(opt.out_dir, r, expected_stream(*tok, {"x y z", "w"}));
+  }
+}
+
+TEST_CASE("prepare trains SentencePiece on the text of JSON Lines documents", "[prepare][spm]") {
+  TempDir dir;
+  std::vector<std::string> docs;
+  std::string jsonl;
+  for (int i = 0; i < 60; ++i) {
+    docs.push_back(generated_corpus(5, 100 + static_cast<uint64_t>(i)));
+    jsonl += nlohmann::json{{"id", i}, {"text", docs.back()}}.dump() + "\n";
+  }
+  write_text(dir.file("docs.jsonl"), jsonl);
+  PrepareOptions opt;
+  opt.inputs = {dir.file("docs.jsonl")};
+  opt.tokenizer = "spm";
+  opt.vocab_size = 300;
+  opt.out_dir = dir.file("out");
+  opt.val_fraction = 0.1;
+  std::ostringstream log;
+  const PrepareResult r = prepare_dataset(opt, log);
+  INFO(log.str());
+  const auto tok = load_tokenizer(opt.out_dir);
+  check_output(opt.out_dir, r, expected_stream(*tok, docs));
+  for (const auto& d : docs) CHECK(tok->decode(tok->encode(d)) == d);
+  // Trained on the documents, not on the JSON around them: the key is no single piece, and the
+  // text handed to SentencePiece is gone.
+  CHECK(tok->encode("\"text\":").size() > 2);
+  CHECK_FALSE(fs::exists(opt.out_dir + "/.prepare_spm_text.txt"));
+}
+
+TEST_CASE("prepare names the file and line of a bad JSON line", "[prepare]") {
+  TempDir dir;
+  PrepareOptions opt;
+  opt.out_dir = dir.file("out");
+  std::ostringstream log;
+  const std::string path = dir.file("bad.jsonl");
+  const auto error_for = [&](const std::string& second_line) {
+    write_text(path, "{\"text\": \"fine\"}\n" + second_line + "\n");
+    opt.inputs = {path};
+    return input_error_of([&] { prepare_dataset(opt, log); });
+  };
+  CHECK(contains(error_for("{\"text\": \"cut"), path + ":2: not a JSON line"));
+  CHECK(contains(error_for("[\"text\"]"), path + ":2: not a JSON object"));
+  CHECK(contains(error_for("{\"body\": \"x\"}"), path + ":2: no \"text\""));
+  CHECK(contains(error_for("{\"text\": 7}"), path + ":2: \"text\" is not a string"));
+  opt.jsonl_key = "body";  // the key asked for, named
+  CHECK(contains(error_for("{\"text\": \"x\"}"), path + ":1: no \"body\""));
+  // A key or format that no input would use is refused, not ignored.
+  write_text(dir.file("plain.txt"), "some text that is long enough");
+  opt.inputs = {dir.file("plain.txt")};
+  CHECK(contains(input_error_of([&] { prepare_dataset(opt, log); }), "--jsonl-key"));
+  opt.jsonl_key.clear();
+  opt.format = "csv";
+  CHECK(contains(input_error_of([&] { prepare_dataset(opt, log); }), "csv"));
 }
 
 // The README's default corpus: every plain-text fortune file, SentencePiece vocab 4000.

@@ -38,8 +38,9 @@ std::unique_ptr<Tokenizer> train_spm_tokenizer(const std::vector<std::string>& i
 // Loads an existing SentencePiece model file.
 std::unique_ptr<Tokenizer> load_spm_model(const std::string& model_path);
 
-// `moe-train prepare`: tokenizes the input text files (each file one document, followed by EOS
-// when the tokenizer has one) and writes DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin shards of at
+// `moe-train prepare`: tokenizes the input files' documents (a text file is one document, a JSON
+// Lines file one a line: src/data/documents.hpp), each followed by EOS when the tokenizer has
+// one, and writes DIR/train_NNNNNN.bin and DIR/val_NNNNNN.bin shards of at
 // most shard_tokens tokens (the last val_fraction of the token stream goes to val, at least 2
 // tokens in each split) plus the tokenizer. Shards of an earlier run in DIR are replaced. Throws
 // InputError naming an unreadable input, or when the corpus is too small for both splits.
@@ -52,6 +53,8 @@ struct PrepareOptions {
   std::string out_dir;
   double val_fraction = 0.05;
   int64_t shard_tokens = 100'000'000;
+  std::string format = "auto";  // auto (.jsonl files as JSON Lines) | text | jsonl
+  std::string jsonl_key;        // the JSON Lines key of each document's text (empty = "text")
 };
 struct PrepareResult {
   int64_t train_tokens = 0, val_tokens = 0;

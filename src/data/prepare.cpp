@@ -1,11 +1,11 @@
 // `moe-train prepare`: text files in, token shards and a tokenizer out.
 //
-// Each input file is one document: it is encoded whole and followed by the tokenizer's EOS, so the
-// model sees where documents end. The token stream is then split once, the last val_fraction
-// going to validation, so validation text is never trained on (a per-document split would need
-// many documents; a tail split works for a single file too). The stream is held in memory
-// (4 bytes a token), which keeps the split exact and the code simple; corpora far beyond memory
-// should be prepared in parts.
+// Each document (a text file whole, or a line of a JSON Lines file: data/documents.hpp) is encoded
+// and followed by the tokenizer's EOS, so the model sees where documents end. The token stream is
+// then split once, the last val_fraction going to validation, so validation text is never trained
+// on (a per-document split would need many documents; a tail split works for a single file too).
+// The stream is held in memory (4 bytes a token), which keeps the split exact and the code simple;
+// corpora far beyond memory should be prepared in parts.
 //
 // Shards from an earlier run in the same directory (train_NNNNNN.bin / val_NNNNNN.bin) are
 // removed first: a glob such as train_*.bin would otherwise pick up stale ones.
@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "data/documents.hpp"
 #include "moe/error.hpp"
 #include "moe/shards.hpp"
 #include "moe/tokenizer.hpp"
@@ -51,6 +52,7 @@ void validate(const PrepareOptions& opt) {
   if (opt.vocab_size < 0)
     throw InputError("prepare: vocab_size must be >= 0 (0 = " + std::to_string(kDefaultSpmVocab) +
                      "), got " + std::to_string(opt.vocab_size));
+  check_document_format(DocumentFormat{opt.format, opt.jsonl_key}, opt.inputs);
   // Options the chosen tokenizer would ignore: the run would silently not be the one asked for.
   if (opt.tokenizer == "byte" && (opt.vocab_size != 0 || !opt.spm_model.empty()))
     throw InputError(std::string("prepare: --") +
@@ -80,14 +82,35 @@ void make_dir(const std::string& dir) {
   if (ec) throw InputError(dir + ": cannot create the directory: " + ec.message());
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot read");
-  std::stringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw InputError(path + ": read error");
-  return text.str();
-}
+// SentencePiece trains on text files line by line; JSON Lines inputs are given to it as their
+// documents' text, in a file of the output directory removed once the model is trained.
+class SpmTrainingText {
+ public:
+  explicit SpmTrainingText(const PrepareOptions& opt) : files_(opt.inputs) {
+    const DocumentFormat format{opt.format, opt.jsonl_key};
+    bool any_jsonl = false;
+    for (const auto& f : opt.inputs) any_jsonl = any_jsonl || reads_as_jsonl(f, format);
+    if (!any_jsonl) return;
+    temp_ = (fs::path(opt.out_dir) / ".prepare_spm_text.txt").string();
+    std::ofstream out(temp_, std::ios::binary | std::ios::trunc);
+    for (const auto& f : opt.inputs)
+      for_each_document(f, format, [&](const std::string& doc) { out << doc << '\n'; });
+    out.close();
+    if (!out) throw InputError(temp_ + ": cannot write the text for SentencePiece training");
+    files_ = {temp_};
+  }
+  ~SpmTrainingText() {
+    std::error_code ec;
+    if (!temp_.empty()) fs::remove(temp_, ec);
+  }
+  SpmTrainingText(const SpmTrainingText&) = delete;
+  SpmTrainingText& operator=(const SpmTrainingText&) = delete;
+  const std::vector<std::string>& files() const { return files_; }
+
+ private:
+  std::vector<std::string> files_;
+  std::string temp_;
+};
 
 std::unique_ptr<Tokenizer> make_tokenizer(const PrepareOptions& opt) {
   if (opt.tokenizer == "byte") return make_byte_tokenizer();
@@ -100,21 +123,24 @@ std::unique_ptr<Tokenizer> make_tokenizer(const PrepareOptions& opt) {
     return tok;
   }
   const int vocab = opt.vocab_size > 0 ? opt.vocab_size : kDefaultSpmVocab;
-  return train_spm_tokenizer(opt.inputs, vocab, opt.out_dir);
+  const SpmTrainingText text(opt);
+  return train_spm_tokenizer(text.files(), vocab, opt.out_dir);
 }
 
 // The whole corpus as one token stream, each document followed by EOS (when there is one).
-std::vector<uint32_t> encode_inputs(const std::vector<std::string>& inputs, const Tokenizer& tok,
-                                    int64_t& text_bytes) {
+std::vector<uint32_t> encode_inputs(const PrepareOptions& opt, const Tokenizer& tok,
+                                    int64_t& text_bytes, int64_t& documents) {
   std::vector<uint32_t> stream;
   text_bytes = 0;
-  for (const auto& f : inputs) {
-    const std::string text = read_text(f);
-    text_bytes += static_cast<int64_t>(text.size());
-    const std::vector<uint32_t> ids = tok.encode(text);
-    stream.insert(stream.end(), ids.begin(), ids.end());
-    if (tok.eos_id() >= 0) stream.push_back(static_cast<uint32_t>(tok.eos_id()));
-  }
+  documents = 0;
+  const DocumentFormat format{opt.format, opt.jsonl_key};
+  for (const auto& f : opt.inputs)
+    text_bytes += for_each_document(f, format, [&](const std::string& doc) {
+      const std::vector<uint32_t> ids = tok.encode(doc);
+      stream.insert(stream.end(), ids.begin(), ids.end());
+      if (tok.eos_id() >= 0) stream.push_back(static_cast<uint32_t>(tok.eos_id()));
+      ++documents;
+    });
   return stream;
 }
 
@@ -159,13 +185,13 @@ int write_split(const std::vector<uint32_t>& stream, int64_t begin, int64_t end,
 }
 
 std::string summary(const PrepareOptions& opt, const PrepareResult& r, size_t files,
-                    int64_t text_bytes, double seconds) {
+                    int64_t documents, int64_t text_bytes, double seconds) {
   std::ostringstream s;
-  s << "prepare: " << files << " file(s), " << text_bytes << " bytes -> "
-    << r.train_tokens + r.val_tokens << " tokens (" << opt.tokenizer << ", vocab " << r.vocab_size
-    << "): train " << r.train_tokens << " tokens in " << r.train_shards << " shard(s), val "
-    << r.val_tokens << " tokens in " << r.val_shards << " shard(s) -> " << opt.out_dir << " ("
-    << std::fixed;
+  s << "prepare: " << files << " file(s), " << documents << " document(s), " << text_bytes
+    << " bytes -> " << r.train_tokens + r.val_tokens << " tokens (" << opt.tokenizer << ", vocab "
+    << r.vocab_size << "): train " << r.train_tokens << " tokens in " << r.train_shards
+    << " shard(s), val " << r.val_tokens << " tokens in " << r.val_shards << " shard(s) -> "
+    << opt.out_dir << " (" << std::fixed;
   s.precision(1);
   s << seconds << " s)";
   return s.str();
@@ -180,8 +206,8 @@ PrepareResult prepare_dataset(const PrepareOptions& opt, std::ostream& log) {
   make_dir(opt.out_dir);
   const std::unique_ptr<Tokenizer> tok = make_tokenizer(opt);
 
-  int64_t text_bytes = 0;
-  const std::vector<uint32_t> stream = encode_inputs(opt.inputs, *tok, text_bytes);
+  int64_t text_bytes = 0, documents = 0;
+  const std::vector<uint32_t> stream = encode_inputs(opt, *tok, text_bytes, documents);
   const auto total = static_cast<int64_t>(stream.size());
   const int64_t val = val_token_count(total, opt.val_fraction);
 
@@ -195,7 +221,7 @@ PrepareResult prepare_dataset(const PrepareOptions& opt, std::ostream& log) {
   tok->save(opt.out_dir);
 
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-  log << summary(opt, r, opt.inputs.size(), text_bytes, took.count()) << std::endl;
+  log << summary(opt, r, opt.inputs.size(), documents, text_bytes, took.count()) << std::endl;
   return r;
 }
 

@@ -91,13 +91,19 @@ out=$("$bin" train "${common[@]}" --set train.max_steps=1 --resume auto 2>&1) ||
 grep -q "nothing to train: resumed at step 3, train.max_steps is 1" <<<"$out" ||
   fail "resume past max_steps: $(tail -1 <<<"$out")"
 
-# prepare: options the byte tokenizer would silently ignore, and inputs with no text
+# prepare: options the byte tokenizer would silently ignore, inputs with no text, a JSON Lines
+# file cut mid-line, a JSON Lines key with no JSON Lines input
 expect_error prepare_byte_vocab "--vocab-size" prepare --input "$src/README.md" --tokenizer byte \
   --vocab-size 500 --out "$tmp/p"
 : >"$tmp/empty.txt"
 expect_error prepare_no_text "empty.txt" prepare --input "$tmp/empty.txt" --tokenizer spm \
   --vocab-size 100 --out "$tmp/p"
 expect_error export_empty_out "output directory name is empty" export --checkpoint "$run" --out ""
+printf '{"text": "fine"}\n{"text": "cut\n' >"$tmp/cut.jsonl"
+expect_error prepare_bad_jsonl "cut.jsonl:2: not a JSON line" prepare --input "$tmp/cut.jsonl" \
+  --out "$tmp/p"
+expect_error prepare_jsonl_key_unused "--jsonl-key" prepare --input "$src/README.md" \
+  --jsonl-key body --out "$tmp/p"
 
 [ "$failures" -eq 0 ] && echo "all bad file cases passed"
 exit "$failures"
