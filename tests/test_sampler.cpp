@@ -420,6 +420,9 @@ TEST_CASE("sample_token draws from softmax(logits / temperature)", "[sampler]") 
   CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 0.0, 0, 1.0, rng) == 1);  // greedy ties: lowest id
   CHECK(sample_token({1.0, 2.0, 2.0, 0.5}, 1.0, 1, 1.0, rng) == 1);  // top-1 ties: lowest id
   CHECK(sample_token({0.0, 1.0}, 1e-300, 0, 1.0, rng) == 1);         // tiny temperature: no NaN
+  // A NaN logit is refused before any ranking (its comparisons break the sort's ordering).
+  for (double top_p : {1.0, 0.9})
+    CHECK_THROWS(sample_token({0.0, std::nan(""), 1.0}, 1.0, 2, top_p, rng));
 }
 
 TEST_CASE("top_p draws from the smallest most likely set that reaches it", "[sampler]") {
@@ -452,7 +455,7 @@ TEST_CASE("top_p draws from the smallest most likely set that reaches it", "[sam
   f = frequencies(0.7, 2, 5);
   CHECK(std::fabs(f[3] - 0.375) < 0.015);
   CHECK(frequencies(0.6, 2, 6)[1] == 1.0);
-  // Temperature comes first: at T = 0.25 id 1 holds 0.5^4 / (0.5^4 + 0.3^4 + ...) > 0.88.
+  // Temperature comes first: at T = 0.25 id 1 holds 0.5^4 / (0.5^4 + 0.3^4 + ...) = 0.879 > 0.85.
   Rng rng(7);
   for (int i = 0; i < 200; ++i) CHECK(sample_token(logits, 0.25, 0, 0.85, rng) == 1);
 }

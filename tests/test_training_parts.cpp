@@ -936,35 +936,47 @@ TEST_CASE("code_arch_note: a warning only where the binary lacks the device's fa
 
 TEST_CASE(
     "StopSignals: the first stop signal is kept, a second of its kind takes the default "
-    "action, and the handlers before come back",
+    "action, an ignored one stays ignored, and the handlers before come back",
     "[train]") {
   const auto handler_of = [](int signal) {
     struct sigaction now {};
     sigaction(signal, nullptr, &now);
     return now.sa_handler;
   };
-  struct sigaction ignore {};
-  ignore.sa_handler = SIG_IGN;
-  sigemptyset(&ignore.sa_mask);
-  struct sigaction usr1_before {};
-  sigaction(SIGUSR1, &ignore, &usr1_before);
-  const auto term_before = handler_of(SIGTERM);  // (Catch may have its own)
+  // A known start, whatever the test runner left: SIGUSR1 ignored, the others at their default.
+  const int touched[4] = {SIGUSR1, SIGINT, SIGTERM, SIGPIPE};
+  struct sigaction saved[4];
+  for (int i = 0; i < 4; ++i) {
+    struct sigaction start {};
+    start.sa_handler = i == 0 ? SIG_IGN : SIG_DFL;
+    sigemptyset(&start.sa_mask);
+    sigaction(touched[i], &start, &saved[i]);
+  }
   {
     const StopSignals stop;
     CHECK(stop.received() == 0);
-    CHECK(handler_of(SIGUSR1) != SIG_IGN);
+    CHECK(handler_of(SIGUSR1) == SIG_IGN);  // ignored when the process started: left so
     std::raise(SIGUSR1);
-    CHECK(stop.received() == SIGUSR1);
-    CHECK(handler_of(SIGUSR1) == SIG_DFL);  // a second SIGUSR1 would end the process
-    CHECK(handler_of(SIGINT) != SIG_DFL);   // the others still stop gracefully
+    CHECK(stop.received() == 0);
+    CHECK(handler_of(SIGINT) != SIG_DFL);
     std::raise(SIGINT);
-    CHECK(stop.received() == SIGUSR1);  // the first one is the one reported
+    CHECK(stop.received() == SIGINT);
+    CHECK(handler_of(SIGINT) == SIG_DFL);   // a second SIGINT would end the process
+    CHECK(handler_of(SIGPIPE) == SIG_IGN);  // a closed pipe no longer ends it before its save
+    CHECK(handler_of(SIGTERM) != SIG_DFL);  // the others still stop gracefully
+    std::raise(SIGTERM);
+    CHECK(stop.received() == SIGINT);  // the first one is the one reported
     CHECK(std::string(StopSignals::name(SIGUSR1)) == "SIGUSR1");
   }
-  CHECK(handler_of(SIGUSR1) == SIG_IGN);
-  CHECK(handler_of(SIGTERM) == term_before);
-  sigaction(SIGUSR1, &usr1_before, nullptr);
-  // A new StopSignals starts with nothing received.
-  const StopSignals fresh;
-  CHECK(fresh.received() == 0);
+  CHECK(handler_of(SIGUSR1) == SIG_IGN);  // the handlers before, back
+  CHECK(handler_of(SIGINT) == SIG_DFL);
+  CHECK(handler_of(SIGTERM) == SIG_DFL);
+  CHECK(handler_of(SIGPIPE) == SIG_IGN);  // but not SIGPIPE's: the process is stopping
+  std::signal(SIGPIPE, SIG_DFL);
+  {  // A new StopSignals starts with nothing received, and without a stop restores SIGPIPE too.
+    const StopSignals fresh;
+    CHECK(fresh.received() == 0);
+  }
+  CHECK(handler_of(SIGPIPE) == SIG_DFL);
+  for (int i = 0; i < 4; ++i) sigaction(touched[i], &saved[i], nullptr);
 }

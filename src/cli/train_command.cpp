@@ -32,7 +32,8 @@ void print_summary(const TrainResult& r, const Config& cfg) {
   }
   if (profile::enabled() && r.profiled_steps > 0)
     std::cout << profile::format(profile::take(), r.profiled_steps) << std::flush;
-  std::printf("done: %d steps | last train loss %.4f", r.steps, r.last_loss);
+  std::printf("%s: %d steps | last train loss %.4f", r.stop_signal != 0 ? "stopped" : "done",
+              r.steps, r.last_loss);
   if (std::isfinite(r.eval_loss)) std::printf(" | eval loss %.4f", r.eval_loss);
   if (std::isfinite(r.optimal_loss)) std::printf(" | best achievable %.4f", r.optimal_loss);
   std::printf("\n");

@@ -148,6 +148,9 @@ std::vector<uint32_t> candidates(const std::vector<double>& logits, int top_k, b
 uint32_t sample_token(const std::vector<double>& logits, double temperature, int top_k,
                       double top_p, Rng& rng) {
   MOE_CHECK(!logits.empty(), "sample_token: no logits");
+  // (Before the ranking: a NaN breaks the sort's ordering.)
+  MOE_CHECK(std::none_of(logits.begin(), logits.end(), [](double l) { return std::isnan(l); }),
+            "sample_token: the logits hold a NaN");
   if (temperature == 0) return argmax(logits);
   const bool nucleus = top_p < 1;
   std::vector<uint32_t> ids = candidates(logits, top_k, nucleus);

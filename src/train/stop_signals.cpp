@@ -19,6 +19,11 @@ static_assert(std::atomic<int>::is_always_lock_free);
 extern "C" void on_stop_signal(int signal) {
   int none = 0;
   g_received.compare_exchange_strong(none, signal);  // the first one is the one reported
+  // Ctrl-C on `moe-train train | tee log` ends the reader too: the next progress line would then
+  // end the process by SIGPIPE before its save. From here a write to a closed pipe only fails.
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigaction(SIGPIPE, &ignore, nullptr);  // (async-signal-safe)
 }
 
 }  // namespace
@@ -31,11 +36,20 @@ StopSignals::StopSignals() {
   // SA_RESTART: a read or write that the signal interrupts goes on (a save, the data);
   // SA_RESETHAND: the next signal of the kind takes the default action, ending the process.
   act.sa_flags = SA_RESTART | SA_RESETHAND;
-  for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &act, &old_[i]);
+  sigaction(SIGPIPE, nullptr, &old_pipe_);
+  for (int i = 0; i < 3; ++i) {
+    sigaction(kSignals[i], nullptr, &old_[i]);
+    // A signal the process was started with ignored stays ignored (a shell script's background
+    // job ignores SIGINT, so the Ctrl-C meant for the script does not stop the run).
+    if (old_[i].sa_handler != SIG_IGN) sigaction(kSignals[i], &act, nullptr);
+  }
 }
 
 StopSignals::~StopSignals() {
   for (int i = 0; i < 3; ++i) sigaction(kSignals[i], &old_[i], nullptr);
+  // After a stop the process goes on to print its summary and exit 128 + N: a closed pipe must
+  // not end it there either.
+  if (received() == 0) sigaction(SIGPIPE, &old_pipe_, nullptr);
 }
 
 int StopSignals::received() const {

@@ -3,7 +3,8 @@
 // progress, with a checkpoint, instead of ending the process mid-step and losing the steps since
 // the last save. A second signal of the same kind ends the process at once (the handler is
 // installed for one delivery); the last complete checkpoint is never touched by that (saves go
-// to step_N.tmp/ and are renamed into place).
+// to step_N.tmp/ and are renamed into place). A signal during the last step, its evaluation or
+// its save changes nothing: the run ends as finished.
 //
 // With several ranks every rank must stop after the same step (the save is collective), but a
 // signal reaches the ranks at different times, or only some of them: agreed() sums the ranks'
@@ -19,7 +20,8 @@ class DataParallel;
 
 class StopSignals {
  public:
-  // Installs the handlers; the destructor puts the previous ones back.
+  // Installs the handlers (not for a signal the process ignores); the destructor puts the
+  // previous ones back. Once a stop signal came SIGPIPE is ignored, to the process's end (.cpp).
   StopSignals();
   ~StopSignals();
   StopSignals(const StopSignals&) = delete;
@@ -37,6 +39,7 @@ class StopSignals {
 
  private:
   struct sigaction old_[3];
+  struct sigaction old_pipe_;
 };
 
 }  // namespace moe

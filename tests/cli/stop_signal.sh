@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A graceful stop through the real binary: SIGTERM to a training run ends it after the step in
 # progress with that step's checkpoint and exit 143 (128 + 15), and --resume auto goes on from
-# it; SIGUSR1 to a run that saves no checkpoints stops it with exit 138 and says so.
+# it; SIGUSR1 to a run that saves no checkpoints stops it with exit 138 and says so; a run whose
+# output pipe loses its reader right after the signal still saves and exits 143.
 # Usage: stop_signal.sh MOE_TRAIN_BINARY SOURCE_DIR
 set -u
 bin=$1
@@ -38,7 +39,7 @@ n=$(sed 's/^stopped by SIGTERM after step \([0-9]*\).*/\1/' <<<"$line")
 dir=$(printf "%s/a/step_%08d" "$tmp" "$n")
 [ -f "$dir/DONE" ] || fail "no complete checkpoint $dir: $(ls "$tmp/a")"
 grep -q "^saved $dir" "$tmp/a.log" || fail "no 'saved $dir' line"
-grep -q "^done: $n steps" "$tmp/a.log" || fail "no summary line"
+grep -q "^stopped: $n steps" "$tmp/a.log" || fail "no summary line"
 "$bin" train --config "$src/configs/tiny.json" --device cpu --set train.max_steps=$((n + 2)) \
   --set "train.out_dir=\"$tmp/a\"" --resume auto >"$tmp/a2.log" 2>&1 ||
   fail "resume exited $?: $(tail -3 "$tmp/a2.log")"
@@ -56,3 +57,24 @@ grep -q "^stopped by SIGUSR1 after step .*no checkpoint saved" "$tmp/b.log" ||
   fail "no stop line: $(tail -3 "$tmp/b.log")"
 [ -z "$(ls "$tmp/b" | grep step_)" ] || fail "a checkpoint was saved: $(ls "$tmp/b")"
 echo "ok   SIGUSR1 without saves: stopped, exit 138, no checkpoint"
+
+# SIGTERM, then the reader of its output gone (Ctrl-C on `moe-train train | tee log` ends both):
+# the save and the exit status are not lost to SIGPIPE.
+mkfifo "$tmp/pipe"
+cat "$tmp/pipe" >"$tmp/c.log" &
+reader=$!
+"$bin" train --config "$src/configs/tiny.json" --device cpu --set train.max_steps=1000000 \
+  --set train.log_interval=1 --set train.save_interval=0 --set train.save_at_end=true \
+  --set "train.out_dir=\"$tmp/c\"" >"$tmp/pipe" 2>&1 &
+job=$!
+for _ in $(seq 300); do
+  grep -q "^step .* 2/" "$tmp/c.log" 2>/dev/null && break
+  sleep 0.1
+done
+kill -TERM "$job"
+{ kill -KILL "$reader" && wait "$reader"; } 2>/dev/null
+wait "$job"
+rc=$?
+[ "$rc" -eq 143 ] || fail "SIGTERM with the reader gone: exit $rc, expected 143"
+[ -n "$(ls "$tmp/c" | grep step_)" ] || fail "SIGTERM with the reader gone: no checkpoint"
+echo "ok   SIGTERM with the output pipe's reader gone: exit 143, checkpoint saved"
