@@ -28,14 +28,22 @@ start() {
   fail "no progress line in 30 s"
 }
 
+# stop SIGNAL STATUS DIR: sends SIGNAL to the run started into DIR, which must exit with STATUS
+# and print its stop line; sets $n to the step it stopped after
+stop() {
+  local signal=$1 status=$2 dir=$3 rc line
+  kill "-$signal" "$job"
+  wait "$job"
+  rc=$?
+  [ "$rc" -eq "$status" ] || fail "SIG$signal: exit $rc, expected $status: $(tail -3 "$dir.log")"
+  line=$(grep -m1 "^stopped by SIG$signal after step" "$dir.log") ||
+    fail "no stop line: $(tail -3 "$dir.log")"
+  n=$(sed 's/^stopped by SIG[A-Z0-9]* after step \([0-9]*\).*/\1/' <<<"$line")
+}
+
 # SIGTERM with periodic saves off and a save at the end: the stop saves the step it ends at.
 start "$tmp/a" --set train.save_interval=0 --set train.save_at_end=true
-kill -TERM "$job"
-wait "$job"
-rc=$?
-[ "$rc" -eq 143 ] || fail "SIGTERM: exit $rc, expected 143: $(tail -3 "$tmp/a.log")"
-line=$(grep -m1 "^stopped by SIGTERM after step" "$tmp/a.log") || fail "no stop line: $(tail -3 "$tmp/a.log")"
-n=$(sed 's/^stopped by SIGTERM after step \([0-9]*\).*/\1/' <<<"$line")
+stop TERM 143 "$tmp/a"
 dir=$(printf "%s/a/step_%08d" "$tmp" "$n")
 [ -f "$dir/DONE" ] || fail "no complete checkpoint $dir: $(ls "$tmp/a")"
 grep -q "^saved $dir" "$tmp/a.log" || fail "no 'saved $dir' line"
@@ -49,12 +57,9 @@ echo "ok   SIGTERM: stopped after step $n with its checkpoint, exit 143; resumed
 
 # SIGUSR1 to a run that saves nothing: it stops and says that no checkpoint was saved.
 start "$tmp/b" --set train.save_interval=0 --set train.save_at_end=false
-kill -USR1 "$job"
-wait "$job"
-rc=$?
-[ "$rc" -eq 138 ] || fail "SIGUSR1: exit $rc, expected 138: $(tail -3 "$tmp/b.log")"
-grep -q "^stopped by SIGUSR1 after step .*no checkpoint saved" "$tmp/b.log" ||
-  fail "no stop line: $(tail -3 "$tmp/b.log")"
+stop USR1 138 "$tmp/b"
+grep -q "^stopped by SIGUSR1 after step $n .*no checkpoint saved" "$tmp/b.log" ||
+  fail "no 'no checkpoint saved': $(tail -3 "$tmp/b.log")"
 [ -z "$(ls "$tmp/b" | grep step_)" ] || fail "a checkpoint was saved: $(ls "$tmp/b")"
 echo "ok   SIGUSR1 without saves: stopped, exit 138, no checkpoint"
 
