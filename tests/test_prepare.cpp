@@ -266,6 +266,12 @@ TEST_CASE("prepare names the file and line of a bad JSON line", "[prepare]") {
   CHECK(contains(error_for("[\"text\"]"), path + ":2: not a JSON object"));
   CHECK(contains(error_for("{\"body\": \"x\"}"), path + ":2: no \"text\""));
   CHECK(contains(error_for("{\"text\": 7}"), path + ":2: \"text\" is not a string"));
+  // Documents without text, for SentencePiece to train on: said so, naming the input.
+  write_text(path, "{\"text\": \"\"}\n\n{\"text\": \"\"}\n");
+  opt.inputs = {path};
+  opt.tokenizer = "spm";
+  CHECK(contains(input_error_of([&] { prepare_dataset(opt, log); }), path + ") hold no text"));
+  opt.tokenizer = "byte";
   opt.jsonl_key = "body";  // the key asked for, named
   CHECK(contains(error_for("{\"text\": \"x\"}"), path + ":1: no \"body\""));
   // A key or format that no input would use is refused, not ignored.

@@ -1,4 +1,4 @@
-// `moe-train prepare`: text files in, token shards and a tokenizer out.
+// `moe-train prepare`: text or JSON Lines files in, token shards and a tokenizer out.
 //
 // Each document (a text file whole, or a line of a JSON Lines file: data/documents.hpp) is encoded
 // and followed by the tokenizer's EOS, so the model sees where documents end. The token stream is
@@ -93,10 +93,15 @@ class SpmTrainingText {
     if (!any_jsonl) return;
     temp_ = (fs::path(opt.out_dir) / ".prepare_spm_text.txt").string();
     std::ofstream out(temp_, std::ios::binary | std::ios::trunc);
+    int64_t bytes = 0;
     for (const auto& f : opt.inputs)
-      for_each_document(f, format, [&](const std::string& doc) { out << doc << '\n'; });
+      bytes += for_each_document(f, format, [&](const std::string& doc) { out << doc << '\n'; });
     out.close();
     if (!out) throw InputError(temp_ + ": cannot write the text for SentencePiece training");
+    // (SentencePiece's own message for this names neither the files nor the cause.)
+    if (bytes == 0)
+      throw InputError("prepare: the inputs' documents (first: " + opt.inputs.front() +
+                       ") hold no text");
     files_ = {temp_};
   }
   ~SpmTrainingText() {
