@@ -10,7 +10,8 @@ namespace moe::cli {
 void add_prepare_command(CLI::App& app) {
   auto opt = std::make_shared<PrepareOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "prepare", "tokenize text files into token shards (llm.c layout) plus the tokenizer");
+      "prepare",
+      "tokenize text or JSON Lines files into token shards (llm.c layout) plus the tokenizer");
   cmd->add_option("--input", opt->inputs,
                   "text files (one document each) or JSON Lines files (.jsonl: one a line)")
       ->required();
