@@ -68,7 +68,7 @@ endif()
 set(MOE_MPI_TESTS mpi_comm_np2 mpi_comm_np4 mpi_comm_hang mpi_comm_hang_serialized
                   mpi_comm_serialized_np2 mpi_comm_rank_exit mpi_comm_mpi_error
                   mpi_dp_equal_np2 mpi_dp_equal_np4 mpi_dp_resume mpi_dp_shards mpi_dp_kill
-                  mpi_dp_mismatch mpi_dp_diverged)
+                  mpi_dp_stop mpi_dp_mismatch mpi_dp_diverged)
 set_tests_properties(${MOE_MPI_TESTS} PROPERTIES LABELS "cpu;mpi" TIMEOUT 150)
 set_tests_properties(mpi_comm_hang mpi_comm_rank_exit PROPERTIES PROCESSORS 4)
 set_tests_properties(mpi_comm_mpi_error PROPERTIES PROCESSORS 2)
