@@ -60,7 +60,7 @@ int64_t for_each_document(const std::string& path, const DocumentFormat& f,
     const auto it = j.find(key);
     if (it == j.end())
       throw InputError(where + ": no \"" + key +
-                       "\" (the key that holds each document's text: " + "--jsonl-key)");
+                       "\" (the key that holds each document's text: --jsonl-key)");
     if (!it->is_string()) throw InputError(where + ": \"" + key + "\" is not a string");
     const std::string& doc = it->get_ref<const std::string&>();
     bytes += static_cast<int64_t>(doc.size());

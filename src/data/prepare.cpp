@@ -38,6 +38,11 @@ constexpr int kDefaultSpmVocab = 8000;
 // Each split needs at least one input token and its target.
 constexpr int64_t kMinSplitTokens = 2;
 
+// How the inputs hold their documents.
+DocumentFormat document_format(const PrepareOptions& opt) {
+  return DocumentFormat{opt.format, opt.jsonl_key};
+}
+
 void validate(const PrepareOptions& opt) {
   if (opt.inputs.empty()) throw InputError("prepare: no input text files given");
   if (opt.out_dir.empty()) throw InputError("prepare: no output directory given");
@@ -52,7 +57,7 @@ void validate(const PrepareOptions& opt) {
   if (opt.vocab_size < 0)
     throw InputError("prepare: vocab_size must be >= 0 (0 = " + std::to_string(kDefaultSpmVocab) +
                      "), got " + std::to_string(opt.vocab_size));
-  check_document_format(DocumentFormat{opt.format, opt.jsonl_key}, opt.inputs);
+  check_document_format(document_format(opt), opt.inputs);
   // Options the chosen tokenizer would ignore: the run would silently not be the one asked for.
   if (opt.tokenizer == "byte" && (opt.vocab_size != 0 || !opt.spm_model.empty()))
     throw InputError(std::string("prepare: --") +
@@ -87,7 +92,7 @@ void make_dir(const std::string& dir) {
 class SpmTrainingText {
  public:
   explicit SpmTrainingText(const PrepareOptions& opt) : files_(opt.inputs) {
-    const DocumentFormat format{opt.format, opt.jsonl_key};
+    const DocumentFormat format = document_format(opt);
     bool any_jsonl = false;
     for (const auto& f : opt.inputs) any_jsonl = any_jsonl || reads_as_jsonl(f, format);
     if (!any_jsonl) return;
@@ -138,7 +143,7 @@ std::vector<uint32_t> encode_inputs(const PrepareOptions& opt, const Tokenizer& 
   std::vector<uint32_t> stream;
   text_bytes = 0;
   documents = 0;
-  const DocumentFormat format{opt.format, opt.jsonl_key};
+  const DocumentFormat format = document_format(opt);
   for (const auto& f : opt.inputs)
     text_bytes += for_each_document(f, format, [&](const std::string& doc) {
       const std::vector<uint32_t> ids = tok.encode(doc);
