@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <numeric>
 #include <set>
 
 #include "test_util.hpp"
@@ -191,6 +192,37 @@ TEST_CASE("the dry-run plan predicts the allocated sizes", "[model]") {
   CHECK(planned.activation_bytes() == real.activation_bytes());
   CHECK(planned.scratch_bytes() == real.scratch_bytes());
   CHECK(real.scratch_bytes() > 0);
+}
+
+TEST_CASE("model: the step statistics hold each MoE layer's loads and the raised step flags",
+          "[model]") {
+  const ModelConfig m = gradcheck_config();  // MoE at layers 1, 3 and 5 (in a MoD block)
+  const int b = 3, t = 8;
+  Model model(m, DType::f32, Device{}, b, t);
+  model.init_weights(4);
+  Ctx ctx;
+  const TokenBatch data = random_tokens(b * t, m.vocab_size, 6);
+  model.reset_stats(ctx);
+  model.upload_batch(ctx, data.ids.data(), data.targets.data());
+  model.queue_forward(ctx);
+  model.raise_step_flag(ctx, 2);
+  const Losses raised = model.read_stats(ctx);
+  CHECK(raised.flags[0] == 0);
+  CHECK(raised.flags[1] == 0);
+  CHECK(raised.flags[2] == 1);
+  const auto& loads = model.routing().expert_load;
+  REQUIRE(loads.size() == 3);
+  const double k = m.num_experts_per_tok;
+  const double slots[3] = {b * t * k, b * t * k, b * (t / 2) * k};  // the MoD block keeps half
+  for (size_t i = 0; i < loads.size(); ++i) {
+    INFO("MoE layer " << i);
+    REQUIRE(loads[i].size() == static_cast<size_t>(m.num_local_experts));
+    CHECK(std::accumulate(loads[i].begin(), loads[i].end(), 0.0) == slots[i]);
+  }
+  CHECK(loads[0] != loads[1]);  // each layer its own row
+  const Losses next = model.forward(ctx, data.ids.data(), data.targets.data());
+  CHECK(next.flags[2] == 0);  // a step's flags are cleared with its losses
+  CHECK(next.lm == Approx(raised.lm).epsilon(1e-12));
 }
 
 TEST_CASE("a tiny model overfits one fixed batch", "[model][train]") {

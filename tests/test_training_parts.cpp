@@ -961,6 +961,7 @@ TEST_CASE(
     CHECK(handler_of(SIGINT) != SIG_DFL);
     std::raise(SIGINT);
     CHECK(stop.received() == SIGINT);
+    CHECK(stop.flag() == 1);
     CHECK(handler_of(SIGINT) == SIG_DFL);   // a second SIGINT would end the process
     CHECK(handler_of(SIGPIPE) == SIG_IGN);  // a closed pipe no longer ends it before its save
     CHECK(handler_of(SIGTERM) != SIG_DFL);  // the others still stop gracefully
@@ -976,7 +977,18 @@ TEST_CASE(
   {  // A new StopSignals starts with nothing received, and without a stop restores SIGPIPE too.
     const StopSignals fresh;
     CHECK(fresh.received() == 0);
+    CHECK(fresh.flag() == -1);
   }
   CHECK(handler_of(SIGPIPE) == SIG_DFL);
   for (int i = 0; i < 4; ++i) sigaction(touched[i], &saved[i], nullptr);
+}
+
+TEST_CASE("StopSignals::agreed: the ranks' summed flags name SIGTERM before SIGINT before SIGUSR1",
+          "[train]") {
+  const double none[3] = {0, 0, 0}, usr1[3] = {0, 0, 3}, int_usr1[3] = {0, 2, 1},
+               all[3] = {1, 1, 1};
+  CHECK(StopSignals::agreed(none) == 0);
+  CHECK(StopSignals::agreed(usr1) == SIGUSR1);
+  CHECK(StopSignals::agreed(int_usr1) == SIGINT);
+  CHECK(StopSignals::agreed(all) == SIGTERM);
 }

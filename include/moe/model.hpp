@@ -56,12 +56,18 @@ struct ParamCounts {
 };
 ParamCounts count_params(const ModelConfig& m, int seq_len);
 
+// Flags a step's statistics carry beside its losses (Losses::flags).
+constexpr int kStepFlags = 3;
+
 // Losses of one forward pass (averages over the micro-batch).
 struct Losses {
   double lm = 0;        // MODEL_SPEC's LM loss (mean cross-entropy)
   double aux = 0;       // load-balance loss, summed over MoE layers
   double z = 0;         // router z-loss, summed over MoE layers
   double mod_pred = 0;  // causal predictor BCE, summed over MoD layers
+  // The step flags raised on this rank (Model::raise_step_flag), with several ranks summed over
+  // them: the trainer's stop requests, which so need no collective of their own.
+  double flags[kStepFlags] = {};
   double total() const { return lm + aux + z + mod_pred; }
 };
 
@@ -192,11 +198,14 @@ class Model {
   // mean losses over the micro-batches since reset_stats(), and routing() refreshed with the
   // loads summed since then.
   Losses read_stats(Ctx& ctx);
+  // Sets step flag `flag` (< kStepFlags) for read_stats, on ctx's stream; reset_stats clears it.
+  void raise_step_flag(Ctx& ctx, int flag);
   // The device tensors behind read_stats, for data parallelism to sum across ranks first:
-  // f64 [4] loss sums (lm, aux, z, mod_pred; each a sum of micro-batch means) and, per MoE
-  // layer, its [E] expert loads (the router-bias update reads these in after_step).
+  // f64 [4 + kStepFlags] loss sums (lm, aux, z, mod_pred; each a sum of micro-batch means) and
+  // step flags, and the MoE layers' expert loads, [MoE layers, E] (empty without MoE layers;
+  // the router-bias update reads them in after_step).
   Tensor loss_sums() const { return stats_; }
-  const std::vector<Tensor>& expert_loads() const { return loads_; }
+  Tensor expert_loads() const { return loads_; }
 
   // ---- conveniences (each reads back, so each waits for the device) ----
   Losses forward_backward(Ctx& ctx, const int32_t* ids, const int32_t* targets, double grad_scale);
@@ -324,8 +333,9 @@ class Model {
   Tensor dstream_a_, dstream_b_;  // [N, d] gradient ping-pong
   Tensor xf_, rstdf_, logits_, losses_, lse_;  // final norm, [N, V] logits, per-token losses
   Tensor stats_;                               // f64 [4] device sums: lm, aux, z, mod_pred
-  std::vector<Tensor> loads_;                  // each MoE layer's [E] step loads (planned once)
-  std::vector<float> host_loads_f32_;          // reused by read_stats (no allocation per step)
+  Tensor loads_;                               // [MoE layers, E] step loads (LayerEnv::loads)
+  std::vector<double> host_loads_;             // reused by read_stats (no allocation per step)
+  std::vector<float> host_loads_f32_;          // the same for loads in f32
   struct Staging;                              // page-locked upload slots (GPU only)
   std::unique_ptr<Staging> staging_;
 };

@@ -25,7 +25,10 @@ struct LayerEnv {
   Model& model;
   Arena& scratch;
   Tensor rope_cos, rope_sin;
-  Tensor stats;  // f64 [4] device sums of the losses: lm, aux, z, mod_pred
+  Tensor stats;  // f64 [kStats] device sums of the losses (lm, aux, z, mod_pred), then the flags
+  // [MoE layers, E] in acc: each MoE layer's slots per expert since reset (row moe_index), one
+  // tensor so a step zeroes, reads back and sums them across ranks in one op each.
+  Tensor loads;
   // Set while backward re-runs a layer's forward (activation recomputation): the forward then
   // only rebuilds activations and must not count its losses or loads a second time.
   bool recomputing = false;
@@ -34,8 +37,15 @@ struct LayerEnv {
   bool mixed() const { return dtype != acc; }
 };
 
-// Index of each loss in LayerEnv::stats.
-enum StatIndex : int64_t { kStatLm = 0, kStatAux = 1, kStatZ = 2, kStatModPred = 3, kStats = 4 };
+// Index of each loss in LayerEnv::stats, then the step flags (Model::raise_step_flag).
+enum StatIndex : int64_t {
+  kStatLm = 0,
+  kStatAux = 1,
+  kStatZ = 2,
+  kStatModPred = 3,
+  kStatFlags = 4,
+  kStats = kStatFlags + kStepFlags
+};
 
 // y = x w^T and its backward (dx += dy w unless dx is empty, dw += dy^T x) for the fp32 router
 // matmuls: y, dy, dw and w (the master weights) in the accumulation dtype, x and dx in the
@@ -112,9 +122,6 @@ class MoeFfn {
   };
   ExpertInputs expert_inputs(Arena& scratch, bool rows_wanted = true) const;
   bool gathers_expert_rows() const;
-
- public:
-  Tensor load() const { return load_; }
 };
 
 // Causal GQA self-attention with RoPE: y = Wo attn(rope(Wq x), rope(Wk x), Wv x).
@@ -156,8 +163,6 @@ class Layer {
   virtual void after_step(Ctx&) {}
   // Appends the layer's non-parameter persistent state (router biases).
   virtual void collect_state(std::vector<Tensor>& out) const = 0;
-  // Appends the layer's device load tensor ([E], slots per expert since reset) if it routes.
-  virtual void collect_loads(std::vector<Tensor>& out) const = 0;
 };
 
 // Pre-norm transformer block: h = x + Attn(norm1(x)); out = h + FFN(norm2(h)).
@@ -173,9 +178,6 @@ class Block : public Layer {
   void after_step(Ctx& ctx) override;
   void collect_state(std::vector<Tensor>& out) const override {
     if (moe_) out.push_back(moe_->bias());
-  }
-  void collect_loads(std::vector<Tensor>& out) const override {
-    if (moe_) out.push_back(moe_->load());
   }
 
  private:
@@ -201,7 +203,6 @@ class ModBlock : public Layer {
   bool backward_in_place() const override { return true; }
   void after_step(Ctx& ctx) override { inner_.after_step(ctx); }
   void collect_state(std::vector<Tensor>& out) const override { inner_.collect_state(out); }
-  void collect_loads(std::vector<Tensor>& out) const override { inner_.collect_loads(out); }
 
  private:
   const LayerEnv& env_;

@@ -110,8 +110,8 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
       fp32_copy_buf_ = Buffer(dev, fp32_copy_elems_ * dtype_size(param_dtype_));
     }
   }
-  env_ = std::make_unique<LayerEnv>(
-      LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_, Tensor(), Tensor(), Tensor(), false});
+  env_ = std::make_unique<LayerEnv>(LayerEnv{cfg_, compute_, param_dtype_, *this, scratch_,
+                                             Tensor(), Tensor(), Tensor(), Tensor(), false});
   const Dims dims{batch, seq_len};
   int moe_index = 0;
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
@@ -156,6 +156,9 @@ void Model::plan() {
   env_->rope_cos = rope_cos_;
   env_->rope_sin = rope_sin_;
   env_->stats = stats_;
+  const auto moe_layers = static_cast<int64_t>(routing_.expert_load.size());
+  loads_ = moe_layers > 0 ? acts_.alloc(env_->acc, {moe_layers, cfg_.num_local_experts}) : Tensor();
+  env_->loads = loads_;
   stream_.clear();
   for (int l = 0; l <= cfg_.num_hidden_layers; ++l) stream_.push_back(acts_.alloc(dt, {n, d}));
   dstream_a_ = acts_.alloc(dt, {n, d});
@@ -175,8 +178,6 @@ void Model::plan() {
     if (memory_.recompute_layers) acts_.release(shared);
     layer->plan(acts_);
   }
-  loads_.clear();
-  for (const auto& layer : layers_) layer->collect_loads(loads_);
 }
 
 size_t Model::weight_bytes() const {
@@ -493,7 +494,7 @@ void Model::scatter_params(Ctx& ctx, const void* host) {
 
 void Model::reset_stats(Ctx& ctx) {
   fill(ctx, stats_, 0.0);
-  for (Tensor l : loads_) fill(ctx, l, 0.0);
+  if (!loads_.empty()) fill(ctx, loads_, 0.0);
   routing_.reset();
   micro_batches_ = 0;
 }
@@ -556,6 +557,11 @@ Losses Model::forward(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
   return read_stats(ctx);
 }
 
+void Model::raise_step_flag(Ctx& ctx, int flag) {
+  MOE_CHECK(0 <= flag && flag < kStepFlags, "step flag " + std::to_string(flag));
+  fill(ctx, stats_.rows(kStatFlags + flag, kStatFlags + flag + 1), 1.0);
+}
+
 Losses Model::read_stats(Ctx& ctx) {
   double sums[kStats];
   copy_to_host(ctx, sums, stats_);  // waits for ctx's stream
@@ -565,16 +571,22 @@ Losses Model::read_stats(Ctx& ctx) {
   l.aux = sums[kStatAux] / m;
   l.z = sums[kStatZ] / m;
   l.mod_pred = sums[kStatModPred] / m;
-  const std::vector<Tensor>& loads = loads_;
-  for (size_t i = 0; i < loads.size(); ++i) {
-    auto& out = routing_.expert_load[i];
-    if (loads[i].dtype == DType::f64) {
-      copy_to_host(ctx, out.data(), loads[i]);
-    } else {
-      host_loads_f32_.resize(out.size());
-      copy_to_host(ctx, host_loads_f32_.data(), loads[i]);
-      out.assign(host_loads_f32_.begin(), host_loads_f32_.end());
-    }
+  for (int i = 0; i < kStepFlags; ++i) l.flags[i] = sums[kStatFlags + i];
+  if (loads_.empty()) return l;
+  // One read of every MoE layer's loads (a copy a layer waited on the device once each).
+  const auto e = static_cast<size_t>(loads_.size(1));
+  if (loads_.dtype == DType::f64) {
+    host_loads_.resize(loads_.numel());
+    copy_to_host(ctx, host_loads_.data(), loads_);
+    for (size_t i = 0; i < routing_.expert_load.size(); ++i)
+      routing_.expert_load[i].assign(host_loads_.begin() + i * e,
+                                     host_loads_.begin() + (i + 1) * e);
+  } else {
+    host_loads_f32_.resize(loads_.numel());
+    copy_to_host(ctx, host_loads_f32_.data(), loads_);
+    for (size_t i = 0; i < routing_.expert_load.size(); ++i)
+      routing_.expert_load[i].assign(host_loads_f32_.begin() + i * e,
+                                     host_loads_f32_.begin() + (i + 1) * e);
   }
   return l;
 }

@@ -39,7 +39,7 @@ MoeFfn::MoeFfn(const LayerEnv& env, int layer, int moe_index) : env_(env), moe_i
 void MoeFfn::plan_state(Arena& state) {
   const int64_t e = env_.cfg.num_local_experts;
   bias_ = state.alloc(env_.acc, {e});
-  load_ = state.alloc(env_.acc, {e});
+  load_ = env_.loads.rows(moe_index_, moe_index_ + 1).view({e});
 }
 
 void MoeFfn::plan(Arena& acts, int64_t rows) {

@@ -107,7 +107,7 @@ void DataParallel::reduce_gradients_and_stats(Model& model) {
     comm_.all_reduce_sum(g);
   }
   comm_.all_reduce_sum(model.loss_sums());
-  for (const Tensor& load : model.expert_loads()) comm_.all_reduce_sum(load);
+  if (!model.expert_loads().empty()) comm_.all_reduce_sum(model.expert_loads());
 }
 
 void DataParallel::queue_grad_norm_sq(Ctx& ctx, const Model& model, Tensor acc) {

@@ -2,15 +2,15 @@
 
 #include <atomic>
 
-#include "moe/memory.hpp"
-#include "train/data_parallel.hpp"
+#include "moe/model.hpp"
 
 namespace moe {
 
 namespace {
 
-// In the order agreed() prefers them.
+// In the order agreed() prefers them; a signal's index is its step flag.
 constexpr int kSignals[3] = {SIGTERM, SIGINT, SIGUSR1};
+static_assert(kStepFlags >= 3, "a step flag for each stop signal");
 
 // Written by the handler: a lock-free atomic is async-signal-safe.
 std::atomic<int> g_received{0};
@@ -56,16 +56,16 @@ int StopSignals::received() const {
   return g_received.load();
 }
 
-int StopSignals::agreed(DataParallel& dp, Tensor scratch) const {
+int StopSignals::flag() const {
   const int mine = received();
-  if (dp.world() == 1) return mine;
-  double counts[3] = {0, 0, 0};
-  for (int i = 0; i < 3; ++i) counts[i] = mine == kSignals[i] ? 1 : 0;
-  copy_from_host(scratch, counts);
-  dp.all_reduce(scratch);
-  copy_to_host(counts, scratch);
   for (int i = 0; i < 3; ++i)
-    if (counts[i] > 0) return kSignals[i];
+    if (mine == kSignals[i]) return i;
+  return -1;
+}
+
+int StopSignals::agreed(const double* flags) {
+  for (int i = 0; i < 3; ++i)
+    if (flags[i] > 0) return kSignals[i];
   return 0;
 }
 

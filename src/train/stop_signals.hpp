@@ -7,16 +7,13 @@
 // its save changes nothing: the run ends as finished.
 //
 // With several ranks every rank must stop after the same step (the save is collective), but a
-// signal reaches the ranks at different times, or only some of them: agreed() sums the ranks'
-// flags once a step, so all of them see that some rank was asked.
+// signal reaches the ranks at different times, or only some of them: each rank raises its step
+// flag (Model::raise_step_flag), which the step's all-reduce of the losses sums across ranks (no
+// collective of its own), and agreed() reads the sums, the same on every rank.
 #pragma once
 #include <csignal>
 
-#include "moe/tensor.hpp"
-
 namespace moe {
-
-class DataParallel;
 
 class StopSignals {
  public:
@@ -29,10 +26,11 @@ class StopSignals {
 
   // The first stop signal this process received since construction (0: none).
   int received() const;
-  // A stop signal that any rank received, the same on every rank: SIGTERM if some rank got
-  // one, else SIGINT, else SIGUSR1; 0 for none. With several ranks a collective (every rank
-  // calls it after the same step); `scratch` is an f64 [3] tensor on the comm's device.
-  int agreed(DataParallel& dp, Tensor scratch) const;
+  // The step flag of the signal received (SIGTERM 0, SIGINT 1, SIGUSR1 2); -1 for none.
+  int flag() const;
+  // The stop signal that some rank received, from the step flags summed over the ranks
+  // (Losses::flags): SIGTERM if some rank got one, else SIGINT, else SIGUSR1; 0 for none.
+  static int agreed(const double* flags);
 
   // "SIGTERM", "SIGINT", "SIGUSR1", else "a signal".
   static const char* name(int signal);

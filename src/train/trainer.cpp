@@ -374,8 +374,6 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
   const Tensor norm_sq_t = norm_sq.as(DType::f64, {1});
   Buffer eval_sums(dev, 2 * sizeof(double));
   const Tensor eval_sums_t = eval_sums.as(DType::f64, {2});
-  Buffer stop_counts(dev, 3 * sizeof(double));
-  const Tensor stop_counts_t = stop_counts.as(DType::f64, {3});
   LossScaler scaler(cfg.fp16);
 
   TrainResult result;
@@ -527,6 +525,9 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       phase.forward_backward += seconds_since(t0);
     }
     auto t0 = Clock::now();
+    // With several ranks a stop request rides with the losses' sum (StopSignals::agreed).
+    const int stop_flag = world > 1 ? stop_signals.flag() : -1;
+    if (stop_flag >= 0) model.raise_step_flag(ctx, stop_flag);
     dp.reduce_gradients_and_stats(model);
     if (dp.gradients_on_host()) optimizer.gradients_on_host();
     const bool last = step + 1 == max_steps;
@@ -642,8 +643,11 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
       last_log = Clock::now();  // evaluation time is not training throughput
     }
     const bool stop_now = opt.stop_after_step > 0 && step + 1 == opt.stop_after_step;
-    // Every rank learns here whether any rank was asked to stop (a collective with several).
-    const int stop_signal = last ? 0 : stop_signals.agreed(dp, stop_counts_t);
+    // Every rank stops after the same step: with several ranks, the one whose summed flags name
+    // a signal (a signal that came after this step's flags were raised counts at the next).
+    const int stop_signal = last        ? 0
+                            : world > 1 ? StopSignals::agreed(sum.flags)
+                                        : stop_signals.received();
     if ((last && cfg.train.save_at_end) ||
         (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0) ||
         (stop_signal != 0 && saves)) {
