@@ -28,8 +28,11 @@ def read_metrics(path):
             except json.JSONDecodeError:
                 print(f"{path}:{number}: skipping a malformed line", file=sys.stderr)
                 continue
+            # the trainer's train and eval records (a stop's record, other tools' notes left out);
             # a resumed run may log a step again: the last record of a step wins
-            (evals if rec.get("kind") == "eval" else train)[rec["step"]] = rec
+            kind, step = rec.get("kind", "train"), rec.get("step")
+            if kind in ("train", "eval") and isinstance(step, int):
+                (evals if kind == "eval" else train)[step] = rec
     return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
 
 

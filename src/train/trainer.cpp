@@ -648,6 +648,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
     const int stop_signal = last        ? 0
                             : world > 1 ? StopSignals::agreed(sum.flags)
                                         : stop_signals.received();
+    std::string saved_dir;  // this step's checkpoint, when it saves one
     if ((last && cfg.train.save_at_end) ||
         (cfg.train.save_interval > 0 && (step + 1) % cfg.train.save_interval == 0) ||
         (stop_signal != 0 && saves)) {
@@ -659,9 +660,8 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
         gather_whole(ctx, model, whole.get());
         if (whole) saved = whole.get();
       }
-      std::string dir;
       try {
-        dir = save_checkpoint(save_opt, cfg, *saved, optimizer, state);
+        saved_dir = save_checkpoint(save_opt, cfg, *saved, optimizer, state);
       } catch (const NonFiniteError& e) {
         // The update made a weight NaN or Inf (without clipping the norm is read at log steps
         // only, and the loss shows it a step later): stopped as divergence, the checkpoint not
@@ -671,7 +671,7 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
                        "the weights");
       }
       whole.reset();
-      out << "saved " << dir << "\n" << std::flush;
+      out << "saved " << saved_dir << "\n" << std::flush;
       last_log = Clock::now();
     }
     if (stop_signal != 0) {
@@ -681,6 +681,12 @@ TrainResult train(const Config& cfg, std::ostream& rank_out, const TrainOptions&
           << (saves ? "" : ": no checkpoint saved (train.save_interval 0, save_at_end false)")
           << "\n"
           << std::flush;
+      if (metrics) {  // a reader of the metrics learns why the records end here
+        nlohmann::json rec = {
+            {"kind", "stop"}, {"step", step + 1}, {"signal", StopSignals::name(stop_signal)}};
+        rec["checkpoint"] = saved_dir.empty() ? nlohmann::json() : nlohmann::json(saved_dir);
+        metrics->write(rec);
+      }
       break;
     }
     if (stop_now) break;
