@@ -29,6 +29,9 @@ struct InternalError : std::logic_error {
   using std::logic_error::logic_error;
 };
 
+// A number as messages show it: the stream's shortest default form (0.001, 1e+30, 3).
+std::string shown(double v);
+
 [[noreturn]] void throw_check_failed(const char* cond, const char* file, int line,
                                      const std::string& msg);
 

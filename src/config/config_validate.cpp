@@ -3,7 +3,6 @@
 #include <cctype>
 #include <cstdint>
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "config/config_internal.hpp"
@@ -25,12 +24,6 @@ constexpr int kMaxLayers = 1024;
 // sizes wraps them), so it is refused before anything is planned or allocated.
 constexpr double kMaxParameters = 1099511627776.0;
 
-std::string num(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
-}
-
 [[noreturn]] void fail(const std::string& path, const std::string& msg) {
   throw ConfigError(path, msg);
 }
@@ -40,15 +33,15 @@ void require_at_least(const char* path, int64_t v, int64_t lo) {
 }
 
 void require_positive(const char* path, double v) {
-  if (!(v > 0)) fail(path, "must be > 0, got " + num(v));
+  if (!(v > 0)) fail(path, "must be > 0, got " + shown(v));
 }
 
 void require_non_negative(const char* path, double v) {
-  if (!(v >= 0)) fail(path, "must be >= 0, got " + num(v));
+  if (!(v >= 0)) fail(path, "must be >= 0, got " + shown(v));
 }
 
 void require_unit_interval(const char* path, double v) {
-  if (!(v >= 0 && v <= 1)) fail(path, "must be in [0, 1], got " + num(v));
+  if (!(v >= 0 && v <= 1)) fail(path, "must be in [0, 1], got " + shown(v));
 }
 
 // ---- model
@@ -113,7 +106,8 @@ double parameter_count(const ModelConfig& m) {
 void validate_parameter_count(const ModelConfig& m) {
   const double n = parameter_count(m);
   if (n > kMaxParameters)
-    fail("model", "the sizes give " + num(n) + " parameters, more than the " + num(kMaxParameters) +
+    fail("model", "the sizes give " + shown(n) + " parameters, more than the " +
+                      shown(kMaxParameters) +
                       " (2^40) this trainer can hold; lower model.hidden_size, "
                       "intermediate_size, num_local_experts, num_hidden_layers or vocab_size");
 }
@@ -136,8 +130,9 @@ void validate_numerics(const ModelConfig& m) {
 
 void validate_mod(const ModConfig& mod, int num_hidden_layers) {
   if (!(mod.capacity > 0 && mod.capacity <= 1))
-    fail("model.mod.capacity",
-         "must be in (0, 1] (the fraction of tokens a MoD block keeps), got " + num(mod.capacity));
+    fail(
+        "model.mod.capacity",
+        "must be in (0, 1] (the fraction of tokens a MoD block keeps), got " + shown(mod.capacity));
   require_at_least("model.mod.every", mod.every, 1);
   // Layer l is MoD when l % every == every - 1: a period past the depth leaves no MoD block, and
   // an enabled MoD run would silently train the plain model.
@@ -184,7 +179,7 @@ void validate_optimizer(const OptimizerConfig& o) {
   require_positive("optimizer.params.lr", o.lr);
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1))
     fail("optimizer.params.betas",
-         "each beta must be in [0, 1), got [" + num(o.beta1) + ", " + num(o.beta2) + "]");
+         "each beta must be in [0, 1), got [" + shown(o.beta1) + ", " + shown(o.beta2) + "]");
   require_positive("optimizer.params.eps", o.eps);
   require_non_negative("optimizer.params.weight_decay", o.weight_decay);
 }
@@ -245,8 +240,8 @@ void validate_fp16(const Fp16Config& f) {
   if (f.loss_scale == 0 && f.initial_scale_power < 1024 &&
       f.min_loss_scale > std::ldexp(1.0, f.initial_scale_power))
     fail("fp16.min_loss_scale", "must be <= the initial dynamic scale 2^initial_scale_power = " +
-                                    num(std::ldexp(1.0, f.initial_scale_power)) + ", got " +
-                                    num(f.min_loss_scale));
+                                    shown(std::ldexp(1.0, f.initial_scale_power)) + ", got " +
+                                    shown(f.min_loss_scale));
 }
 
 void validate_zero(const ZeroConfig& z) {
@@ -255,7 +250,7 @@ void validate_zero(const ZeroConfig& z) {
   if (!(z.reduce_bucket_size >= 1) || z.reduce_bucket_size != std::floor(z.reduce_bucket_size) ||
       z.reduce_bucket_size > 9.0e15)
     fail("zero_optimization.reduce_bucket_size",
-         "must be a whole number of elements >= 1 (e.g. 5e8), got " + num(z.reduce_bucket_size));
+         "must be a whole number of elements >= 1 (e.g. 5e8), got " + shown(z.reduce_bucket_size));
   const std::string& dev = z.offload_optimizer.device;
   if (dev == "nvme")
     fail("zero_optimization.offload_optimizer.device",
@@ -336,7 +331,7 @@ void validate_train(const TrainConfig& t) {
   require_non_negative("train.gpu_memory_limit_gib", t.gpu_memory_limit_gib);
   if (t.gpu_memory_limit_gib > 1e6)
     fail("train.gpu_memory_limit_gib",
-         "must be at most 1e6 GiB (0 = no cap), got " + num(t.gpu_memory_limit_gib));
+         "must be at most 1e6 GiB (0 = no cap), got " + shown(t.gpu_memory_limit_gib));
 }
 
 // Features the layout can express but this build cannot run: refused up front, never ignored.

@@ -7,6 +7,12 @@
 
 namespace moe {
 
+std::string shown(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
 void throw_check_failed(const char* cond, const char* file, int line, const std::string& msg) {
   std::ostringstream os;
   os << msg << " (check `" << cond << "` failed at " << file << ":" << line << ")";

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <sstream>
 #include <string>
 
 #include "model/decoder_layers.hpp"
@@ -187,13 +186,6 @@ uint32_t sample_token(const std::vector<double>& logits, double temperature, int
 // ---- generate -----------------------------------------------------------------------------------
 
 namespace {
-
-// A double as a message shows it (0.9, 1e-09), not std::to_string's fixed six decimals.
-std::string shown(double v) {
-  std::ostringstream s;
-  s << v;
-  return s.str();
-}
 
 void check_sample_input(const ModelConfig& c, const std::vector<uint32_t>& prompt,
                         const SampleOptions& opt) {
