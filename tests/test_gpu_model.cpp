@@ -14,6 +14,7 @@
 #include "moe/ops/elementwise.hpp"
 #include "moe/optim.hpp"
 #include "moe/rng.hpp"
+#include "moe/sampler.hpp"
 #include "moe/trainer.hpp"
 
 using namespace moe;
@@ -110,6 +111,34 @@ TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[g
     INFO(p.name << ": max diff " << diff << ", max |grad| " << scale);
     CHECK(diff <= 1e-4 * scale + 1e-9);
   }
+}
+
+// `moe-train sample --device cuda`: the Decoder on a GPU model (f32) against the CPU Decoder on
+// the same weights, token by token, with the MoD predictors' keep decisions (made on the host
+// from each device's logit) the same too.
+TEST_CASE("gpu model: the sampler's Decoder gives the CPU Decoder's logits", "[gpu][sampler]") {
+  ModelConfig m = model_config();
+  m.mod.enabled = GENERATE(false, true);
+  INFO("MoD " << m.mod.enabled);
+  Model cpu_model(m, DType::f32, Device{}, 1, 1), gpu_model(m, DType::f32, gpu0(), 1, 1);
+  cpu_model.init_weights(21);
+  gpu_model.init_weights(21);
+  Decoder on_cpu(cpu_model), on_gpu(gpu_model);
+  const auto ids = tokens(40, m.vocab_size, 8);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const std::vector<double> lc = on_cpu.step(static_cast<uint32_t>(ids[i]));
+    const std::vector<double>& lg = on_gpu.step(static_cast<uint32_t>(ids[i]));
+    double diff = 0, scale = 0;
+    for (size_t v = 0; v < lc.size(); ++v) {
+      diff = std::max(diff, std::fabs(lg[v] - lc[v]));
+      scale = std::max(scale, std::fabs(lc[v]));
+    }
+    INFO("token " << i << ": max diff " << diff << ", max |logit| " << scale);
+    CHECK(diff <= 1e-4 * scale + 1e-6);
+    CHECK(scale > 0);
+  }
+  for (int l = 0; l < m.num_hidden_layers; ++l) CHECK(on_gpu.cached(l) == on_cpu.cached(l));
+  if (m.mod.enabled) CHECK(on_gpu.cached(2) < static_cast<int64_t>(ids.size()));  // some skipped
 }
 
 // After a step's gradients (and after garbage), zero_grads and a backward give the bits of a

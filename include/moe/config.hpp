@@ -190,6 +190,8 @@ Config parse_config(const std::string& json_text, const std::vector<std::string>
 Config load_config(const std::string& path, const std::vector<std::string>& overrides);
 // The fully resolved config (every key with its effective value) as JSON text.
 std::string config_to_json(const Config& c, int indent = 2);
+// train.device's grammar: auto, cpu, cuda or cuda:N (also the --device flags of eval and sample).
+bool is_device_name(const std::string& d);
 nlohmann::json config_to_json_value(const Config& c);
 
 }  // namespace moe

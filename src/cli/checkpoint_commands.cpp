@@ -13,9 +13,11 @@
 
 #include "cli/commands.hpp"
 #include "moe/checkpoint.hpp"
+#include "moe/cuda_runtime.hpp"
 #include "moe/sampler.hpp"
 #include "moe/shards.hpp"
 #include "moe/tokenizer.hpp"
+#include "moe/trainer.hpp"
 
 namespace moe::cli {
 
@@ -29,9 +31,40 @@ std::string resolve_checkpoint(const std::string& path) {
 }
 
 struct EvalFlags {
-  std::string checkpoint, data, logits_out;
+  std::string checkpoint, data, logits_out, device = "auto";
   int batches = 0, batch_size = 0, seq_len = 0;
 };
+
+// Where `eval` and `sample` run a checkpoint, and in which dtype: on a GPU in the dtype the run
+// trained in (bf16 falls back to f32 on a GPU without bf16 arithmetic), on the CPU in f32.
+// `exact`: f32 wherever it runs (--logits-out compares logits with other implementations; the
+// sampler's Decoder reads routing weights and logits on the host as f32).
+// --device's values: train.device's grammar.
+CLI::Validator device_name() {
+  return CLI::Validator(
+      [](std::string& v) {
+        return is_device_name(v) ? std::string() : "must be auto, cpu, cuda or cuda:N";
+      },
+      "DEVICE");
+}
+
+struct RunOn {
+  Device dev;
+  DType dtype;
+};
+RunOn run_on(const std::string& device, const Config& cfg, bool exact) {
+  Device dev;
+  try {
+    dev = resolve_device(device);
+  } catch (const ConfigError& e) {  // it speaks of train.device: here the flag is meant
+    const std::string what = e.what();
+    throw InputError("--device " + what.substr(e.path.empty() ? 0 : e.path.size() + 2));
+  }
+  if (dev.type != DeviceType::cuda || exact) return {dev, DType::f32};
+  const DType wanted = requested_compute_dtype(cfg);
+  if (wanted == DType::bf16 && gpu::device_info(dev.index).major < 8) return {dev, DType::f32};
+  return {dev, wanted};
+}
 
 // The first batch's logits as raw little-endian float32 [B*T, V], for comparisons with other
 // implementations (scripts/check_hf_export.py).
@@ -53,12 +86,13 @@ void run_eval(const EvalFlags& f) {
     throw InputError("--seq-len " + std::to_string(t) + " exceeds the model's " +
                      "max_position_embeddings " +
                      std::to_string(cfg.model.max_position_embeddings));
-  Model model(cfg.model, DType::f32, Device{}, b, t);
+  const RunOn on = run_on(f.device, cfg, !f.logits_out.empty());
+  Model model(cfg.model, on.dtype, on.dev, b, t);
   load_checkpoint_weights(dir, model);
   SequentialReader reader(expand_glob(f.data), t, b);
   const size_t n = static_cast<size_t>(b) * t;
   std::vector<int32_t> ids(n), targets(n);
-  Ctx ctx;
+  Ctx ctx = make_ctx(on.dev);
   double sum = 0;
   int done = 0;
   while ((f.batches <= 0 || done < f.batches) && reader.next(ids.data(), targets.data())) {
@@ -79,14 +113,14 @@ void run_eval(const EvalFlags& f) {
     throw InputError(f.data + ": fewer than batch_size * seq_len + 1 = " + std::to_string(n + 1) +
                      " tokens; nothing to evaluate");
   const double loss = sum / done;
-  nlohmann::json j = {{"loss", loss},    {"ppl", std::exp(loss)}, {"tokens", done * n},
-                      {"batches", done}, {"checkpoint", dir},     {"batch_size", b},
-                      {"seq_len", t}};
+  nlohmann::json j = {{"loss", loss},    {"ppl", std::exp(loss)},  {"tokens", done * n},
+                      {"batches", done}, {"checkpoint", dir},      {"batch_size", b},
+                      {"seq_len", t},    {"device", on.dev.str()}, {"dtype", dtype_name(on.dtype)}};
   std::cout << j.dump() << std::endl;
 }
 
 struct SampleFlags {
-  std::string checkpoint, prompt, prompt_ids;
+  std::string checkpoint, prompt, prompt_ids, device = "auto";
   bool ids_given = false;  // --prompt-ids was passed (an empty list is then an empty prompt)
   SampleOptions opt;
 };
@@ -112,7 +146,8 @@ std::vector<uint32_t> parse_ids(const std::string& text) {
 void run_sample(SampleFlags f) {
   const std::string dir = resolve_checkpoint(f.checkpoint);
   Config cfg = load_checkpoint_config(dir);
-  Model model(cfg.model, DType::f32, Device{}, 1, 1);
+  const RunOn on = run_on(f.device, cfg, /*exact=*/true);
+  Model model(cfg.model, on.dtype, on.dev, 1, 1);
   load_checkpoint_weights(dir, model);
   std::unique_ptr<Tokenizer> tok;
   if (has_tokenizer(dir)) tok = load_tokenizer(dir);
@@ -155,7 +190,10 @@ void add_eval_command(CLI::App& app) {
   cmd->add_option("--seq-len", f->seq_len, "tokens per row (default: the training seq_len)")
       ->check(CLI::Range(1, INT_MAX));
   cmd->add_option("--logits-out", f->logits_out,
-                  "write the first batch's logits (float32 [B*T, V]) to this file");
+                  "write the first batch's logits (float32 [B*T, V]) to this file (runs in f32)");
+  cmd->add_option("--device", f->device,
+                  "cpu, cuda[:N] or auto (default: a GPU when there is one, in the run's dtype)")
+      ->check(device_name());
   register_runner("eval", [f] { run_eval(*f); });
 }
 
@@ -179,6 +217,9 @@ void add_sample_command(CLI::App& app) {
                   "= all)")
       ->check(finite_range(0.0, 1.0));
   cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
+  cmd->add_option("--device", f->device,
+                  "cpu, cuda[:N] or auto (default: a GPU when there is one, in the run's dtype)")
+      ->check(device_name());
   cmd->callback([f, text, ids] {
     if (text->count() == 0 && ids->count() == 0)
       throw CLI::RequiredError("--prompt or --prompt-ids");

@@ -393,3 +393,11 @@ void validate_and_resolve(Config& c) {
 }
 
 }  // namespace moe::config_internal
+
+namespace moe {
+
+bool is_device_name(const std::string& d) {
+  return config_internal::is_device_name(d);
+}
+
+}  // namespace moe

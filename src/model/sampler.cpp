@@ -25,7 +25,7 @@ namespace moe {
 // ---- Decoder ------------------------------------------------------------------------------------
 
 Decoder::Decoder(const Model& model)
-    : model_(model), ctx_{model.params().device}, acts_(model.params().device) {
+    : model_(model), ctx_(make_ctx(model.params().device)), acts_(model.params().device) {
   MOE_CHECK(model.params().data != nullptr,
             "Decoder: the model was planned without allocating its parameters");
   const ModelConfig& c = model.config();
