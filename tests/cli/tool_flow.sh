@@ -47,10 +47,31 @@ out=$("$bin" eval --checkpoint "$run" --data "$tmp/byte/val_*.bin" --batches 2 -
 /usr/bin/python3 -c "import json,sys; j=json.loads(sys.argv[1]); assert j['tokens']==128 and j['loss']>0 and abs(j['ppl']-__import__('math').exp(j['loss']))<1e-6*j['ppl']" "$out" ||
   fail "eval output: $out"
 
+# --device: the CPU runs in f32 (and is what auto picks without a GPU: then the same loss); a
+# name outside train.device's grammar, or a GPU that is not there, exits 2 naming the flag
+eauto=$out
+ecpu=$("$bin" eval --checkpoint "$run" --data "$tmp/byte/val_*.bin" --batches 2 --batch-size 2 \
+  --seq-len 32 --device cpu) || fail "eval --device cpu: $ecpu"
+/usr/bin/python3 -c "
+import json, sys
+auto, cpu = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+assert cpu['device'] == 'cpu' and cpu['dtype'] == 'f32', cpu
+assert auto['device'] != 'cpu' or auto['loss'] == cpu['loss'], (auto, cpu)" "$eauto" "$ecpu" ||
+  fail "eval --device cpu: $ecpu (auto: $eauto)"
+out=$("$bin" eval --checkpoint "$run" --data "$tmp/byte/val_*.bin" --device cuda:63 2>&1)
+[ $? -eq 2 ] && grep -q -- "--device" <<<"$out" || fail "eval --device cuda:63: $out"
+out=$("$bin" sample --checkpoint "$run" --prompt "The " --device gpu 2>&1)
+[ $? -eq 2 ] && grep -q -- "--device" <<<"$out" || fail "sample --device gpu: $out"
+
 # sampling is deterministic for a seed
 s1=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --seed 5) || fail "sample: $s1"
 s2=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --seed 5) || fail "sample: $s2"
 [ "$s1" = "$s2" ] || fail "same seed, different text: '$s1' vs '$s2'"
+s4=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --seed 5 --device cpu) ||
+  fail "sample --device cpu: $s4"
+if grep -q '"device":"cpu"' <<<"$eauto"; then  # auto sampled on the CPU too
+  [ "$s4" = "$s1" ] || fail "sample --device cpu: '$s4', auto: '$s1'"
+fi
 s3=$("$bin" sample --checkpoint "$run" --prompt "The " --max-new-tokens 20 --top-k 40 --top-p 0.9 \
   --temperature 0.8 --seed 5) || fail "sample --top-p: $s3"
 [ -n "$s3" ] || fail "sample --top-p printed nothing"
