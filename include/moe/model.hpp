@@ -332,11 +332,11 @@ class Model {
   std::vector<Tensor> stream_;    // L+1 tensors [N, d]: input of each layer, then the output
   Tensor dstream_a_, dstream_b_;  // [N, d] gradient ping-pong
   Tensor xf_, rstdf_, logits_, losses_, lse_;  // final norm, [N, V] logits, per-token losses
-  Tensor stats_;                               // f64 [4] device sums: lm, aux, z, mod_pred
-  Tensor loads_;                               // [MoE layers, E] step loads (LayerEnv::loads)
-  std::vector<double> host_loads_;             // reused by read_stats (no allocation per step)
-  std::vector<float> host_loads_f32_;          // the same for loads in f32
-  struct Staging;                              // page-locked upload slots (GPU only)
+  Tensor stats_;  // f64 [kStats] device sums: lm, aux, z, mod_pred, the step flags
+  Tensor loads_;  // [MoE layers, E] step loads (LayerEnv::loads)
+  std::vector<double> host_loads_;     // reused by read_stats (no allocation per step)
+  std::vector<float> host_loads_f32_;  // the same for loads in f32
+  struct Staging;                      // page-locked upload slots (GPU only)
   std::unique_ptr<Staging> staging_;
 };
 

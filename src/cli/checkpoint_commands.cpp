@@ -66,6 +66,24 @@ RunOn run_on(const std::string& device, const Config& cfg, bool exact) {
   return {dev, wanted};
 }
 
+// The checkpoint's model for B rows of T tokens where `on` says. The model is built whole
+// (gradients and the master copy too): a GPU without room for it is told apart, with the way out.
+std::unique_ptr<Model> make_model(const Config& cfg, const RunOn& on, int b, int t,
+                                  const char* command) {
+  try {
+    return std::make_unique<Model>(cfg.model, on.dtype, on.dev, b, t);
+  } catch (const InputError&) {
+    throw;
+  } catch (const ConfigError&) {
+    throw;
+  } catch (const std::runtime_error& e) {
+    if (on.dev.type != DeviceType::cuda) throw;
+    throw std::runtime_error(std::string(e.what()) + "; " + command + " builds the model on " +
+                             on.dev.str() + ": pass --device cpu to run it on the CPU" +
+                             (b * t > 1 ? ", or a smaller --batch-size or --seq-len" : ""));
+  }
+}
+
 // The first batch's logits as raw little-endian float32 [B*T, V], for comparisons with other
 // implementations (scripts/check_hf_export.py).
 void write_logits(const std::string& path, Tensor logits) {
@@ -87,7 +105,8 @@ void run_eval(const EvalFlags& f) {
                      "max_position_embeddings " +
                      std::to_string(cfg.model.max_position_embeddings));
   const RunOn on = run_on(f.device, cfg, !f.logits_out.empty());
-  Model model(cfg.model, on.dtype, on.dev, b, t);
+  const std::unique_ptr<Model> owner = make_model(cfg, on, b, t, "eval");
+  Model& model = *owner;
   load_checkpoint_weights(dir, model);
   SequentialReader reader(expand_glob(f.data), t, b);
   const size_t n = static_cast<size_t>(b) * t;
@@ -147,8 +166,9 @@ void run_sample(SampleFlags f) {
   const std::string dir = resolve_checkpoint(f.checkpoint);
   Config cfg = load_checkpoint_config(dir);
   const RunOn on = run_on(f.device, cfg, /*exact=*/true);
-  Model model(cfg.model, on.dtype, on.dev, 1, 1);
-  load_checkpoint_weights(dir, model);
+  const std::unique_ptr<Model> owner = make_model(cfg, on, 1, 1, "sample");
+  const Model& model = *owner;
+  load_checkpoint_weights(dir, *owner);
   std::unique_ptr<Tokenizer> tok;
   if (has_tokenizer(dir)) tok = load_tokenizer(dir);
   std::vector<uint32_t> prompt;
@@ -218,7 +238,7 @@ void add_sample_command(CLI::App& app) {
       ->check(finite_range(0.0, 1.0));
   cmd->add_option("--seed", f->opt.seed, "random seed (the same seed gives the same text)");
   cmd->add_option("--device", f->device,
-                  "cpu, cuda[:N] or auto (default: a GPU when there is one, in the run's dtype)")
+                  "cpu, cuda[:N] or auto (default: a GPU when there is one; f32 on either)")
       ->check(device_name());
   cmd->callback([f, text, ids] {
     if (text->count() == 0 && ids->count() == 0)

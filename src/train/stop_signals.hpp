@@ -9,7 +9,9 @@
 // With several ranks every rank must stop after the same step (the save is collective), but a
 // signal reaches the ranks at different times, or only some of them: each rank raises its step
 // flag (Model::raise_step_flag), which the step's all-reduce of the losses sums across ranks (no
-// collective of its own), and agreed() reads the sums, the same on every rank.
+// collective of its own), and agreed() reads the sums, the same on every rank. So with several
+// ranks a signal that comes after the step's flags were raised (during its update, evaluation or
+// save) stops the run one step later than with one rank.
 #pragma once
 #include <csignal>
 
