@@ -8,6 +8,7 @@
 //              the expert's weight slice) instead of permute -> grouped matmuls -> combine;
 //   MoD        the causal predictor, not the top-C of the sequence, picks the kept tokens,
 //              because the scores of future tokens are unknown while sampling.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -35,22 +36,18 @@ Tensor expert_slice(Tensor stack, int64_t e) {
   return stack.rows(e, e + 1).view({stack.size(1), stack.size(2)});
 }
 
-// A small float tensor's values on the host as doubles (router pick weights, predictor logit),
-// element by element so that no per-token host buffer is needed.
+// A small float tensor's values on the host as doubles (router pick weights, predictor logit), in
+// one copy (on a GPU each copy waits for the device).
 void read_floats(Tensor t, std::vector<double>& out) {
   MOE_CHECK(t.dtype == DType::f32 || t.dtype == DType::f64,
             "decoder: float tensor expected, got " + std::string(dtype_name(t.dtype)));
-  const int64_t n = t.numel();
-  out.resize(static_cast<size_t>(n));
-  const Tensor flat = t.view({n});
-  for (int64_t i = 0; i < n; ++i) {
-    if (t.dtype == DType::f64) {
-      copy_to_host(&out[i], flat.rows(i, i + 1));
-    } else {
-      float v;
-      copy_to_host(&v, flat.rows(i, i + 1));
-      out[i] = v;
-    }
+  out.resize(static_cast<size_t>(t.numel()));
+  if (t.dtype == DType::f64) {
+    copy_to_host(out.data(), t);
+  } else {
+    std::vector<float> values(out.size());
+    copy_to_host(values.data(), t);
+    std::copy(values.begin(), values.end(), out.begin());
   }
 }
 
