@@ -113,6 +113,27 @@ TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[g
   }
 }
 
+// `moe-train eval --device cuda`: a forward-only bf16 model (no gradient buffer, forward
+// scratch) gives the whole model's losses.
+TEST_CASE("gpu model: a forward-only bf16 model gives the whole model's losses", "[gpu][model]") {
+  const ModelConfig m = model_config();
+  const int b = 2, t = 32;
+  MemoryPlan forward_only;
+  forward_only.forward_only = true;
+  Model full(m, DType::bf16, gpu0(), b, t), eval(m, DType::bf16, gpu0(), b, t, true, forward_only);
+  full.init_weights(13);
+  eval.init_weights(13);
+  CHECK(eval.grad_bytes() == 0);
+  Ctx gpu = gpu_ctx();
+  const auto ids = tokens(b * t, m.vocab_size, 4), tg = tokens(b * t, m.vocab_size, 5);
+  const Losses lf = full.forward(gpu, ids.data(), tg.data());
+  const Losses le = eval.forward(gpu, ids.data(), tg.data());
+  CHECK(le.lm == Approx(lf.lm).epsilon(1e-6));
+  CHECK(le.aux == Approx(lf.aux).epsilon(1e-6));
+  CHECK(le.mod_pred == Approx(lf.mod_pred).epsilon(1e-6));
+  CHECK(eval.routing().expert_load == full.routing().expert_load);
+}
+
 // `moe-train sample --device cuda`: the Decoder on a GPU model (f32) against the CPU Decoder on
 // the same weights, token by token, with the MoD predictors' keep decisions (made on the host
 // from each device's logit) the same too.

@@ -225,6 +225,33 @@ TEST_CASE("model: the step statistics hold each MoE layer's loads and the raised
   CHECK(next.lm == Approx(raised.lm).epsilon(1e-12));
 }
 
+TEST_CASE("model: a forward-only model computes the same losses without a gradient buffer",
+          "[model]") {
+  const ModelConfig m = gradcheck_config();
+  const int b = 2, t = 8;
+  MemoryPlan forward_only;
+  forward_only.forward_only = true;
+  Model full(m, DType::f32, Device{}, b, t),
+      eval(m, DType::f32, Device{}, b, t, true, forward_only);
+  full.init_weights(7);
+  eval.init_weights(7);
+  CHECK(eval.grad_bytes() == 0);
+  CHECK(full.grad_bytes() > 0);
+  CHECK(eval.weight_bytes() + full.grad_bytes() == full.weight_bytes());
+  CHECK(eval.scratch_bytes() <= full.scratch_bytes());
+  CHECK(eval.grads().empty());
+  Ctx ctx;
+  const TokenBatch data = random_tokens(b * t, m.vocab_size, 3);
+  const Losses lf = full.forward(ctx, data.ids.data(), data.targets.data());
+  const Losses le = eval.forward(ctx, data.ids.data(), data.targets.data());
+  CHECK(le.lm == lf.lm);
+  CHECK(le.aux == lf.aux);
+  CHECK(le.mod_pred == lf.mod_pred);
+  CHECK(eval.routing().expert_load == full.routing().expert_load);
+  CHECK_THROWS_AS(eval.zero_grads(ctx), InternalError);
+  CHECK_THROWS_AS(eval.queue_forward_backward(ctx, 1.0), InternalError);
+}
+
 TEST_CASE("a tiny model overfits one fixed batch", "[model][train]") {
   ModelConfig m = gradcheck_config();
   m.vocab_size = 16;

@@ -109,6 +109,7 @@ struct MemoryPlan {
   int64_t head_chunk_tokens = 0;  // 0: the whole micro-batch
   bool split_master = false;
   bool bf16_expert_grads = false;
+  bool forward_only = false;
 };
 inline MemoryPlan memory_plan_of(const TrainConfig& t) {
   return {t.recompute_layers,      t.recompute_expert_inputs,
@@ -145,6 +146,8 @@ class Model {
   // memory.bf16_expert_grads (a split master): the expert stacks' gradients (stack > 1) are bf16,
   // the rest f32, in one buffer in layout order (grad_bytes()); grads() is then not available,
   // grad_spans() gives the runs of one dtype and grad(p) each parameter's.
+  // memory.forward_only (eval, sample): no gradient buffer and scratch for the forward alone;
+  // grads() is then empty and the backward refused.
   // `sharding` (ZeRO stage 3): params() and grads() hold this rank's chunks only (the partition's
   // local layout); param() / grad() / work() are views of a unit's gathered copy, valid while
   // the model runs that unit; weights are written with init_weights or through the partition.

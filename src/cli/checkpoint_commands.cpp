@@ -66,12 +66,14 @@ RunOn run_on(const std::string& device, const Config& cfg, bool exact) {
   return {dev, wanted};
 }
 
-// The checkpoint's model for B rows of T tokens where `on` says. The model is built whole
-// (gradients and the master copy too): a GPU without room for it is told apart, with the way out.
+// The checkpoint's model for B rows of T tokens where `on` says, forward-only (no gradient
+// buffer): a GPU without room for it is told apart, with the way out.
 std::unique_ptr<Model> make_model(const Config& cfg, const RunOn& on, int b, int t,
                                   const char* command) {
   try {
-    return std::make_unique<Model>(cfg.model, on.dtype, on.dev, b, t);
+    MemoryPlan forward_only;
+    forward_only.forward_only = true;  // no gradients to keep
+    return std::make_unique<Model>(cfg.model, on.dtype, on.dev, b, t, true, forward_only);
   } catch (const InputError&) {
     throw;
   } catch (const ConfigError&) {

@@ -86,9 +86,11 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
                 dtype_name(compute_) + (sharding != nullptr ? ", ZeRO-3" : ""));
   MOE_CHECK(!memory_.bf16_expert_grads || memory_.split_master,
             "Model: bf16 expert gradients need a split master");
+  MOE_CHECK(!memory_.forward_only || sharding == nullptr,
+            "Model: a forward-only model is not sharded");
   for (const ParamInfo& p : table_.params) {
     grad_at_.push_back(grad_total_bytes_);
-    grad_total_bytes_ += p.numel() * dtype_size(grad_dtype(p));
+    if (!memory_.forward_only) grad_total_bytes_ += p.numel() * dtype_size(grad_dtype(p));
   }
   if (sharding != nullptr) {
     MOE_CHECK(sharding->partition != nullptr, "Model: sharding without a partition");
@@ -122,12 +124,12 @@ Model::Model(const ModelConfig& cfg, DType compute, Device dev, int batch, int s
   plan();  // measure
   Ctx dry{dev, nullptr, nullptr, true};
   if (!allocate) {
-    run_layers(dry, true, 1.0);  // measure scratch
+    run_layers(dry, !memory_.forward_only, 1.0);  // measure scratch
     return;
   }
   acts_.allocate();
-  plan();                      // place
-  run_layers(dry, true, 1.0);  // measure scratch (forward and backward)
+  plan();                                       // place
+  run_layers(dry, !memory_.forward_only, 1.0);  // measure scratch (forward and backward)
   scratch_.allocate();
   if (dev.type == DeviceType::cuda)
     staging_ = std::make_unique<Staging>(static_cast<size_t>(batch) * seq_len);
@@ -213,6 +215,7 @@ Tensor Model::grads() const {
   MOE_CHECK(!memory_.bf16_expert_grads,
             "Model::grads: the gradients are f32 and bf16 (train.bf16_expert_grads); use "
             "grad_spans");
+  if (memory_.forward_only) return Tensor();
   return grad_buf_.as(param_dtype_, {static_cast<int64_t>(table_.total)});
 }
 
@@ -233,9 +236,9 @@ std::vector<Model::GradSpan> Model::grad_spans(size_t begin, size_t end) const {
       g = Tensor(g.data, dt, dev_, {g.numel() + static_cast<int64_t>(e - b)});
       continue;
     }
-    char* at = allocated_ ? static_cast<char*>(grad_buf_.data()) + grad_at_[i] +
-                                (b - p.offset) * dtype_size(dt)
-                          : nullptr;
+    char* at = grad_buf_.data() != nullptr ? static_cast<char*>(grad_buf_.data()) + grad_at_[i] +
+                                                 (b - p.offset) * dtype_size(dt)
+                                           : nullptr;
     spans.push_back({b, Tensor(at, dt, dev_, {static_cast<int64_t>(e - b)})});
   }
   return spans;
@@ -273,7 +276,8 @@ Tensor Model::grad(const ParamInfo& p) const {
   MOE_CHECK(at != table_.params.end() && at->offset == p.offset && at->numel() == p.numel(),
             "Model::grad: " + p.name + " is not a parameter of this model's layout");
   const size_t index = static_cast<size_t>(at - table_.params.begin());
-  void* data = allocated_ ? static_cast<char*>(grad_buf_.data()) + grad_at_[index] : nullptr;
+  void* data = grad_buf_.data() != nullptr ? static_cast<char*>(grad_buf_.data()) + grad_at_[index]
+                                           : nullptr;
   return p.view(data, grad_dtype(p), dev_);
 }
 Tensor Model::work(const ParamInfo& p) const {
@@ -283,6 +287,7 @@ Tensor Model::work(const ParamInfo& p) const {
 }
 
 void Model::zero_grads(Ctx& ctx, bool experts_by_backward) {
+  MOE_CHECK(!memory_.forward_only, "Model::zero_grads: the model is forward-only");
   experts_overwrite_ = false;
   if (sharded_ && sharded_->offloaded()) {
     // Host chunks: the step's first backward overwrites them (no pass over host memory here).
@@ -435,7 +440,7 @@ void Model::init_weights(uint64_t seed) {
                                      : static_cast<const void*>(f64[i - first].data()));
     first = last;
   }
-  zero_grads(ctx);
+  if (!memory_.forward_only) zero_grads(ctx);
   weights_changed(ctx);
 }
 
@@ -533,6 +538,7 @@ void Model::upload_batch(Ctx& ctx, const int32_t* ids, const int32_t* targets) {
 }
 
 void Model::queue_forward_backward(Ctx& ctx, double grad_scale, const GradientReady& ready) {
+  MOE_CHECK(!memory_.forward_only, "Model::queue_forward_backward: the model is forward-only");
   run_layers(ctx, true, grad_scale, ready);
   ++micro_batches_;
 }
