@@ -114,7 +114,7 @@ TEST_CASE("gpu model: forward losses and all gradients match the CPU model", "[g
 }
 
 // `moe-train eval --device cuda`: a forward-only bf16 model (no gradient buffer, forward
-// scratch) gives the whole model's losses.
+// scratch) gives the whole model's losses; the step statistics' flags and loads on the GPU.
 TEST_CASE("gpu model: a forward-only bf16 model gives the whole model's losses", "[gpu][model]") {
   const ModelConfig m = model_config();
   const int b = 2, t = 32;
@@ -132,6 +132,26 @@ TEST_CASE("gpu model: a forward-only bf16 model gives the whole model's losses",
   CHECK(le.aux == Approx(lf.aux).epsilon(1e-6));
   CHECK(le.mod_pred == Approx(lf.mod_pred).epsilon(1e-6));
   CHECK(eval.routing().expert_load == full.routing().expert_load);
+  // The step statistics on the GPU: a raised step flag reads back once; each MoE layer's loads
+  // (one [MoE layers, E] tensor) count its routed slots (the MoD block at layer 5 keeps half).
+  full.reset_stats(gpu);
+  full.upload_batch(gpu, ids.data(), tg.data());
+  full.queue_forward(gpu);
+  full.raise_step_flag(gpu, 1);
+  const Losses flagged = full.read_stats(gpu);
+  CHECK(flagged.flags[0] == 0);
+  CHECK(flagged.flags[1] == 1);
+  CHECK(flagged.flags[2] == 0);
+  CHECK(flagged.lm == Approx(lf.lm).epsilon(1e-6));
+  const auto& loads = full.routing().expert_load;
+  REQUIRE(loads.size() == 3);
+  const double k = m.num_experts_per_tok;
+  const double slots[3] = {b * t * k, b * t * k, b * (t / 2) * k};
+  for (size_t i = 0; i < loads.size(); ++i) {
+    double sum = 0;
+    for (double v : loads[i]) sum += v;
+    CHECK(sum == slots[i]);
+  }
 }
 
 // `moe-train sample --device cuda`: the Decoder on a GPU model (f32) against the CPU Decoder on
