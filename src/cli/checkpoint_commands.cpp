@@ -13,7 +13,6 @@
 
 #include "cli/commands.hpp"
 #include "moe/checkpoint.hpp"
-#include "moe/cuda_runtime.hpp"
 #include "moe/sampler.hpp"
 #include "moe/shards.hpp"
 #include "moe/tokenizer.hpp"
@@ -61,9 +60,11 @@ RunOn run_on(const std::string& device, const Config& cfg, bool exact) {
     throw InputError("--device " + what.substr(e.path.empty() ? 0 : e.path.size() + 2));
   }
   if (dev.type != DeviceType::cuda || exact) return {dev, DType::f32};
-  const DType wanted = requested_compute_dtype(cfg);
-  if (wanted == DType::bf16 && gpu::device_info(dev.index).major < 8) return {dev, DType::f32};
-  return {dev, wanted};
+  try {
+    return {dev, compute_dtype(cfg, dev)};
+  } catch (const ConfigError&) {  // bf16 on a GPU without bf16 arithmetic
+    return {dev, DType::f32};
+  }
 }
 
 // The checkpoint's model for B rows of T tokens where `on` says, forward-only (no gradient
